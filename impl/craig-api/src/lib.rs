@@ -1,0 +1,24 @@
+//! `craig-api`: the HTTP half of ADR-022.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`auth`] | bearer tokens (ADR-021 audiences, referenced by ADR-022 §D4) |
+//!
+//! The §D5 idempotency middleware and the §D4 admin replay router land here next
+//! (`idempotency/{mod,layer,service,store}.rs`, `replay.rs`).
+//!
+//! Every error leaves as a JSON response `{"error": "..."}` with a typed status: the
+//! connection is never dropped unanswered.
+
+pub mod auth;
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+
+pub use auth::{AuthError, Bearer, Claims, JwtKey};
+
+/// `{"error": message}` with `status`.
+pub fn error_response(status: StatusCode, message: &str) -> Response {
+    (status, Json(serde_json::json!({ "error": message }))).into_response()
+}

@@ -1,0 +1,115 @@
+//! Compat modes (CONTRACT § Compat modes): each reproduces the behaviour an ADR-022
+//! amendment removed, so the harness can show a checker going red and a mixed fleet
+//! behaving as the ADR says. A mode that is named by the contract but not built yet is
+//! refused at start-up, never silently ignored.
+
+use std::fmt;
+use std::str::FromStr;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Compat {
+    /// §D1 context item 1: publish after commit, warn on failure.
+    PreD1,
+    /// §D2 context item 2: no inbox; every delivery runs the handler.
+    PreD2,
+    /// §D3 context item 3: consumer queues declared without DLX arguments.
+    PreD3,
+    PreD5,
+    Pre965,
+    Pre1128,
+    Pre1156,
+    Pre1179,
+    Pre1181,
+    Pre1183,
+    Pre1184,
+    Pre1185,
+    Pre1196,
+    Pre1197,
+}
+
+const NAMES: &[(&str, Compat)] = &[
+    ("pre-d1", Compat::PreD1),
+    ("pre-d2", Compat::PreD2),
+    ("pre-d3", Compat::PreD3),
+    ("pre-d5", Compat::PreD5),
+    ("pre-965", Compat::Pre965),
+    ("pre-1128", Compat::Pre1128),
+    ("pre-1156", Compat::Pre1156),
+    ("pre-1179", Compat::Pre1179),
+    ("pre-1181", Compat::Pre1181),
+    ("pre-1183", Compat::Pre1183),
+    ("pre-1184", Compat::Pre1184),
+    ("pre-1185", Compat::Pre1185),
+    ("pre-1196", Compat::Pre1196),
+    ("pre-1197", Compat::Pre1197),
+];
+
+impl Compat {
+    pub fn name(self) -> &'static str {
+        NAMES.iter().find(|(_, c)| *c == self).map(|(n, _)| *n).expect("every mode is named")
+    }
+
+    /// Whether this build implements the mode.
+    pub fn implemented(self) -> bool {
+        matches!(self, Compat::PreD2 | Compat::PreD3)
+    }
+}
+
+impl fmt::Display for Compat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum CompatError {
+    #[error("unknown compat mode {0:?}; known: {known}", known = known_names())]
+    Unknown(String),
+    #[error("compat mode {0} is in the contract but not implemented in this build yet")]
+    NotImplemented(Compat),
+}
+
+fn known_names() -> String {
+    NAMES.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+}
+
+impl FromStr for Compat {
+    type Err = CompatError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mode = NAMES
+            .iter()
+            .find(|(n, _)| *n == s)
+            .map(|(_, c)| *c)
+            .ok_or_else(|| CompatError::Unknown(s.to_owned()))?;
+        if mode.implemented() { Ok(mode) } else { Err(CompatError::NotImplemented(mode)) }
+    }
+}
+
+/// The set of modes a node runs with.
+#[derive(Debug, Clone, Default)]
+pub struct CompatSet(Vec<Compat>);
+
+impl CompatSet {
+    pub fn new(modes: impl IntoIterator<Item = Compat>) -> Self {
+        Self(modes.into_iter().collect())
+    }
+    pub fn has(&self, mode: Compat) -> bool {
+        self.0.contains(&mode)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_implemented_refuses_the_rest() {
+        assert_eq!("pre-d2".parse::<Compat>(), Ok(Compat::PreD2));
+        assert_eq!("pre-1128".parse::<Compat>(), Err(CompatError::NotImplemented(Compat::Pre1128)));
+        let err = "pre-9999".parse::<Compat>().unwrap_err();
+        assert!(err.to_string().contains("pre-1197"), "{err}");
+        for (name, mode) in NAMES {
+            assert_eq!(mode.name(), *name);
+        }
+    }
+}

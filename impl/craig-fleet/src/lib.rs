@@ -1,0 +1,11 @@
+//! `craig-fleet`: the four demo services of CONTRACT § fleet, built on `craig-mq` and
+//! `craig-api`, and the `craig-node` binary that runs one of them.
+
+pub mod cases;
+pub mod compat;
+pub mod node;
+pub mod rules;
+pub mod service;
+
+pub use compat::{Compat, CompatSet};
+pub use service::Service;

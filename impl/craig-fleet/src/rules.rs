@@ -1,0 +1,79 @@
+//! The rules service's consumer: `case.referral_created` → one `rule_evaluations` row and a
+//! staged `rule.evaluated`, in one transaction, behind the §D2 inbox.
+//!
+//! `rule_evaluations` has NO unique key on purpose: the inbox is the only thing between a
+//! redelivery and a second row, which is what the harness's `effect_once` checker counts.
+//! Under compat `pre-d2` the inbox is bypassed.
+
+use craig_mq::subscriber::HandlerError;
+use craig_mq::{EventEnvelope, InboxError, handle_idempotently, publish_in_tx};
+use serde_json::json;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+pub const RULE_EVALUATED: &str = "rule.evaluated";
+
+/// Handle one delivery on `queue`; `use_inbox = false` is compat `pre-d2`.
+pub async fn on_referral_created(pool: &PgPool, queue: &str, envelope: EventEnvelope, use_inbox: bool) -> Result<(), HandlerError> {
+    if !use_inbox {
+        return evaluate(pool, envelope).await.map_err(classify);
+    }
+    match handle_idempotently(pool, &envelope, queue, |env| evaluate(pool, env)).await {
+        Ok(_) => Ok(()),
+        Err(InboxError::Db(e)) | Err(InboxError::Handler { source: EvalError::Db(e), .. }) => Err(classify_db(e)),
+        Err(InboxError::Handler { source: EvalError::Payload(why), .. }) => Err(HandlerError::Permanent(why)),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EvalError {
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error("payload: {0}")]
+    Payload(String),
+}
+
+fn classify(e: EvalError) -> HandlerError {
+    match e {
+        EvalError::Db(e) => classify_db(e),
+        EvalError::Payload(why) => HandlerError::Permanent(why),
+    }
+}
+
+fn classify_db(e: sqlx::Error) -> HandlerError {
+    // Constraint violations will not heal by retrying; everything else (I/O, pool timeout,
+    // a restarting server) may.
+    match &e {
+        sqlx::Error::Database(db) if db.constraint().is_some() => HandlerError::Permanent(e.to_string()),
+        _ => HandlerError::Transient(e.to_string()),
+    }
+}
+
+async fn evaluate(pool: &PgPool, envelope: EventEnvelope) -> Result<(), EvalError> {
+    let referral_id = envelope
+        .payload
+        .get("referral_id")
+        .and_then(|v| v.as_str())
+        .and_then(|s| s.parse::<Uuid>().ok())
+        .ok_or_else(|| EvalError::Payload(format!("envelope {} has no referral_id", envelope.id)))?;
+    let subject_len = envelope.payload.get("subject").and_then(|v| v.as_str()).map_or(0, str::len);
+    let outcome = if subject_len > 200 { "flag" } else { "pass" };
+    let evaluated = EventEnvelope::new(
+        RULE_EVALUATED,
+        "rules",
+        Some(referral_id),
+        json!({ "referral_id": referral_id, "source_envelope": envelope.id, "rule": "referral-basic", "outcome": outcome }),
+    )
+    .expect("static event type and service name are valid");
+    let mut tx = pool.begin().await?;
+    sqlx::query("INSERT INTO rule_evaluations (envelope_id, referral_id, rule, outcome) VALUES ($1, $2, $3, $4)")
+        .bind(envelope.id)
+        .bind(referral_id)
+        .bind("referral-basic")
+        .bind(outcome)
+        .execute(&mut *tx)
+        .await?;
+    publish_in_tx(&mut tx, &evaluated).await?;
+    tx.commit().await?;
+    Ok(())
+}

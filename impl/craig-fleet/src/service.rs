@@ -1,0 +1,74 @@
+//! The four demo services (CONTRACT § fleet) and what each declares, consumes and migrates.
+
+use std::fmt;
+use std::str::FromStr;
+
+use sqlx::migrate::Migrator;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Service {
+    Cases,
+    Financial,
+    Rules,
+    Security,
+}
+
+pub const ALL: [Service; 4] = [Service::Cases, Service::Financial, Service::Rules, Service::Security];
+
+static CASES: Migrator = sqlx::migrate!("../../migrations/cases");
+static FINANCIAL: Migrator = sqlx::migrate!("../../migrations/financial");
+static RULES: Migrator = sqlx::migrate!("../../migrations/rules");
+static SECURITY: Migrator = sqlx::migrate!("../../migrations/security");
+
+impl Service {
+    pub fn name(self) -> &'static str {
+        match self {
+            Service::Cases => "cases",
+            Service::Financial => "financial",
+            Service::Rules => "rules",
+            Service::Security => "security",
+        }
+    }
+
+    /// `migrations/<service>/`, embedded at build time.
+    pub fn migrator(self) -> &'static Migrator {
+        match self {
+            Service::Cases => &CASES,
+            Service::Financial => &FINANCIAL,
+            Service::Rules => &RULES,
+            Service::Security => &SECURITY,
+        }
+    }
+
+    /// Routing keys this service's consumer queue binds on `craig.events`.
+    pub fn consumes(self) -> &'static [&'static str] {
+        match self {
+            Service::Rules => &["case.referral_created"],
+            // financial (placement.activated) and security (#, DLQ) consumers arrive with
+            // the arbiter and DLQ work.
+            Service::Cases | Service::Financial | Service::Security => &[],
+        }
+    }
+
+    /// The `aud` value a bearer token needs for this service's routes.
+    pub fn audience(self) -> String {
+        format!("craig-{}", self.name())
+    }
+}
+
+impl fmt::Display for Service {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("unknown service {0:?}; expected one of cases, financial, rules, security")]
+pub struct UnknownService(String);
+
+impl FromStr for Service {
+    type Err = UnknownService;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ALL.into_iter().find(|svc| svc.name() == s).ok_or_else(|| UnknownService(s.to_owned()))
+    }
+}

@@ -1,0 +1,37 @@
+//! Crash points for the chaos harness: the windows ADR-022 names as at-least-once residue.
+//!
+//! | name | window |
+//! |---|---|
+//! | `outbox::after_claim` | #1128: rows claimed, nothing published — heals by lease expiry |
+//! | `outbox::after_publish_before_stamp` | #1128: broker ACKed, `published_at` not stamped — re-published after lease expiry |
+//! | `inbox::after_handler_before_stamp` | #1180: handler committed, `processed_at` not stamped — handler re-runs on redelivery |
+//!
+//! Built only with feature `failpoints` (off by default, so never in a plain release
+//! build). Configure with the `fail` crate's `FAILPOINTS` grammar; the action
+//! `return(abort)` aborts the whole process (a real crash, SIGABRT), and `N*off->return(abort)`
+//! fires on hit N+1. Other `fail` actions (`sleep`, `pause`, `panic`) behave as documented there.
+
+/// The crash point names, for `--help` texts and harness validation.
+pub const CRASH_POINTS: &[&str] =
+    &["outbox::after_claim", "outbox::after_publish_before_stamp", "inbox::after_handler_before_stamp"];
+
+/// Evaluate crash point `name`. Without feature `failpoints` this is a no-op.
+#[inline]
+pub fn hit(name: &'static str) {
+    #[cfg(feature = "failpoints")]
+    if let Some(Some(arg)) = fail::eval(name, |arg| arg) {
+        if arg == "abort" {
+            tracing::error!(event = "failpoint.abort", failpoint = name, "crash point fired: aborting process");
+            eprintln!("craig: crash point {name} fired: aborting");
+            std::process::abort();
+        }
+    }
+    #[cfg(not(feature = "failpoints"))]
+    let _ = name;
+}
+
+/// Load `FAILPOINTS` from the environment. Keep the guard alive for the process lifetime.
+#[cfg(feature = "failpoints")]
+pub fn setup_from_env() -> fail::FailScenario<'static> {
+    fail::FailScenario::setup()
+}

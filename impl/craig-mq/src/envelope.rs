@@ -1,0 +1,171 @@
+//! The event envelope every ADR-022 event travels in (§D1 `envelope JSONB`, §D2 inbox key).
+//!
+//! Wire shape (CONTRACT § AMQP): `id` (UUIDv7), `event_type`, `source_service`,
+//! `aggregate_id`, `occurred_at` (RFC 3339), `schema_version`, `payload`.
+//! Parsing is strict: unknown fields, a non-v7 id, an empty or oversized event type are
+//! typed [`EnvelopeError`]s, never a silently defaulted value.
+
+use chrono::{DateTime, SubsecRound, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// Longest `event_type` / `source_service` accepted: both become AMQP short strings
+/// (routing key, header) and must stay well under 255 bytes.
+pub const MAX_NAME_LEN: usize = 128;
+
+/// One domain event. Construct with [`EventEnvelope::new`]; parse with
+/// [`EventEnvelope::from_slice`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventEnvelope {
+    pub id: Uuid,
+    pub event_type: String,
+    pub source_service: String,
+    pub aggregate_id: Option<Uuid>,
+    pub occurred_at: DateTime<Utc>,
+    pub schema_version: u32,
+    pub payload: serde_json::Value,
+}
+
+/// Why bytes or JSON are not an [`EventEnvelope`].
+#[derive(Debug, thiserror::Error)]
+pub enum EnvelopeError {
+    #[error("envelope is not valid JSON of the envelope shape: {0}")]
+    Malformed(#[from] serde_json::Error),
+    #[error("envelope id {0} is not a UUIDv7")]
+    NotUuidV7(Uuid),
+    #[error("envelope field `{field}` is empty")]
+    Empty { field: &'static str },
+    #[error("envelope field `{field}` is {len} bytes, longer than {MAX_NAME_LEN}")]
+    TooLong { field: &'static str, len: usize },
+    #[error("envelope field `{field}` has characters outside [a-z0-9._-]: {value:?}")]
+    BadName { field: &'static str, value: String },
+}
+
+impl EventEnvelope {
+    /// A fresh envelope with a new UUIDv7 id and `occurred_at = now` (microsecond
+    /// precision, so it round-trips through Postgres `timestamptz` unchanged).
+    pub fn new(
+        event_type: impl Into<String>,
+        source_service: impl Into<String>,
+        aggregate_id: Option<Uuid>,
+        payload: serde_json::Value,
+    ) -> Result<Self, EnvelopeError> {
+        let env = Self {
+            id: Uuid::now_v7(),
+            event_type: event_type.into(),
+            source_service: source_service.into(),
+            aggregate_id,
+            occurred_at: Utc::now().trunc_subsecs(6),
+            schema_version: 1,
+            payload,
+        };
+        env.validate()?;
+        Ok(env)
+    }
+
+    /// Strict parse of wire bytes (an AMQP body or an outbox `envelope` column).
+    pub fn from_slice(bytes: &[u8]) -> Result<Self, EnvelopeError> {
+        let env: Self = serde_json::from_slice(bytes)?;
+        env.validate()?;
+        Ok(env)
+    }
+
+    /// Strict parse of an already-decoded JSON value (the outbox `envelope` JSONB).
+    pub fn from_value(value: serde_json::Value) -> Result<Self, EnvelopeError> {
+        let env: Self = serde_json::from_value(value)?;
+        env.validate()?;
+        Ok(env)
+    }
+
+    /// Wire bytes. Serializing this type cannot fail (no maps with non-string keys).
+    pub fn to_vec(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("EventEnvelope always serializes")
+    }
+
+    pub fn validate(&self) -> Result<(), EnvelopeError> {
+        if self.id.get_version_num() != 7 {
+            return Err(EnvelopeError::NotUuidV7(self.id));
+        }
+        check_name("event_type", &self.event_type)?;
+        check_name("source_service", &self.source_service)
+    }
+}
+
+fn check_name(field: &'static str, value: &str) -> Result<(), EnvelopeError> {
+    if value.is_empty() {
+        return Err(EnvelopeError::Empty { field });
+    }
+    if value.len() > MAX_NAME_LEN {
+        return Err(EnvelopeError::TooLong { field, len: value.len() });
+    }
+    let ok = value
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-'));
+    if !ok {
+        return Err(EnvelopeError::BadName { field, value: value.to_owned() });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn sample() -> EventEnvelope {
+        EventEnvelope::new("case.referral_created", "cases", Some(Uuid::now_v7()), json!({"k": 1}))
+            .unwrap()
+    }
+
+    #[test]
+    fn round_trips_through_bytes() {
+        let env = sample();
+        assert_eq!(EventEnvelope::from_slice(&env.to_vec()).unwrap(), env);
+    }
+
+    #[test]
+    fn wire_shape_has_exactly_the_contract_fields() {
+        let v = serde_json::to_value(sample()).unwrap();
+        let mut keys: Vec<_> = v.as_object().unwrap().keys().cloned().collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            ["aggregate_id", "event_type", "id", "occurred_at", "payload", "schema_version", "source_service"]
+        );
+    }
+
+    #[test]
+    fn rejects_unknown_fields() {
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["extra"] = json!(true);
+        assert!(matches!(EventEnvelope::from_value(v), Err(EnvelopeError::Malformed(_))));
+    }
+
+    #[test]
+    fn rejects_non_v7_id() {
+        let mut v = serde_json::to_value(sample()).unwrap();
+        let v4 = Uuid::from_u128(0x6f1e_0000_0000_4000_8000_0000_0000_0001);
+        v["id"] = json!(v4);
+        assert!(matches!(EventEnvelope::from_value(v), Err(EnvelopeError::NotUuidV7(id)) if id == v4));
+    }
+
+    #[test]
+    fn rejects_bad_names() {
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["event_type"] = json!("");
+        assert!(matches!(
+            EventEnvelope::from_value(v.clone()),
+            Err(EnvelopeError::Empty { field: "event_type" })
+        ));
+        v["event_type"] = json!("case.created\r\nX-Injected: 1");
+        assert!(matches!(EventEnvelope::from_value(v.clone()), Err(EnvelopeError::BadName { .. })));
+        v["event_type"] = json!("a".repeat(MAX_NAME_LEN + 1));
+        assert!(matches!(EventEnvelope::from_value(v), Err(EnvelopeError::TooLong { .. })));
+    }
+
+    #[test]
+    fn rejects_non_json_bytes() {
+        assert!(matches!(EventEnvelope::from_slice(b"\xff\x00not json"), Err(EnvelopeError::Malformed(_))));
+    }
+}

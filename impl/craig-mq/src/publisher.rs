@@ -1,0 +1,228 @@
+//! Publisher with publisher confirms — ADR-022 §D1 and Amendment #1128 ("Publisher confirms
+//! enabled (bootstrap confirm_select): published_at now means 'broker ACKed', not 'written to
+//! socket'; a broker Nack maps to a typed publish error and the row stays pending").
+//!
+//! Three failure kinds stay distinct ([`PublishError`]): the broker said no (`Nacked`), the
+//! broker said nothing within the confirm timeout (`ConfirmTimeout`, e.g. a black-holed
+//! link), and the connection or channel failed (`Connection`). Only an ACK is success.
+//! After a timeout or a connection error the publisher is [poisoned](Publisher::is_usable):
+//! its channel state is unknown, so the caller drops it and reconnects.
+//!
+//! Lost confirms surface in lapin only through the heartbeat or our own timeout, so both
+//! are set: the heartbeat on the connection URI, the timeout around every confirm.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::Confirmation;
+use lapin::types::ShortString;
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use tokio::time::{Instant, timeout_at};
+use uuid::Uuid;
+
+use crate::envelope::EventEnvelope;
+use crate::topology::EVENTS_EXCHANGE;
+
+/// Connection knobs that decide how fast a dead broker is noticed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublisherConfig {
+    /// AMQP heartbeat, seconds (0 disables; not recommended).
+    pub heartbeat_secs: u16,
+    /// How long to wait for the broker's confirm of a publish (or a batch of them).
+    pub confirm_timeout: Duration,
+}
+
+impl Default for PublisherConfig {
+    fn default() -> Self {
+        Self { heartbeat_secs: 5, confirm_timeout: Duration::from_secs(5) }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error("broker nacked envelope {id}")]
+    Nacked { id: Uuid },
+    #[error("no publisher confirm for envelope {id} within {after:?}")]
+    ConfirmTimeout { id: Uuid, after: Duration },
+    #[error("AMQP connection or channel failed: {0}")]
+    Connection(#[from] lapin::Error),
+    #[error("AMQP channel has no publisher confirms; refusing to count an unconfirmed publish")]
+    NotConfirmed { id: Uuid },
+}
+
+impl PublishError {
+    /// Whether the channel can still be trusted after this error.
+    pub fn poisons_channel(&self) -> bool {
+        !matches!(self, PublishError::Nacked { .. })
+    }
+
+    /// Short stable label for metrics and `last_error` prefixes.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PublishError::Nacked { .. } => "nacked",
+            PublishError::ConfirmTimeout { .. } => "confirm_timeout",
+            PublishError::Connection(_) => "connection",
+            PublishError::NotConfirmed { .. } => "not_confirmed",
+        }
+    }
+}
+
+/// A confirm-mode channel to `craig.events` on its own connection.
+pub struct Publisher {
+    conn: Connection,
+    channel: Channel,
+    cfg: PublisherConfig,
+    poisoned: AtomicBool,
+    confirms: bool,
+}
+
+/// Add `heartbeat=N` to an AMQP URI unless the caller already chose one.
+pub fn with_heartbeat(amqp_url: &str, heartbeat_secs: u16) -> String {
+    if amqp_url.contains("heartbeat=") {
+        return amqp_url.to_owned();
+    }
+    let sep = if amqp_url.contains('?') { '&' } else { '?' };
+    format!("{amqp_url}{sep}heartbeat={heartbeat_secs}")
+}
+
+/// Open an AMQP connection with the heartbeat set and a connection name for the broker UI.
+pub async fn connect(amqp_url: &str, heartbeat_secs: u16, name: &str) -> Result<Connection, lapin::Error> {
+    let props = ConnectionProperties::default().with_connection_name(name.into());
+    Connection::connect(&with_heartbeat(amqp_url, heartbeat_secs), props).await
+}
+
+impl Publisher {
+    /// Connect and enable publisher confirms (`confirm.select`).
+    pub async fn connect(amqp_url: &str, cfg: PublisherConfig) -> Result<Self, PublishError> {
+        Self::connect_with(amqp_url, cfg, true).await
+    }
+
+    /// Connect WITHOUT confirms: the pre-#1128 behaviour, for compat mode `pre-1128` only.
+    /// [`Publisher::publish_batch`] then reports success once the frames are written.
+    pub async fn connect_unconfirmed(amqp_url: &str, cfg: PublisherConfig) -> Result<Self, PublishError> {
+        Self::connect_with(amqp_url, cfg, false).await
+    }
+
+    async fn connect_with(amqp_url: &str, cfg: PublisherConfig, confirms: bool) -> Result<Self, PublishError> {
+        let conn = connect(amqp_url, cfg.heartbeat_secs, "craig-publisher").await?;
+        let channel = conn.create_channel().await?;
+        if confirms {
+            channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        }
+        Ok(Self { conn, channel, cfg, poisoned: AtomicBool::new(false), confirms })
+    }
+
+    /// False once a timeout or connection error left the channel in an unknown state.
+    pub fn is_usable(&self) -> bool {
+        !self.poisoned.load(Ordering::Relaxed) && self.conn.status().connected() && self.channel.status().connected()
+    }
+
+    /// Publish one envelope and wait for its confirm.
+    pub async fn publish(&self, envelope: &EventEnvelope) -> Result<(), PublishError> {
+        self.publish_batch(std::slice::from_ref(envelope)).await.remove(0)
+    }
+
+    /// Publish a batch pipelined (all frames first, then all confirms), one result per
+    /// envelope in order. The whole batch shares one deadline per phase, so a
+    /// black-holed link costs at most `2 × confirm_timeout`.
+    pub async fn publish_batch(&self, envelopes: &[EventEnvelope]) -> Vec<Result<(), PublishError>> {
+        let timeout = self.cfg.confirm_timeout;
+        let deadline = Instant::now() + timeout;
+        let mut pending = Vec::with_capacity(envelopes.len());
+        // Once a write fails or blocks, the rest of the batch is not attempted: it fails
+        // with the same cause and stays pending.
+        let mut broken: Option<PublishError> = None;
+        for env in envelopes {
+            if let Some(cause) = &broken {
+                pending.push(Err(match cause {
+                    PublishError::Connection(e) => PublishError::Connection(e.clone()),
+                    _ => PublishError::ConfirmTimeout { id: env.id, after: timeout },
+                }));
+                continue;
+            }
+            let props = BasicProperties::default()
+                .with_message_id(ShortString::from(env.id.to_string()))
+                .with_content_type(ShortString::from("application/json"))
+                .with_delivery_mode(2)
+                .with_type(ShortString::from(env.event_type.as_str()))
+                .with_timestamp(env.occurred_at.timestamp().max(0) as u64);
+            let sent = timeout_at(
+                deadline,
+                self.channel.basic_publish(
+                    ShortString::from(EVENTS_EXCHANGE),
+                    ShortString::from(env.event_type.as_str()),
+                    BasicPublishOptions::default(),
+                    &env.to_vec(),
+                    props,
+                ),
+            )
+            .await;
+            match sent {
+                Ok(Ok(confirm)) => pending.push(Ok(confirm)),
+                Ok(Err(e)) => {
+                    broken = Some(PublishError::Connection(e.clone()));
+                    pending.push(Err(self.poison(e)));
+                }
+                Err(_) => {
+                    self.poisoned.store(true, Ordering::Relaxed);
+                    broken = Some(PublishError::ConfirmTimeout { id: env.id, after: timeout });
+                    pending.push(Err(PublishError::ConfirmTimeout { id: env.id, after: timeout }));
+                }
+            }
+        }
+        let deadline = Instant::now() + timeout;
+        let mut out = Vec::with_capacity(envelopes.len());
+        for (env, p) in envelopes.iter().zip(pending) {
+            let confirm = match p {
+                Ok(c) => c,
+                Err(e) => {
+                    out.push(Err(e));
+                    continue;
+                }
+            };
+            let res = match timeout_at(deadline, confirm).await {
+                Ok(Ok(Confirmation::Ack(_))) => Ok(()),
+                Ok(Ok(Confirmation::Nack(_))) => Err(PublishError::Nacked { id: env.id }),
+                Ok(Ok(Confirmation::NotRequested)) if !self.confirms => Ok(()),
+                Ok(Ok(Confirmation::NotRequested)) => Err(PublishError::NotConfirmed { id: env.id }),
+                Ok(Err(e)) => Err(self.poison(e)),
+                Err(_) => {
+                    self.poisoned.store(true, Ordering::Relaxed);
+                    Err(PublishError::ConfirmTimeout { id: env.id, after: timeout })
+                }
+            };
+            out.push(res);
+        }
+        out
+    }
+
+    fn poison(&self, e: lapin::Error) -> PublishError {
+        self.poisoned.store(true, Ordering::Relaxed);
+        PublishError::Connection(e)
+    }
+
+    /// Close the connection, bounded: a dead peer must not hang shutdown.
+    pub async fn close(self) {
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.conn.close(200, ShortString::from("bye"))).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heartbeat_is_added_once() {
+        assert_eq!(with_heartbeat("amqp://h/%2f", 5), "amqp://h/%2f?heartbeat=5");
+        assert_eq!(with_heartbeat("amqp://h/v?frame_max=9", 5), "amqp://h/v?frame_max=9&heartbeat=5");
+        assert_eq!(with_heartbeat("amqp://h/v?heartbeat=30", 5), "amqp://h/v?heartbeat=30");
+    }
+
+    #[test]
+    fn only_nack_keeps_the_channel() {
+        let id = Uuid::now_v7();
+        assert!(!PublishError::Nacked { id }.poisons_channel());
+        assert!(PublishError::ConfirmTimeout { id, after: Duration::from_secs(1) }.poisons_channel());
+    }
+}

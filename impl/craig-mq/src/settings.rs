@@ -1,0 +1,205 @@
+//! `ServiceSettings::load()` — ADR-022 § Retention policy (as corrected by #965/#1129, ADR-058)
+//! and the #1128 worker knobs.
+//!
+//! Binding rule: the inbox window must be strictly wider than the outbox window, with at
+//! least one day of margin (`inbox ≥ outbox + 1 day`); `load()` REJECTS anything less,
+//! naming both values. A window of 0 disables that table's prune.
+//!
+//! | variable | default |
+//! |---|---|
+//! | `DATABASE_URL` | `postgres://postgres@127.0.0.1:5432/postgres` |
+//! | `AMQP_URL` | `amqp://guest:guest@127.0.0.1:5672/%2f` |
+//! | `CRAIG_OUTBOX_RETENTION_DAYS` | 30 |
+//! | `CRAIG_INBOX_RETENTION_DAYS` | 31 |
+//! | `CRAIG_IDEMPOTENCY_TTL_HOURS` | 24 |
+//! | `CRAIG_OUTBOX_POLL_MS` | 1000 |
+//! | `CRAIG_OUTBOX_BATCH` | 100 |
+//! | `CRAIG_OUTBOX_CLAIM_LEASE_SECS` | 60 |
+//! | `CRAIG_OUTBOX_BACKOFF_BASE_MS` / `CRAIG_OUTBOX_BACKOFF_MAX_MS` | 1000 / 60000 |
+//! | `CRAIG_AMQP_HEARTBEAT_SECS` | 5 |
+//! | `CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS` | 5000 |
+
+use std::time::Duration;
+
+use crate::outbox::OutboxConfig;
+use crate::publisher::PublisherConfig;
+
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// Retention windows (ADR-022 § Retention policy). Days / hours; 0 disables the prune.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    pub outbox_days: u32,
+    pub inbox_days: u32,
+    pub idempotency_hours: u32,
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        Self { outbox_days: 30, inbox_days: 31, idempotency_hours: 24 }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ServiceSettings {
+    pub database_url: String,
+    pub amqp_url: String,
+    pub retention: Retention,
+    pub outbox: OutboxConfig,
+    pub publisher: PublisherConfig,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SettingsError {
+    #[error(
+        "inbox retention ({inbox_days} d) must be at least outbox retention ({outbox_days} d) + 1 day: \
+         the tables are pruned asynchronously, so an equal or shorter inbox window lets a replayed \
+         outbox row arrive after its dedup record was pruned (ADR-022 § Retention policy, #965/#1129)"
+    )]
+    InboxWindowTooShort { inbox_days: u32, outbox_days: u32 },
+    #[error("{name}={value:?} is not a valid {expected}")]
+    Invalid { name: &'static str, value: String, expected: &'static str },
+}
+
+impl ServiceSettings {
+    /// Read the process environment.
+    pub fn load() -> Result<Self, SettingsError> {
+        Self::load_from(|k| std::env::var(k).ok())
+    }
+
+    /// Read settings through `lookup` (the environment in production, a map in tests).
+    pub fn load_from(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, SettingsError> {
+        let num = |name: &'static str, default: u64| -> Result<u64, SettingsError> {
+            match lookup(name) {
+                None => Ok(default),
+                Some(v) => v.trim().parse().map_err(|_| SettingsError::Invalid {
+                    name,
+                    value: v,
+                    expected: "non-negative integer",
+                }),
+            }
+        };
+        let small = |name: &'static str, default: u64| -> Result<u32, SettingsError> {
+            let v = num(name, default)?;
+            u32::try_from(v).map_err(|_| SettingsError::Invalid {
+                name,
+                value: v.to_string(),
+                expected: "integer below 2^32",
+            })
+        };
+        let retention = Retention {
+            outbox_days: small("CRAIG_OUTBOX_RETENTION_DAYS", 30)?,
+            inbox_days: small("CRAIG_INBOX_RETENTION_DAYS", 31)?,
+            idempotency_hours: small("CRAIG_IDEMPOTENCY_TTL_HOURS", 24)?,
+        };
+        retention.check()?;
+        let batch = small("CRAIG_OUTBOX_BATCH", 100)?;
+        if batch == 0 {
+            return Err(SettingsError::Invalid {
+                name: "CRAIG_OUTBOX_BATCH",
+                value: "0".into(),
+                expected: "batch size of at least 1",
+            });
+        }
+        let outbox = OutboxConfig {
+            poll_interval: Duration::from_millis(num("CRAIG_OUTBOX_POLL_MS", 1000)?),
+            batch_size: batch,
+            claim_lease: Duration::from_secs(num("CRAIG_OUTBOX_CLAIM_LEASE_SECS", 60)?),
+            backoff_base: Duration::from_millis(num("CRAIG_OUTBOX_BACKOFF_BASE_MS", 1000)?),
+            backoff_max: Duration::from_millis(num("CRAIG_OUTBOX_BACKOFF_MAX_MS", 60_000)?),
+        };
+        let publisher = PublisherConfig {
+            heartbeat_secs: u16::try_from(num("CRAIG_AMQP_HEARTBEAT_SECS", 5)?).map_err(|_| {
+                SettingsError::Invalid {
+                    name: "CRAIG_AMQP_HEARTBEAT_SECS",
+                    value: lookup("CRAIG_AMQP_HEARTBEAT_SECS").unwrap_or_default(),
+                    expected: "heartbeat below 65536 s",
+                }
+            })?,
+            confirm_timeout: Duration::from_millis(num("CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS", 5000)?),
+        };
+        Ok(Self {
+            database_url: lookup("DATABASE_URL").unwrap_or_else(|| DEFAULT_DATABASE_URL.into()),
+            amqp_url: lookup("AMQP_URL").unwrap_or_else(|| DEFAULT_AMQP_URL.into()),
+            retention,
+            outbox,
+            publisher,
+        })
+    }
+}
+
+impl Retention {
+    /// `inbox ≥ outbox + 1 day` (ADR-022 § Retention policy). A disabled inbox prune (0)
+    /// keeps dedup records forever and is always safe; a disabled outbox prune (0) with a
+    /// finite inbox window is not, and is rejected like any too-short inbox window.
+    pub fn check(&self) -> Result<(), SettingsError> {
+        let inbox_forever = self.inbox_days == 0;
+        let outbox_forever = self.outbox_days == 0;
+        let ok = inbox_forever
+            || (!outbox_forever && u64::from(self.inbox_days) >= u64::from(self.outbox_days) + 1);
+        if ok {
+            Ok(())
+        } else {
+            Err(SettingsError::InboxWindowTooShort {
+                inbox_days: self.inbox_days,
+                outbox_days: self.outbox_days,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn load(pairs: &[(&str, &str)]) -> Result<ServiceSettings, SettingsError> {
+        let map: HashMap<String, String> =
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        ServiceSettings::load_from(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn defaults_are_the_adr_windows() {
+        let s = load(&[]).unwrap();
+        assert_eq!(s.retention, Retention { outbox_days: 30, inbox_days: 31, idempotency_hours: 24 });
+        assert_eq!(s.outbox.batch_size, 100);
+        assert_eq!(s.outbox.claim_lease, Duration::from_secs(60));
+        assert_eq!(s.outbox.poll_interval, Duration::from_secs(1));
+        assert_eq!(s.outbox.backoff_max, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn rejects_inbox_equal_to_outbox_naming_both_values() {
+        let err = load(&[("CRAIG_OUTBOX_RETENTION_DAYS", "30"), ("CRAIG_INBOX_RETENTION_DAYS", "30")])
+            .unwrap_err();
+        assert_eq!(err, SettingsError::InboxWindowTooShort { inbox_days: 30, outbox_days: 30 });
+        let msg = err.to_string();
+        assert!(msg.contains("inbox retention (30 d)") && msg.contains("outbox retention (30 d)"), "{msg}");
+    }
+
+    #[test]
+    fn rejects_inbox_shorter_and_accepts_one_day_margin() {
+        assert!(load(&[("CRAIG_INBOX_RETENTION_DAYS", "7")]).is_err());
+        assert!(load(&[("CRAIG_OUTBOX_RETENTION_DAYS", "10"), ("CRAIG_INBOX_RETENTION_DAYS", "11")]).is_ok());
+    }
+
+    #[test]
+    fn disabled_windows() {
+        // Inbox kept forever: always safe.
+        assert!(load(&[("CRAIG_INBOX_RETENTION_DAYS", "0")]).is_ok());
+        // Outbox kept forever but inbox pruned: a replay can outlive its dedup record.
+        assert_eq!(
+            load(&[("CRAIG_OUTBOX_RETENTION_DAYS", "0")]).unwrap_err(),
+            SettingsError::InboxWindowTooShort { inbox_days: 31, outbox_days: 0 }
+        );
+    }
+
+    #[test]
+    fn garbage_is_a_typed_error_naming_the_variable() {
+        let err = load(&[("CRAIG_OUTBOX_BATCH", "many")]).unwrap_err();
+        assert!(matches!(err, SettingsError::Invalid { name: "CRAIG_OUTBOX_BATCH", .. }));
+        assert!(load(&[("CRAIG_OUTBOX_BATCH", "0")]).is_err());
+    }
+}

@@ -1,0 +1,109 @@
+//! Broker topology — ADR-022 §D3 (DLX/DLQ wiring) on ADR-003's topic exchange.
+//!
+//! - `craig.events`: durable topic exchange, routing key = `event_type`.
+//! - `craig.dlx`: durable topic exchange for dead letters.
+//! - every consumer queue `craig-<service>.events` is durable and declared with
+//!   `x-dead-letter-exchange = craig.dlx`, `x-dead-letter-routing-key = dlq.<queue>`.
+//! - `craig-security.dlq` is bound to `craig.dlx` with `dlq.#`, so a dead letter is kept
+//!   even before the DLQ consumer runs.
+//!
+//! Declarations are idempotent; every node declares what it relies on at (re)connect.
+
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{Channel, ExchangeKind};
+
+pub const EVENTS_EXCHANGE: &str = "craig.events";
+pub const DLX_EXCHANGE: &str = "craig.dlx";
+pub const DLQ_QUEUE: &str = "craig-security.dlq";
+
+/// `craig-<service>.events`.
+pub fn consumer_queue(service: &str) -> String {
+    format!("craig-{service}.events")
+}
+
+/// `dlq.<queue>` — the broker-path dead-letter routing key (#1196: keyed by the CONSUMER
+/// queue, never the producer).
+pub fn dlq_routing_key(queue: &str) -> String {
+    format!("dlq.{queue}")
+}
+
+/// The arguments every consumer queue is declared with (§D3).
+pub fn consumer_queue_args(queue: &str) -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert(
+        ShortString::from("x-dead-letter-exchange"),
+        AMQPValue::LongString(DLX_EXCHANGE.into()),
+    );
+    args.insert(
+        ShortString::from("x-dead-letter-routing-key"),
+        AMQPValue::LongString(dlq_routing_key(queue).as_str().into()),
+    );
+    args
+}
+
+/// Declare both exchanges and the DLQ with its binding.
+pub async fn declare_exchanges(ch: &Channel) -> Result<(), lapin::Error> {
+    let durable = ExchangeDeclareOptions { durable: true, ..Default::default() };
+    for name in [EVENTS_EXCHANGE, DLX_EXCHANGE] {
+        ch.exchange_declare(name.into(), ExchangeKind::Topic, durable, FieldTable::default()).await?;
+    }
+    let q = QueueDeclareOptions { durable: true, ..Default::default() };
+    ch.queue_declare(DLQ_QUEUE.into(), q, FieldTable::default()).await?;
+    ch.queue_bind(DLQ_QUEUE.into(), DLX_EXCHANGE.into(), "dlq.#".into(), QueueBindOptions::default(), FieldTable::default())
+        .await
+}
+
+/// How a consumer queue is declared. `with_dlx = false` reproduces compat mode `pre-d3`.
+#[derive(Debug, Clone)]
+pub struct QueueSpec {
+    pub queue: String,
+    pub bindings: Vec<String>,
+    pub with_dlx: bool,
+}
+
+/// Declare a consumer queue and bind it to `craig.events` for each routing key.
+pub async fn declare_consumer_queue(ch: &Channel, spec: &QueueSpec) -> Result<(), lapin::Error> {
+    declare_exchanges(ch).await?;
+    let args = if spec.with_dlx { consumer_queue_args(&spec.queue) } else { FieldTable::default() };
+    let q = QueueDeclareOptions { durable: true, ..Default::default() };
+    ch.queue_declare(spec.queue.as_str().into(), q, args).await?;
+    for key in &spec.bindings {
+        ch.queue_bind(
+            spec.queue.as_str().into(),
+            EVENTS_EXCHANGE.into(),
+            key.as_str().into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// Message count of a queue by passive declare (rabbitmqctl counts lag for seconds).
+pub async fn queue_depth(ch: &Channel, queue: &str) -> Result<u32, lapin::Error> {
+    let q = QueueDeclareOptions { passive: true, ..Default::default() };
+    Ok(ch.queue_declare(queue.into(), q, FieldTable::default()).await?.message_count())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_adr() {
+        assert_eq!(consumer_queue("rules"), "craig-rules.events");
+        assert_eq!(dlq_routing_key("craig-rules.events"), "dlq.craig-rules.events");
+        let args = consumer_queue_args("craig-rules.events");
+        let inner = args.inner();
+        assert_eq!(
+            inner.get("x-dead-letter-exchange"),
+            Some(&AMQPValue::LongString("craig.dlx".into()))
+        );
+        assert_eq!(
+            inner.get("x-dead-letter-routing-key"),
+            Some(&AMQPValue::LongString("dlq.craig-rules.events".into()))
+        );
+    }
+}

@@ -1,0 +1,339 @@
+//! Isolated PostgreSQL databases and RabbitMQ vhosts, one set per test or harness run
+//! (sqlx's `testing` module, extended to vhosts).
+//!
+//! - Names are deterministic: `craig_<12 hex of sha256(label)>[_<service>]`, within
+//!   Postgres' 63-byte limit; a re-run of the same label first drops what it left.
+//! - A registry table (`craig_sandbox_registry` in the admin database) records each sandbox
+//!   with its owner pid. [`Sandbox::create`] removes leftovers whose owner is gone, so a
+//!   crashed or failed run is cleaned at the next start, never while its owner lives.
+//! - [`Sandbox::destroy`] drops everything. A sandbox dropped without `destroy` (a failing
+//!   test) is KEPT for debugging and says so on stderr.
+//! - Vhosts are made through the management HTTP API (port 15672, or
+//!   `RABBITMQ_MANAGEMENT_URL`), falling back to a local `rabbitmqctl`.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, ConnectOptions, Connection, PgConnection, PgPool};
+
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("postgres at {url}: {source}")]
+    Postgres { url: String, source: sqlx::Error },
+    #[error("RabbitMQ vhost {vhost}: {detail}")]
+    Vhost { vhost: String, detail: String },
+    #[error("bad URL {url:?}: {why}")]
+    BadUrl { url: String, why: &'static str },
+}
+
+/// One isolated set: a database per service and one vhost.
+#[derive(Debug)]
+pub struct Sandbox {
+    pub name: String,
+    admin_url: String,
+    amqp_url: String,
+    vhost: String,
+    databases: Vec<(String, String)>,
+    destroyed: bool,
+}
+
+impl Sandbox {
+    /// Create databases `<name>_<service>` for each service and vhost `<name>` on the
+    /// servers named by `DATABASE_URL` and `AMQP_URL` (or the defaults).
+    pub async fn create(label: &str, services: &[&str]) -> Result<Self, SandboxError> {
+        let admin_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
+        let amqp_base = std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.into());
+        Self::create_on(&admin_url, &amqp_base, label, services).await
+    }
+
+    pub async fn create_on(admin_url: &str, amqp_base: &str, label: &str, services: &[&str]) -> Result<Self, SandboxError> {
+        let name = sandbox_name(label);
+        let mut admin = admin_conn(admin_url).await?;
+        let pg = |source| SandboxError::Postgres { url: admin_url.to_owned(), source };
+        registry_lock(&mut admin).await.map_err(pg)?;
+        let result = async {
+            reap_leftovers(&mut admin, admin_url, amqp_base, &name).await?;
+            drop_everything(&mut admin, admin_url, amqp_base, &name).await?;
+            sqlx::query("INSERT INTO craig_sandbox_registry (name, pid) VALUES ($1, $2)")
+                .bind(&name)
+                .bind(std::process::id() as i32)
+                .execute(&mut admin)
+                .await
+                .map_err(pg)?;
+            let mut databases = Vec::new();
+            for svc in services {
+                let db = format!("{name}_{svc}");
+                sqlx::query(AssertSqlSafe(format!("CREATE DATABASE \"{db}\""))).execute(&mut admin).await.map_err(pg)?;
+                databases.push((svc.to_string(), replace_path(admin_url, &db)?));
+            }
+            vhost_create(amqp_base, &name).await?;
+            Ok(Self {
+                amqp_url: replace_path(amqp_base, &name)?,
+                vhost: name.clone(),
+                name: name.clone(),
+                admin_url: admin_url.to_owned(),
+                databases,
+                destroyed: false,
+            })
+        }
+        .await;
+        let _ = sqlx::query("SELECT pg_advisory_unlock($1)").bind(REGISTRY_LOCK).execute(&mut admin).await;
+        let _ = admin.close().await;
+        result
+    }
+
+    /// The database URL for `service`. Panics if the sandbox was not created with it:
+    /// that is a bug in the caller, not a runtime condition.
+    pub fn database_url(&self, service: &str) -> &str {
+        self.databases
+            .iter()
+            .find(|(s, _)| s == service)
+            .map(|(_, u)| u.as_str())
+            .unwrap_or_else(|| panic!("sandbox {} has no database for service {service}", self.name))
+    }
+
+    pub fn amqp_url(&self) -> &str {
+        &self.amqp_url
+    }
+
+    pub fn vhost(&self) -> &str {
+        &self.vhost
+    }
+
+    /// A small pool on `service`'s database (capped, as sqlx's test pools are).
+    pub async fn pool(&self, service: &str) -> Result<PgPool, SandboxError> {
+        let url = self.database_url(service);
+        PgPoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect(url)
+            .await
+            .map_err(|source| SandboxError::Postgres { url: url.to_owned(), source })
+    }
+
+    /// Drop the databases and the vhost and forget the sandbox.
+    pub async fn destroy(mut self) -> Result<(), SandboxError> {
+        self.destroyed = true;
+        let mut admin = admin_conn(&self.admin_url).await?;
+        let amqp_base = self.amqp_url.clone();
+        let res = drop_everything(&mut admin, &self.admin_url, &amqp_base, &self.name).await;
+        let _ = admin.close().await;
+        res
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        if !self.destroyed {
+            eprintln!(
+                "craig-sandbox: keeping sandbox {} (databases {:?}, vhost {}) for debugging; \
+                 it is removed at the next start once this process has exited",
+                self.name,
+                self.databases.iter().map(|(_, u)| u.rsplit('/').next().unwrap_or("")).collect::<Vec<_>>(),
+                self.vhost
+            );
+        }
+    }
+}
+
+/// `craig_` + 12 hex digits of sha256(label).
+pub fn sandbox_name(label: &str) -> String {
+    let digest = Sha256::digest(label.as_bytes());
+    let mut s = String::from("craig_");
+    for b in &digest[..6] {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+/// Replace the path (database or vhost) of a `scheme://authority/path?query` URL.
+pub fn replace_path(url: &str, new_path: &str) -> Result<String, SandboxError> {
+    let bad = |why| SandboxError::BadUrl { url: url.to_owned(), why };
+    let (scheme, rest) = url.split_once("://").ok_or_else(|| bad("no scheme"))?;
+    let (before_query, query) = match rest.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (rest, None),
+    };
+    let authority = before_query.split('/').next().filter(|a| !a.is_empty()).ok_or_else(|| bad("no host"))?;
+    let mut out = format!("{scheme}://{authority}/{new_path}");
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    Ok(out)
+}
+
+const REGISTRY_LOCK: i64 = 0x4352_4149_475f_5342; // "CRAIG_SB"
+
+async fn admin_conn(admin_url: &str) -> Result<PgConnection, SandboxError> {
+    let pg = |source| SandboxError::Postgres { url: admin_url.to_owned(), source };
+    let opts: PgConnectOptions = admin_url.parse().map_err(pg)?;
+    opts.connect().await.map_err(pg)
+}
+
+async fn registry_lock(admin: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_advisory_lock($1)").bind(REGISTRY_LOCK).execute(&mut *admin).await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS craig_sandbox_registry (\
+           name TEXT PRIMARY KEY, pid INT NOT NULL, created_at TIMESTAMPTZ NOT NULL DEFAULT now())",
+    )
+    .execute(&mut *admin)
+    .await?;
+    Ok(())
+}
+
+/// Remove sandboxes whose owner process no longer exists (a crashed or failed run).
+async fn reap_leftovers(admin: &mut PgConnection, admin_url: &str, amqp_base: &str, except: &str) -> Result<(), SandboxError> {
+    let pg = |source| SandboxError::Postgres { url: admin_url.to_owned(), source };
+    let rows: Vec<(String, i32)> =
+        sqlx::query_as("SELECT name, pid FROM craig_sandbox_registry").fetch_all(&mut *admin).await.map_err(pg)?;
+    for (name, pid) in rows {
+        if name != except && !pid_alive(pid) {
+            eprintln!("craig-sandbox: removing leftover sandbox {name} (owner pid {pid} is gone)");
+            drop_everything(admin, admin_url, amqp_base, &name).await?;
+        }
+    }
+    Ok(())
+}
+
+fn pid_alive(pid: i32) -> bool {
+    use nix::errno::Errno;
+    match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
+        Ok(()) => true,
+        Err(Errno::ESRCH) => false,
+        Err(_) => true, // EPERM: exists, not ours
+    }
+}
+
+async fn drop_everything(admin: &mut PgConnection, admin_url: &str, amqp_base: &str, name: &str) -> Result<(), SandboxError> {
+    let pg = |source| SandboxError::Postgres { url: admin_url.to_owned(), source };
+    let dbs: Vec<String> = sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE $1 || '\\_%'")
+        .bind(name)
+        .fetch_all(&mut *admin)
+        .await
+        .map_err(pg)?;
+    for db in dbs {
+        sqlx::query(AssertSqlSafe(format!("DROP DATABASE IF EXISTS \"{db}\" WITH (FORCE)")))
+            .execute(&mut *admin)
+            .await
+            .map_err(pg)?;
+    }
+    vhost_delete(amqp_base, name).await?;
+    sqlx::query("DELETE FROM craig_sandbox_registry WHERE name = $1").bind(name).execute(&mut *admin).await.map_err(pg)?;
+    Ok(())
+}
+
+struct Management {
+    base: String,
+    user: String,
+    pass: String,
+}
+
+fn management(amqp_base: &str) -> Result<Management, SandboxError> {
+    let bad = |why| SandboxError::BadUrl { url: amqp_base.to_owned(), why };
+    let rest = amqp_base.split_once("://").ok_or_else(|| bad("no scheme"))?.1;
+    let authority = rest.split(['/', '?']).next().unwrap_or("");
+    let (creds, hostport) = authority.rsplit_once('@').unwrap_or(("guest:guest", authority));
+    let (user, pass) = creds.split_once(':').unwrap_or((creds, ""));
+    let host = hostport.rsplit_once(':').map(|(h, _)| h).unwrap_or(hostport);
+    let base = std::env::var("RABBITMQ_MANAGEMENT_URL").unwrap_or_else(|_| format!("http://{host}:15672"));
+    Ok(Management { base, user: user.to_owned(), pass: pass.to_owned() })
+}
+
+async fn vhost_create(amqp_base: &str, vhost: &str) -> Result<(), SandboxError> {
+    let m = management(amqp_base)?;
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().expect("reqwest client");
+    let err = |detail: String| SandboxError::Vhost { vhost: vhost.to_owned(), detail };
+    let put = client.put(format!("{}/api/vhosts/{vhost}", m.base)).basic_auth(&m.user, Some(&m.pass)).send().await;
+    match put {
+        Ok(r) if r.status().is_success() => {
+            let perm = client
+                .put(format!("{}/api/permissions/{vhost}/{}", m.base, m.user))
+                .basic_auth(&m.user, Some(&m.pass))
+                .json(&serde_json::json!({"configure": ".*", "write": ".*", "read": ".*"}))
+                .send()
+                .await
+                .map_err(|e| err(e.to_string()))?;
+            if !perm.status().is_success() {
+                return Err(err(format!("set permissions: HTTP {}", perm.status())));
+            }
+            Ok(())
+        }
+        Ok(r) => Err(err(format!("management API answered HTTP {} to PUT /api/vhosts", r.status()))),
+        Err(e) if e.is_connect() => {
+            rabbitmqctl(&["add_vhost", vhost]).map_err(|d| err(format!("management API unreachable ({e}); {d}")))?;
+            rabbitmqctl(&["set_permissions", "-p", vhost, &m.user, ".*", ".*", ".*"]).map_err(err)
+        }
+        Err(e) => Err(err(e.to_string())),
+    }
+}
+
+async fn vhost_delete(amqp_base: &str, vhost: &str) -> Result<(), SandboxError> {
+    let m = management(amqp_base)?;
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().expect("reqwest client");
+    let err = |detail: String| SandboxError::Vhost { vhost: vhost.to_owned(), detail };
+    match client.delete(format!("{}/api/vhosts/{vhost}", m.base)).basic_auth(&m.user, Some(&m.pass)).send().await {
+        Ok(r) if r.status().is_success() || r.status() == reqwest::StatusCode::NOT_FOUND => Ok(()),
+        Ok(r) => Err(err(format!("management API answered HTTP {} to DELETE", r.status()))),
+        Err(e) if e.is_connect() => match rabbitmqctl(&["delete_vhost", vhost]) {
+            Ok(()) => Ok(()),
+            Err(d) if d.contains("does not exist") || d.contains("no_such_vhost") => Ok(()),
+            Err(d) => Err(err(d)),
+        },
+        Err(e) => Err(err(e.to_string())),
+    }
+}
+
+fn rabbitmqctl(args: &[&str]) -> Result<(), String> {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .map_err(|e| format!("rabbitmqctl not runnable ({e}); enable the management plugin: rabbitmq-plugins enable rabbitmq_management"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("rabbitmqctl {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_deterministic_and_short() {
+        let a = sandbox_name("craig_mq::outbox::two_workers");
+        assert_eq!(a, sandbox_name("craig_mq::outbox::two_workers"));
+        assert_ne!(a, sandbox_name("craig_mq::outbox::other"));
+        assert_eq!(a.len(), 18);
+        assert!(format!("{a}_financial").len() <= 63);
+    }
+
+    #[test]
+    fn replaces_url_paths() {
+        assert_eq!(
+            replace_path("postgres://postgres@127.0.0.1:5432/postgres", "x").unwrap(),
+            "postgres://postgres@127.0.0.1:5432/x"
+        );
+        assert_eq!(
+            replace_path("amqp://guest:guest@127.0.0.1:5672/%2f?heartbeat=5", "v").unwrap(),
+            "amqp://guest:guest@127.0.0.1:5672/v?heartbeat=5"
+        );
+        assert_eq!(replace_path("postgres://h", "d").unwrap(), "postgres://h/d");
+        assert!(replace_path("nonsense", "d").is_err());
+    }
+
+    #[test]
+    fn management_endpoint_from_amqp_url() {
+        let m = management("amqp://alice:s3cret@broker.local:5672/%2f").unwrap();
+        assert_eq!((m.user.as_str(), m.pass.as_str()), ("alice", "s3cret"));
+        if std::env::var("RABBITMQ_MANAGEMENT_URL").is_err() {
+            assert_eq!(m.base, "http://broker.local:15672");
+        }
+    }
+}
