@@ -116,6 +116,17 @@ impl Sandbox {
             .map_err(|source| SandboxError::Postgres { url: url.to_owned(), source })
     }
 
+    /// Fault: delete the vhost. The broker force-closes every connection on it and refuses
+    /// new ones until [`Sandbox::restore_vhost`]; queues and messages in it are gone.
+    pub async fn drop_vhost(&self) -> Result<(), SandboxError> {
+        vhost_delete(&self.amqp_url, &self.vhost).await
+    }
+
+    /// Re-create the vhost deleted by [`Sandbox::drop_vhost`] (empty).
+    pub async fn restore_vhost(&self) -> Result<(), SandboxError> {
+        vhost_create(&self.amqp_url, &self.vhost).await
+    }
+
     /// Drop the databases and the vhost and forget the sandbox.
     pub async fn destroy(mut self) -> Result<(), SandboxError> {
         self.destroyed = true;

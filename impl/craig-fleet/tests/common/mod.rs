@@ -1,0 +1,153 @@
+//! Real `craig-node` processes on a sandbox (own databases + own vhost).
+#![allow(dead_code)]
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use craig_api::{Claims, JwtKey};
+use craig_fleet::Service;
+use craig_mq::topology::{self, QueueSpec};
+use craig_sandbox::Sandbox;
+use sqlx::PgPool;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+pub const SECRET: &str = "test-secret";
+
+pub struct Fleet {
+    pub sandbox: Sandbox,
+}
+
+impl Fleet {
+    pub async fn new(label: &str, services: &[Service]) -> Self {
+        let names: Vec<&str> = services.iter().map(|s| s.name()).collect();
+        let sandbox = Sandbox::create(&format!("craig-fleet::{label}"), &names).await.expect("sandbox");
+        for s in services {
+            craig_fleet::node::migrate(*s, sandbox.database_url(s.name()), Duration::from_secs(5)).await.expect("migrate");
+        }
+        Self { sandbox }
+    }
+
+    pub async fn pool(&self, s: Service) -> PgPool {
+        self.sandbox.pool(s.name()).await.unwrap()
+    }
+
+    /// Start `craig-node --service s` with extra environment and args.
+    pub async fn start(&self, s: Service, env: &[(&str, &str)], args: &[&str]) -> Node {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_craig-node"));
+        cmd.args(["--service", s.name(), "--http", "127.0.0.1:0"])
+            .args(args)
+            .env("DATABASE_URL", self.sandbox.database_url(s.name()))
+            .env("AMQP_URL", self.sandbox.amqp_url())
+            .env("CRAIG_JWT_SECRET", SECRET)
+            .env("CRAIG_OUTBOX_POLL_MS", "100")
+            .env("RUST_LOG", "info,sqlx=warn,lapin=warn")
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().expect("spawn craig-node");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(Duration::from_secs(15), lines.next_line())
+            .await
+            .expect("craig-node printed its address in time")
+            .unwrap()
+            .expect("craig-node stdout open");
+        let addr = line.rsplit(' ').next().unwrap().to_owned();
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Node { child, base: format!("http://{addr}") }
+    }
+
+    pub async fn channel(&self) -> (lapin::Connection, lapin::Channel) {
+        let conn = craig_mq::publisher::connect(self.sandbox.amqp_url(), 5, "test").await.expect("amqp");
+        let ch = conn.create_channel().await.expect("channel");
+        (conn, ch)
+    }
+
+    pub async fn declare_queue(&self, queue: &str, binding: &str) {
+        let (conn, ch) = self.channel().await;
+        let spec = QueueSpec { queue: queue.into(), bindings: vec![binding.into()], with_dlx: true };
+        topology::declare_consumer_queue(&ch, &spec).await.expect("declare");
+        let _ = conn.close(200, "bye".into()).await;
+    }
+
+    pub async fn depth(&self, queue: &str) -> u32 {
+        let (conn, ch) = self.channel().await;
+        let n = topology::queue_depth(&ch, queue).await.expect("passive declare");
+        let _ = conn.close(200, "bye".into()).await;
+        n
+    }
+
+    pub async fn take_all(&self, queue: &str) -> Vec<String> {
+        let (conn, ch) = self.channel().await;
+        let mut ids = Vec::new();
+        while let Some(m) =
+            ch.basic_get(queue.into(), lapin::options::BasicGetOptions { no_ack: true }).await.expect("basic.get")
+        {
+            ids.push(m.delivery.properties.message_id().as_ref().map(|s| s.to_string()).unwrap_or_default());
+        }
+        let _ = conn.close(200, "bye".into()).await;
+        ids
+    }
+
+    pub async fn finish(self) {
+        self.sandbox.destroy().await.expect("destroy sandbox");
+    }
+}
+
+pub struct Node {
+    pub child: Child,
+    pub base: String,
+}
+
+impl Node {
+    pub fn pid(&self) -> i32 {
+        self.child.id().expect("running") as i32
+    }
+
+    pub async fn wait(&mut self, limit: Duration) -> ExitStatus {
+        tokio::time::timeout(limit, self.child.wait()).await.expect("node exited in time").unwrap()
+    }
+
+    /// SIGTERM, then the exit status.
+    pub async fn stop(mut self) -> ExitStatus {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), nix::sys::signal::Signal::SIGTERM).unwrap();
+        self.wait(Duration::from_secs(20)).await
+    }
+}
+
+pub fn killed_by(status: ExitStatus) -> Option<i32> {
+    status.signal()
+}
+
+pub fn token(aud: &str, scope: &str) -> String {
+    let claims = Claims {
+        sub: uuid::Uuid::now_v7(),
+        aud: vec![aud.to_owned()],
+        scope: scope.to_owned(),
+        exp: chrono::Utc::now().timestamp() + 600,
+    };
+    JwtKey::new(SECRET).sign(&claims)
+}
+
+/// Poll `f` every 100 ms until it returns true or `limit` passes.
+pub async fn eventually<F, Fut>(limit: Duration, what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if f().await {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+pub async fn count(pool: &PgPool, sql: &'static str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+}

@@ -1,0 +1,122 @@
+//! Shared set-up for craig-mq's integration tests: a sandbox (own database + own vhost)
+//! migrated with the rules service schema, and small AMQP helpers.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use craig_mq::topology::{self, QueueSpec};
+use craig_mq::{EventEnvelope, OutboxConfig, OutboxWorker, PublisherConfig};
+use craig_sandbox::Sandbox;
+use lapin::options::BasicGetOptions;
+use sqlx::PgPool;
+
+pub const QUEUE: &str = "craig-rules.events";
+pub const EVENT: &str = "case.referral_created";
+
+pub struct Env {
+    pub sandbox: Sandbox,
+    pub pool: PgPool,
+}
+
+pub async fn env(label: &str) -> Env {
+    let sandbox = Sandbox::create(&format!("craig-mq::{label}"), &["svc"]).await.expect("sandbox");
+    let pool = sandbox.pool("svc").await.expect("pool");
+    sqlx::migrate!("../../migrations/rules").run(&pool).await.expect("migrate");
+    Env { sandbox, pool }
+}
+
+impl Env {
+    pub async fn finish(self) {
+        self.pool.close().await;
+        self.sandbox.destroy().await.expect("destroy sandbox");
+    }
+
+    pub fn worker(&self, cfg: OutboxConfig) -> OutboxWorker {
+        OutboxWorker::new(self.pool.clone(), self.sandbox.amqp_url(), fast_publisher(), cfg)
+    }
+
+    pub async fn channel(&self) -> (lapin::Connection, lapin::Channel) {
+        let conn = craig_mq::publisher::connect(self.sandbox.amqp_url(), 5, "test").await.expect("amqp");
+        let ch = conn.create_channel().await.expect("channel");
+        (conn, ch)
+    }
+
+    /// Declare the rules consumer queue exactly as a node would.
+    pub async fn declare_rules_queue(&self) {
+        let (conn, ch) = self.channel().await;
+        let spec = QueueSpec { queue: QUEUE.into(), bindings: vec![EVENT.into()], with_dlx: true };
+        topology::declare_consumer_queue(&ch, &spec).await.expect("declare");
+        let _ = conn.close(200, "bye".into()).await;
+    }
+
+    pub async fn depth(&self) -> u32 {
+        let (conn, ch) = self.channel().await;
+        let n = topology::queue_depth(&ch, QUEUE).await.expect("passive declare");
+        let _ = conn.close(200, "bye".into()).await;
+        n
+    }
+
+    /// Take every message now in the queue; return their `message_id`s in order.
+    pub async fn take_all(&self) -> Vec<String> {
+        let (conn, ch) = self.channel().await;
+        let mut ids = Vec::new();
+        while let Some(m) = ch.basic_get(QUEUE.into(), BasicGetOptions { no_ack: true }).await.expect("basic.get") {
+            ids.push(m.delivery.properties.message_id().as_ref().map(|s| s.to_string()).unwrap_or_default());
+        }
+        let _ = conn.close(200, "bye".into()).await;
+        ids
+    }
+
+    /// Stage `n` envelopes, `per_tx` to a transaction; returns their ids.
+    pub async fn stage(&self, n: usize, per_tx: usize) -> Vec<uuid::Uuid> {
+        let mut ids = Vec::with_capacity(n);
+        let mut left = n;
+        while left > 0 {
+            let k = left.min(per_tx);
+            let mut tx = self.pool.begin().await.unwrap();
+            for _ in 0..k {
+                let env = envelope();
+                craig_mq::publish_in_tx(&mut tx, &env).await.unwrap();
+                ids.push(env.id);
+            }
+            tx.commit().await.unwrap();
+            left -= k;
+        }
+        ids
+    }
+
+    pub async fn pending(&self) -> i64 {
+        craig_mq::outbox::pending_count(&self.pool).await.unwrap()
+    }
+}
+
+pub fn envelope() -> EventEnvelope {
+    let id = uuid::Uuid::now_v7();
+    EventEnvelope::new(EVENT, "cases", Some(id), serde_json::json!({ "referral_id": id, "subject": "t" })).unwrap()
+}
+
+pub fn fast_publisher() -> PublisherConfig {
+    PublisherConfig { heartbeat_secs: 2, confirm_timeout: Duration::from_secs(3) }
+}
+
+pub fn fast_outbox() -> OutboxConfig {
+    OutboxConfig {
+        poll_interval: Duration::from_millis(50),
+        batch_size: 100,
+        claim_lease: Duration::from_secs(60),
+        backoff_base: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(200),
+    }
+}
+
+pub trait OutboxConfigExt {
+    /// Small batches so two concurrent drains interleave many claims.
+    fn small_batches(self) -> Self;
+}
+
+impl OutboxConfigExt for OutboxConfig {
+    fn small_batches(mut self) -> Self {
+        self.batch_size = 25;
+        self
+    }
+}

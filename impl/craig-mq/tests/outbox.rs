@@ -1,0 +1,195 @@
+//! ADR-022 §D1 + #1128 on real PostgreSQL and RabbitMQ.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+#[tokio::test]
+async fn rolled_back_staging_publishes_nothing() {
+    let env = env("rolled_back_staging").await;
+    env.declare_rules_queue().await;
+    let mut tx = env.pool.begin().await.unwrap();
+    craig_mq::publish_in_tx(&mut tx, &envelope()).await.unwrap();
+    tx.rollback().await.unwrap();
+    let kept = env.stage(1, 1).await;
+
+    let report = env.worker(fast_outbox()).drain().await.unwrap();
+    assert_eq!(report.published, 1);
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM event_outbox").fetch_one(&env.pool).await.unwrap();
+    assert_eq!(rows, 1, "the rolled-back envelope must not be in the outbox");
+    assert_eq!(env.take_all().await, vec![kept[0].to_string()]);
+    env.finish().await;
+}
+
+#[tokio::test]
+async fn ten_thousand_staged_events_all_reach_the_rules_queue() {
+    let env = env("ten_thousand").await;
+    env.declare_rules_queue().await;
+    let ids = env.stage(10_000, 500).await;
+
+    let started = Instant::now();
+    let report = env.worker(fast_outbox()).drain().await.unwrap();
+    let took = started.elapsed();
+    eprintln!(
+        "drained {} events in {:.2} s ({:.0} events/s, {} passes)",
+        report.published,
+        took.as_secs_f64(),
+        report.published as f64 / took.as_secs_f64(),
+        report.passes
+    );
+    assert_eq!(report.published, 10_000);
+    assert_eq!(report.failed, 0);
+    assert_eq!(env.pending().await, 0);
+    let got = env.take_all().await;
+    assert_eq!(got.len(), 10_000);
+    let want: HashSet<String> = ids.iter().map(|u| u.to_string()).collect();
+    assert_eq!(got.into_iter().collect::<HashSet<_>>(), want);
+    env.finish().await;
+}
+
+#[tokio::test]
+async fn two_workers_never_publish_a_row_twice_while_the_lease_holds() {
+    let env = env("two_workers").await;
+    env.declare_rules_queue().await;
+    let ids = env.stage(3_000, 500).await;
+    let cfg = common::OutboxConfigExt::small_batches(fast_outbox());
+    let (mut a, mut b) = (env.worker(cfg), env.worker(cfg));
+    let (ra, rb) = tokio::join!(a.drain(), b.drain());
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    // Both did real work: the test proves concurrent claims, not one idle worker.
+    assert!(ra.published > 0 && rb.published > 0, "a={ra:?} b={rb:?}");
+    // Whichever stopped first may have left rows for the other; finish them.
+    let rest = env.worker(cfg).drain().await.unwrap();
+    assert_eq!(ra.published + rb.published + rest.published, 3_000);
+
+    let got = env.take_all().await;
+    let unique: HashSet<&String> = got.iter().collect();
+    assert_eq!(got.len(), 3_000, "every row published exactly once");
+    assert_eq!(unique.len(), 3_000);
+    assert_eq!(unique, ids.iter().map(|u| u.to_string()).collect::<HashSet<_>>().iter().collect());
+    env.finish().await;
+}
+
+#[tokio::test]
+async fn an_expired_claim_is_reclaimed_and_a_live_one_is_not() {
+    let env = env("lease_expiry").await;
+    env.declare_rules_queue().await;
+    let ids = env.stage(5, 5).await;
+    // A worker that claimed and vanished: claimed_at stamped, nothing published.
+    sqlx::query("UPDATE event_outbox SET claimed_at = now()").execute(&env.pool).await.unwrap();
+    let mut cfg = fast_outbox();
+    cfg.claim_lease = Duration::from_millis(1500);
+    let mut w = env.worker(cfg);
+    let live = w.pass().await.unwrap();
+    assert_eq!(live.claimed, 0, "rows under a live lease must not be claimed");
+
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let healed = w.pass().await.unwrap();
+    assert_eq!((healed.claimed, healed.reclaimed, healed.published), (5, 5, 5));
+    assert_eq!(env.pending().await, 0);
+    let got: HashSet<String> = env.take_all().await.into_iter().collect();
+    assert_eq!(got, ids.iter().map(|u| u.to_string()).collect());
+    env.finish().await;
+}
+
+#[tokio::test]
+async fn broker_refusing_then_closing_leaves_rows_pending_until_it_returns() {
+    let env = env("broker_refuses").await;
+    env.declare_rules_queue().await;
+    let first = env.stage(10, 10).await;
+    let mut worker = env.worker(fast_outbox());
+    assert_eq!(worker.drain().await.unwrap().published, 10, "broker healthy: all published");
+
+    // Closing: deleting the vhost force-closes the worker's open connection.
+    env.sandbox.drop_vhost().await.unwrap();
+    let staged = env.stage(20, 20).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let closed = worker.pass().await.unwrap();
+    assert_eq!((closed.claimed, closed.published, closed.failed), (20, 0, 20));
+    // Refusing: the next pass reconnects and the broker refuses the vhost.
+    let refused = worker.pass().await.unwrap();
+    assert_eq!((refused.published, refused.failed), (0, 20));
+
+    let rows: Vec<(i32, Option<String>, bool)> = sqlx::query_as(
+        "SELECT attempts, last_error, claimed_at IS NULL FROM event_outbox WHERE published_at IS NULL",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 20);
+    for (attempts, last_error, released) in &rows {
+        assert_eq!(*attempts, 2);
+        assert!(last_error.as_deref().is_some_and(|e| e.starts_with("connection:")), "{last_error:?}");
+        assert!(released, "a failed publish releases its claim at once");
+    }
+
+    env.sandbox.restore_vhost().await.unwrap();
+    env.declare_rules_queue().await;
+    let back = worker.drain().await.unwrap();
+    assert_eq!((back.published, back.failed), (20, 0));
+    assert_eq!(env.pending().await, 0);
+    let got: HashSet<String> = env.take_all().await.into_iter().collect();
+    assert_eq!(got, staged.iter().map(|u| u.to_string()).collect(), "the first 10 went down with the old vhost");
+    assert!(first.iter().all(|id| !got.contains(&id.to_string())));
+    env.finish().await;
+}
+
+#[tokio::test]
+async fn a_broker_nack_is_typed_and_keeps_the_row_pending() {
+    use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::{AMQPValue, FieldTable};
+    let env = env("broker_nack").await;
+    let (conn, ch) = env.channel().await;
+    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
+    // A full queue with reject-publish overflow makes the broker NACK routed publishes.
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongInt(1));
+    args.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
+    ch.queue_declare("full".into(), QueueDeclareOptions { durable: true, ..Default::default() }, args).await.unwrap();
+    ch.queue_bind("full".into(), "craig.events".into(), EVENT.into(), QueueBindOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+
+    let publisher = craig_mq::Publisher::connect(env.sandbox.amqp_url(), fast_publisher()).await.unwrap();
+    publisher.publish(&envelope()).await.expect("first fits");
+    let second = envelope();
+    match publisher.publish(&second).await {
+        Err(craig_mq::PublishError::Nacked { id }) => assert_eq!(id, second.id),
+        other => panic!("expected a typed Nack, got {other:?}"),
+    }
+    assert!(publisher.is_usable(), "a Nack does not poison the channel");
+    publisher.close().await;
+
+    let ids = env.stage(1, 1).await;
+    let pass = env.worker(fast_outbox()).pass().await.unwrap();
+    assert_eq!((pass.published, pass.failed), (0, 1));
+    let (attempts, last_error): (i32, String) =
+        sqlx::query_as("SELECT attempts, last_error FROM event_outbox WHERE id = $1").bind(ids[0]).fetch_one(&env.pool).await.unwrap();
+    assert_eq!(attempts, 1);
+    assert!(last_error.starts_with("nacked:"), "{last_error}");
+    let _ = conn.close(200, "bye".into()).await;
+    env.finish().await;
+}
+
+#[tokio::test]
+async fn a_malformed_outbox_row_is_released_with_its_error_and_does_not_block_others() {
+    let env = env("malformed_row").await;
+    env.declare_rules_queue().await;
+    sqlx::query("INSERT INTO event_outbox (event_type, envelope) VALUES ('case.referral_created', '{\"not\": \"an envelope\"}')")
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let good = env.stage(3, 3).await;
+    let pass = env.worker(fast_outbox()).pass().await.unwrap();
+    assert_eq!((pass.claimed, pass.published, pass.failed), (4, 3, 1));
+    let err: String = sqlx::query_scalar("SELECT last_error FROM event_outbox WHERE published_at IS NULL")
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+    assert!(err.starts_with("malformed_envelope:"), "{err}");
+    assert_eq!(env.take_all().await.len(), good.len());
+    env.finish().await;
+}
