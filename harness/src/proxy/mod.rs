@@ -1,0 +1,281 @@
+//! An in-process TCP fault proxy with Toxiproxy's model and HTTP API.
+//!
+//! The harness drives it ONLY through the HTTP API ([`client::ToxiproxyClient`]), so the
+//! real Toxiproxy server (the `containers` backend runs `ghcr.io/shopify/toxiproxy`) is a
+//! drop-in replacement. Supported: proxies with enable/disable ("down": listener closed and
+//! live connections cut), and the toxics latency (+jitter), bandwidth, slow_close, timeout,
+//! reset_peer, slicer and limit_data, each per direction with toxicity. Adding or removing
+//! a toxic acts on live connections, in exactly the direction asked.
+//!
+//! Beyond Toxiproxy: `listen` may use port 0; the reply carries the bound address.
+
+pub mod api;
+pub mod client;
+mod link;
+pub mod toxic;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::AbortHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use client::ToxiproxyClient;
+use link::ToxicSet;
+pub use toxic::{Stream, Toxic, ToxicKind};
+
+/// A proxy as the API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProxyInfo {
+    pub name: String,
+    pub listen: String,
+    pub upstream: String,
+    pub enabled: bool,
+    #[serde(default)]
+    pub toxics: Vec<Toxic>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ProxyError {
+    #[error("proxy {0} already exists")]
+    Exists(String),
+    #[error("proxy {0} not found")]
+    NoProxy(String),
+    #[error("toxic {0} not found")]
+    NoToxic(String),
+    #[error("toxic {0} already exists")]
+    ToxicExists(String),
+    #[error("bad request: {0}")]
+    Bad(String),
+    #[error("cannot listen on {addr}: {why}")]
+    Listen { addr: String, why: String },
+}
+
+struct Proxy {
+    listen: SocketAddr,
+    upstream: String,
+    enabled: bool,
+    toxics: Vec<Toxic>,
+    tx: watch::Sender<ToxicSet>,
+    accept: Option<AbortHandle>,
+    /// Cancelling it cuts every live connection of this proxy.
+    conns: CancellationToken,
+}
+
+impl Proxy {
+    fn info(&self, name: &str) -> ProxyInfo {
+        ProxyInfo {
+            name: name.to_owned(),
+            listen: self.listen.to_string(),
+            upstream: self.upstream.clone(),
+            enabled: self.enabled,
+            toxics: self.toxics.clone(),
+        }
+    }
+
+    fn publish(&self) {
+        self.tx.send_replace(Arc::new(self.toxics.clone()));
+    }
+
+    fn stop(&mut self) {
+        if let Some(h) = self.accept.take() {
+            h.abort();
+        }
+        self.conns.cancel();
+        self.conns = CancellationToken::new();
+    }
+}
+
+/// The proxy registry behind the HTTP API.
+#[derive(Clone)]
+pub struct FaultProxy {
+    proxies: Arc<Mutex<HashMap<String, Proxy>>>,
+    seed: u64,
+    next_conn: Arc<AtomicU64>,
+}
+
+impl FaultProxy {
+    /// `seed` drives jitter, slicing and toxicity draws (each connection gets a child seed).
+    pub fn new(seed: u64) -> Self {
+        Self { proxies: Arc::default(), seed, next_conn: Arc::default() }
+    }
+
+    pub fn list(&self) -> Vec<ProxyInfo> {
+        let map = self.proxies.lock().unwrap();
+        let mut v: Vec<_> = map.iter().map(|(n, p)| p.info(n)).collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+
+    pub fn get(&self, name: &str) -> Result<ProxyInfo, ProxyError> {
+        let map = self.proxies.lock().unwrap();
+        map.get(name).map(|p| p.info(name)).ok_or_else(|| ProxyError::NoProxy(name.into()))
+    }
+
+    pub async fn create(&self, name: &str, listen: &str, upstream: &str, enabled: bool) -> Result<ProxyInfo, ProxyError> {
+        if name.is_empty() || upstream.is_empty() {
+            return Err(ProxyError::Bad("name and upstream are required".into()));
+        }
+        if self.proxies.lock().unwrap().contains_key(name) {
+            return Err(ProxyError::Exists(name.into()));
+        }
+        let listener = bind(listen).await?;
+        let addr = listener.local_addr().map_err(|e| ProxyError::Listen { addr: listen.into(), why: e.to_string() })?;
+        let (tx, _) = watch::channel(Arc::new(Vec::new()));
+        let mut proxy = Proxy {
+            listen: addr,
+            upstream: upstream.to_owned(),
+            enabled,
+            toxics: Vec::new(),
+            tx,
+            accept: None,
+            conns: CancellationToken::new(),
+        };
+        if enabled {
+            proxy.accept = Some(self.spawn_accept(listener, &proxy));
+        }
+        let mut map = self.proxies.lock().unwrap();
+        if map.contains_key(name) {
+            proxy.stop();
+            return Err(ProxyError::Exists(name.into()));
+        }
+        let info = proxy.info(name);
+        map.insert(name.to_owned(), proxy);
+        Ok(info)
+    }
+
+    pub fn delete(&self, name: &str) -> Result<(), ProxyError> {
+        let mut p = self.proxies.lock().unwrap().remove(name).ok_or_else(|| ProxyError::NoProxy(name.into()))?;
+        p.stop();
+        Ok(())
+    }
+
+    /// Enable or disable ("down"): disabling closes the listener and cuts live connections.
+    pub async fn set_enabled(&self, name: &str, enabled: bool) -> Result<ProxyInfo, ProxyError> {
+        let listen = {
+            let mut map = self.proxies.lock().unwrap();
+            let p = map.get_mut(name).ok_or_else(|| ProxyError::NoProxy(name.into()))?;
+            if p.enabled == enabled {
+                return Ok(p.info(name));
+            }
+            if !enabled {
+                p.stop();
+                p.enabled = false;
+                return Ok(p.info(name));
+            }
+            p.listen
+        };
+        let listener = bind(&listen.to_string()).await?;
+        let mut map = self.proxies.lock().unwrap();
+        let p = map.get_mut(name).ok_or_else(|| ProxyError::NoProxy(name.into()))?;
+        if !p.enabled {
+            p.accept = Some(self.spawn_accept(listener, p));
+            p.enabled = true;
+        }
+        Ok(p.info(name))
+    }
+
+    pub fn add_toxic(&self, proxy: &str, toxic: Toxic) -> Result<Toxic, ProxyError> {
+        let toxic = toxic.normalized().map_err(ProxyError::Bad)?;
+        let mut map = self.proxies.lock().unwrap();
+        let p = map.get_mut(proxy).ok_or_else(|| ProxyError::NoProxy(proxy.into()))?;
+        if p.toxics.iter().any(|t| t.name == toxic.name) {
+            return Err(ProxyError::ToxicExists(toxic.name));
+        }
+        p.toxics.push(toxic.clone());
+        p.publish();
+        tracing::info!(event = "proxy.toxic_added", proxy, toxic = %toxic.name, kind = toxic.kind.type_name(), stream = toxic.stream.as_str());
+        Ok(toxic)
+    }
+
+    /// Replace a toxic's attributes (and toxicity), keeping its name, type and stream.
+    pub fn update_toxic(&self, proxy: &str, name: &str, toxicity: Option<f32>, attributes: Option<serde_json::Value>) -> Result<Toxic, ProxyError> {
+        let mut map = self.proxies.lock().unwrap();
+        let p = map.get_mut(proxy).ok_or_else(|| ProxyError::NoProxy(proxy.into()))?;
+        let t = p.toxics.iter_mut().find(|t| t.name == name).ok_or_else(|| ProxyError::NoToxic(name.into()))?;
+        let mut updated = t.clone();
+        if let Some(attrs) = attributes {
+            let mut merged = serde_json::to_value(&updated).map_err(|e| ProxyError::Bad(e.to_string()))?;
+            if let (Some(old), Some(new)) = (merged["attributes"].as_object_mut(), attrs.as_object()) {
+                for (k, v) in new {
+                    old.insert(k.clone(), v.clone());
+                }
+            }
+            updated = serde_json::from_value(merged).map_err(|e| ProxyError::Bad(e.to_string()))?;
+        }
+        if let Some(p) = toxicity {
+            updated.toxicity = p;
+        }
+        let updated = updated.normalized().map_err(ProxyError::Bad)?;
+        *t = updated.clone();
+        p.publish();
+        Ok(updated)
+    }
+
+    pub fn remove_toxic(&self, proxy: &str, name: &str) -> Result<(), ProxyError> {
+        let mut map = self.proxies.lock().unwrap();
+        let p = map.get_mut(proxy).ok_or_else(|| ProxyError::NoProxy(proxy.into()))?;
+        let before = p.toxics.len();
+        p.toxics.retain(|t| t.name != name);
+        if p.toxics.len() == before {
+            return Err(ProxyError::NoToxic(name.into()));
+        }
+        p.publish();
+        tracing::info!(event = "proxy.toxic_removed", proxy, toxic = name);
+        Ok(())
+    }
+
+    /// Toxiproxy's `/reset`: every proxy enabled, every toxic removed.
+    pub async fn reset(&self) -> Result<(), ProxyError> {
+        let names: Vec<String> = self.proxies.lock().unwrap().keys().cloned().collect();
+        for name in names {
+            {
+                let mut map = self.proxies.lock().unwrap();
+                if let Some(p) = map.get_mut(&name) {
+                    p.toxics.clear();
+                    p.publish();
+                }
+            }
+            self.set_enabled(&name, true).await?;
+        }
+        Ok(())
+    }
+
+    fn spawn_accept(&self, listener: TcpListener, proxy: &Proxy) -> AbortHandle {
+        let upstream = proxy.upstream.clone();
+        let rx = proxy.tx.subscribe();
+        let conns = proxy.conns.clone();
+        let seed = self.seed;
+        let counter = self.next_conn.clone();
+        tokio::spawn(async move {
+            loop {
+                let sock = match listener.accept().await {
+                    Ok((sock, _)) => sock,
+                    Err(_) => {
+                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                let n = counter.fetch_add(1, Ordering::Relaxed);
+                let conn_seed = seed.wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                tokio::spawn(link::run(sock, upstream.clone(), rx.clone(), conn_seed, conns.clone()));
+            }
+        })
+        .abort_handle()
+    }
+}
+
+async fn bind(listen: &str) -> Result<TcpListener, ProxyError> {
+    let err = |e: std::io::Error| ProxyError::Listen { addr: listen.into(), why: e.to_string() };
+    let addr: SocketAddr = listen.parse().map_err(|_| ProxyError::Bad(format!("listen {listen:?} is not host:port")))?;
+    let sock = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4() } else { tokio::net::TcpSocket::new_v6() }.map_err(err)?;
+    // Re-enabling must re-bind the same port while old connections drain.
+    sock.set_reuseaddr(true).map_err(err)?;
+    sock.bind(addr).map_err(err)?;
+    sock.listen(1024).map_err(err)
+}
