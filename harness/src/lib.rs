@@ -4,6 +4,10 @@
 //!
 //! | module | what |
 //! |---|---|
+//! | [`backend`] | where PostgreSQL and RabbitMQ come from: local, external, containers |
 //! | [`proxy`] | Toxiproxy-compatible fault proxy and its API client |
+//! | [`process`] | fleet replicas as child processes: signals, restarts, logs |
 
+pub mod backend;
+pub mod process;
 pub mod proxy;

@@ -45,6 +45,12 @@ fn scenario_files(paths: &[PathBuf]) -> std::io::Result<Vec<PathBuf>> {
 }
 
 fn main() -> ExitCode {
+    // `chaos craig-node …` runs a fleet node: the harness's replicas are this binary.
+    let mut args = std::env::args_os();
+    if std::env::args_os().nth(1).is_some_and(|a| a == "craig-node") {
+        let _self = args.next();
+        return craig_fleet::cli::run(args);
+    }
     let cli = Cli::parse();
     let (Command::Run { paths } | Command::List { paths }) = &cli.command;
     match scenario_files(paths) {

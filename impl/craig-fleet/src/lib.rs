@@ -2,6 +2,7 @@
 //! `craig-api`, and the `craig-node` binary that runs one of them.
 
 pub mod cases;
+pub mod cli;
 pub mod compat;
 pub mod node;
 pub mod rules;

@@ -86,10 +86,22 @@ pub fn with_heartbeat(amqp_url: &str, heartbeat_secs: u16) -> String {
     format!("{amqp_url}{sep}heartbeat={heartbeat_secs}")
 }
 
-/// Open an AMQP connection with the heartbeat set and a connection name for the broker UI.
+/// How long an AMQP handshake may take before the connection counts as failed: a
+/// black-holed broker must not hang a worker in `connect`.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Open an AMQP connection with the heartbeat set and a connection name for the broker UI,
+/// bounded by [`CONNECT_TIMEOUT`] (an `IOError` of kind `TimedOut` past it).
 pub async fn connect(amqp_url: &str, heartbeat_secs: u16, name: &str) -> Result<Connection, lapin::Error> {
     let props = ConnectionProperties::default().with_connection_name(name.into());
-    Connection::connect(&with_heartbeat(amqp_url, heartbeat_secs), props).await
+    match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(&with_heartbeat(amqp_url, heartbeat_secs), props)).await {
+        Ok(res) => res,
+        Err(_) => Err(lapin::ErrorKind::IOError(std::sync::Arc::new(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("AMQP handshake not finished within {CONNECT_TIMEOUT:?}"),
+        )))
+        .into()),
+    }
 }
 
 impl Publisher {
@@ -107,6 +119,8 @@ impl Publisher {
     async fn connect_with(amqp_url: &str, cfg: PublisherConfig, confirms: bool) -> Result<Self, PublishError> {
         let conn = connect(amqp_url, cfg.heartbeat_secs, "craig-publisher").await?;
         let channel = conn.create_channel().await?;
+        // Idempotent: a fresh broker or vhost must not turn every publish into a 404.
+        crate::topology::declare_exchanges(&channel).await?;
         if confirms {
             channel.confirm_select(ConfirmSelectOptions::default()).await?;
         }

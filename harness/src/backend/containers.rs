@@ -1,0 +1,238 @@
+//! `containers`: PostgreSQL and RabbitMQ from testcontainers' modules, and the official
+//! Toxiproxy image as a generic image, on one Docker network. Runs only where a Docker
+//! engine answers; this machine kind has none, so CI compiles it and unit-tests the
+//! wiring (images, ports, wait strategies) only.
+//!
+//! Faults: kill = `docker stop -t 0` (SIGKILL), restart = `docker start` on the same
+//! container (data kept), pause = `docker pause`. The host ports of a restarted container
+//! can change; [`ContainersBackend::endpoints`] always reports the current ones.
+
+use std::time::Duration;
+
+use testcontainers::core::{IntoContainerPort, WaitFor};
+use testcontainers::runners::AsyncRunner;
+use testcontainers::{ContainerAsync, ContainerRequest, GenericImage, ImageExt};
+use testcontainers_modules::postgres::Postgres;
+use testcontainers_modules::rabbitmq::RabbitMq;
+
+use super::{BackendError, Endpoints, Target};
+
+pub const POSTGRES_TAG: &str = "15-alpine";
+pub const RABBITMQ_TAG: &str = "3.10-management-alpine";
+pub const TOXIPROXY_IMAGE: &str = "ghcr.io/shopify/toxiproxy";
+pub const TOXIPROXY_TAG: &str = "2.12.0";
+pub const TOXIPROXY_API_PORT: u16 = 8474;
+/// Ports the Toxiproxy container exposes for proxies: database, broker.
+pub const TOXIPROXY_DB_PORT: u16 = 8666;
+pub const TOXIPROXY_BROKER_PORT: u16 = 8667;
+/// Container names on the run's network (Toxiproxy's upstreams).
+pub const POSTGRES_HOST: &str = "craig-postgres";
+pub const RABBITMQ_HOST: &str = "craig-rabbitmq";
+
+/// Whether a Docker engine answers (`DOCKER_HOST` or `/var/run/docker.sock`).
+pub async fn probe() -> Result<(), String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let host = std::env::var("DOCKER_HOST").unwrap_or_else(|_| "unix:///var/run/docker.sock".into());
+    let reply = async {
+        let mut buf = Vec::new();
+        if let Some(path) = host.strip_prefix("unix://") {
+            let mut s = tokio::net::UnixStream::connect(path).await?;
+            s.write_all(b"GET /_ping HTTP/1.0\r\n\r\n").await?;
+            s.read_to_end(&mut buf).await?;
+        } else if let Some(addr) = host.strip_prefix("tcp://") {
+            let mut s = tokio::net::TcpStream::connect(addr).await?;
+            s.write_all(b"GET /_ping HTTP/1.0\r\n\r\n").await?;
+            s.read_to_end(&mut buf).await?;
+        } else {
+            return Err(std::io::Error::other(format!("unsupported DOCKER_HOST {host}")));
+        }
+        Ok::<_, std::io::Error>(buf)
+    };
+    match tokio::time::timeout(Duration::from_secs(3), reply).await {
+        Ok(Ok(buf)) if String::from_utf8_lossy(&buf).contains("OK") => Ok(()),
+        Ok(Ok(_)) => Err(format!("the Docker engine at {host} did not answer /_ping with OK")),
+        Ok(Err(e)) => Err(format!("no Docker engine at {host} ({e}); install and start Docker to use this backend")),
+        Err(_) => Err(format!("the Docker engine at {host} did not answer within 3 s")),
+    }
+}
+
+pub fn postgres_request(network: &str) -> ContainerRequest<Postgres> {
+    Postgres::default()
+        .with_host_auth()
+        .with_tag(POSTGRES_TAG)
+        .with_network(network)
+        .with_container_name(format!("{POSTGRES_HOST}-{network}"))
+        .with_startup_timeout(Duration::from_secs(60))
+}
+
+pub fn rabbitmq_request(network: &str) -> ContainerRequest<RabbitMq> {
+    RabbitMq::default()
+        .with_tag(RABBITMQ_TAG)
+        .with_network(network)
+        .with_container_name(format!("{RABBITMQ_HOST}-{network}"))
+        .with_startup_timeout(Duration::from_secs(90))
+}
+
+pub fn toxiproxy_request(network: &str) -> ContainerRequest<GenericImage> {
+    GenericImage::new(TOXIPROXY_IMAGE, TOXIPROXY_TAG)
+        .with_exposed_port(TOXIPROXY_API_PORT.tcp())
+        .with_exposed_port(TOXIPROXY_DB_PORT.tcp())
+        .with_exposed_port(TOXIPROXY_BROKER_PORT.tcp())
+        .with_wait_for(WaitFor::message_on_either_std("Starting Toxiproxy HTTP server"))
+        .with_network(network)
+        .with_container_name(format!("craig-toxiproxy-{network}"))
+        .with_startup_timeout(Duration::from_secs(60))
+}
+
+pub struct ContainersBackend {
+    network: String,
+    postgres: ContainerAsync<Postgres>,
+    rabbitmq: ContainerAsync<RabbitMq>,
+    toxiproxy: ContainerAsync<GenericImage>,
+    services: Vec<String>,
+    pg_port: u16,
+    amqp_port: u16,
+}
+
+fn tc(what: &str) -> impl Fn(testcontainers::TestcontainersError) -> BackendError + '_ {
+    move |e| BackendError::failed(what.to_owned(), e)
+}
+
+impl ContainersBackend {
+    pub async fn start(services: &[&str]) -> Result<Self, BackendError> {
+        let network = format!("craig-chaos-{}", std::process::id());
+        let postgres = postgres_request(&network).start().await.map_err(tc("starting the postgres container"))?;
+        let rabbitmq = rabbitmq_request(&network).start().await.map_err(tc("starting the rabbitmq container"))?;
+        let toxiproxy = toxiproxy_request(&network).start().await.map_err(tc("starting the toxiproxy container"))?;
+        let mut b = Self {
+            network,
+            postgres,
+            rabbitmq,
+            toxiproxy,
+            services: services.iter().map(|s| s.to_string()).collect(),
+            pg_port: 0,
+            amqp_port: 0,
+        };
+        b.refresh_ports().await?;
+        let admin = format!("postgres://postgres@127.0.0.1:{}/postgres", b.pg_port);
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&admin)
+            .await
+            .map_err(|e| BackendError::failed("connecting to the postgres container", e))?;
+        for s in &b.services {
+            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{s}\"")))
+                .execute(&pool)
+                .await
+                .map_err(|e| BackendError::failed(format!("creating database {s}"), e))?;
+        }
+        pool.close().await;
+        Ok(b)
+    }
+
+    async fn refresh_ports(&mut self) -> Result<(), BackendError> {
+        self.pg_port = self.postgres.get_host_port_ipv4(5432).await.map_err(tc("postgres port"))?;
+        self.amqp_port = self.rabbitmq.get_host_port_ipv4(5672).await.map_err(tc("rabbitmq port"))?;
+        Ok(())
+    }
+
+    pub fn endpoints(&self) -> Endpoints {
+        Endpoints {
+            databases: self
+                .services
+                .iter()
+                .map(|s| (s.clone(), format!("postgres://postgres@127.0.0.1:{}/{s}", self.pg_port)))
+                .collect(),
+            amqp_url: format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.amqp_port),
+            database_addr: format!("{POSTGRES_HOST}-{}:5432", self.network),
+            broker_addr: format!("{RABBITMQ_HOST}-{}:5672", self.network),
+        }
+    }
+
+    /// The Toxiproxy API base URL on the host.
+    pub async fn toxiproxy_api(&self) -> Result<String, BackendError> {
+        let port = self.toxiproxy.get_host_port_ipv4(TOXIPROXY_API_PORT).await.map_err(tc("toxiproxy port"))?;
+        Ok(format!("http://127.0.0.1:{port}"))
+    }
+
+    async fn container_op(&self, t: Target, op: &'static str) -> Result<(), BackendError> {
+        let what = format!("{op} the {t} container");
+        let r = match (t, op) {
+            (Target::Database, "kill") => self.postgres.stop_with_timeout(Some(0)).await,
+            (Target::Broker, "kill") => self.rabbitmq.stop_with_timeout(Some(0)).await,
+            (Target::Database, "start") => self.postgres.start().await,
+            (Target::Broker, "start") => self.rabbitmq.start().await,
+            (Target::Database, "pause") => self.postgres.pause().await,
+            (Target::Broker, "pause") => self.rabbitmq.pause().await,
+            (Target::Database, _) => self.postgres.unpause().await,
+            (Target::Broker, _) => self.rabbitmq.unpause().await,
+        };
+        r.map_err(|e| BackendError::failed(what, e))
+    }
+
+    pub async fn kill(&mut self, t: Target) -> Result<(), BackendError> {
+        self.container_op(t, "kill").await
+    }
+
+    pub async fn restart(&mut self, t: Target) -> Result<(), BackendError> {
+        self.container_op(t, "start").await?;
+        self.refresh_ports().await
+    }
+
+    pub async fn pause(&mut self, t: Target, paused: bool) -> Result<(), BackendError> {
+        self.container_op(t, if paused { "pause" } else { "unpause" }).await
+    }
+
+    pub async fn stop(self) -> Result<(), BackendError> {
+        let a = self.toxiproxy.rm().await;
+        let b = self.rabbitmq.rm().await;
+        let c = self.postgres.rm().await;
+        a.and(b).and(c).map_err(|e| BackendError::failed("removing containers", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use testcontainers::Image;
+
+    use super::*;
+
+    #[test]
+    fn postgres_wiring() {
+        let r = postgres_request("net1");
+        assert_eq!(r.image().name(), "postgres");
+        assert_eq!(r.descriptor(), format!("postgres:{POSTGRES_TAG}"));
+        assert_eq!(r.network().as_deref(), Some("net1"));
+        assert_eq!(r.container_name().as_deref(), Some("craig-postgres-net1"));
+        let env: Vec<_> = r.env_vars().map(|(k, v)| (k.into_owned(), v.into_owned())).collect();
+        assert!(env.contains(&("POSTGRES_HOST_AUTH_METHOD".into(), "trust".into())), "{env:?}");
+        assert!(format!("{:?}", r.ready_conditions()).contains("ready to accept connections"));
+    }
+
+    #[test]
+    fn rabbitmq_wiring() {
+        let r = rabbitmq_request("net1");
+        assert_eq!(r.descriptor(), format!("rabbitmq:{RABBITMQ_TAG}"));
+        assert_eq!(r.container_name().as_deref(), Some("craig-rabbitmq-net1"));
+        assert!(format!("{:?}", r.ready_conditions()).contains("Server startup complete"));
+    }
+
+    #[test]
+    fn toxiproxy_wiring() {
+        let r = toxiproxy_request("net1");
+        assert_eq!(r.descriptor(), format!("{TOXIPROXY_IMAGE}:{TOXIPROXY_TAG}"));
+        let ports: Vec<u16> = r.expose_ports().iter().map(|p| p.as_u16()).collect();
+        assert_eq!(ports, [TOXIPROXY_API_PORT, TOXIPROXY_DB_PORT, TOXIPROXY_BROKER_PORT]);
+        assert!(format!("{:?}", r.ready_conditions()).contains("Starting Toxiproxy HTTP server"));
+        assert_eq!(r.network().as_deref(), Some("net1"));
+    }
+
+    #[tokio::test]
+    async fn probe_explains_a_missing_engine() {
+        // SAFETY: this test binary runs its tests in separate processes under nextest, and
+        // nothing else here reads DOCKER_HOST concurrently.
+        unsafe { std::env::set_var("DOCKER_HOST", "unix:///nonexistent/docker.sock") };
+        let err = probe().await.unwrap_err();
+        assert!(err.contains("no Docker engine at unix:///nonexistent/docker.sock"), "{err}");
+    }
+}

@@ -1,0 +1,435 @@
+//! `local`: a private PostgreSQL and a private RabbitMQ node as child processes, in a temp
+//! dir, on free ports. Each server is its own process group, so a kill takes every backend
+//! and helper with it — a real crash, by a real signal. Data survives a kill, so a restart
+//! exercises crash recovery. Everything is removed on stop, on drop (panic) and, through
+//! PR_SET_PDEATHSIG, when the harness itself dies.
+//!
+//! PostgreSQL runs as the `postgres` user when the harness is root (initdb refuses root).
+//! `fsync=off`: a killed process loses nothing the OS already has, and no OS crash is
+//! simulated here.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::{Gid, Pid, Uid};
+use sqlx::Connection;
+use tokio::time::Instant;
+
+use super::{BackendError, Endpoints, Target};
+
+/// Why this machine cannot run the local backend (`Err`), or `Ok`.
+pub fn probe() -> Result<(), String> {
+    pg_bindir().map_err(|e| e.to_string())?;
+    rabbitmq_script().map_err(|e| e.to_string())?;
+    if Uid::effective().is_root() && nix::unistd::User::from_name("postgres").ok().flatten().is_none() {
+        return Err("running as root but there is no `postgres` user to run initdb as".into());
+    }
+    Ok(())
+}
+
+fn pg_bindir() -> Result<PathBuf, BackendError> {
+    if let Ok(dir) = std::env::var("CHAOS_PG_BINDIR") {
+        return Ok(PathBuf::from(dir));
+    }
+    let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let v: u32 = e.file_name().to_str()?.parse().ok()?;
+            let bin = e.path().join("bin");
+            (bin.join("initdb").exists() && bin.join("postgres").exists()).then_some((v, bin))
+        })
+        .collect();
+    found.sort();
+    if let Some((_, bin)) = found.pop() {
+        return Ok(bin);
+    }
+    for dir in std::env::var("PATH").unwrap_or_default().split(':') {
+        let p = Path::new(dir);
+        if p.join("initdb").exists() && p.join("postgres").exists() {
+            return Ok(p.to_path_buf());
+        }
+    }
+    Err(BackendError::Unavailable {
+        backend: "local",
+        why: "no PostgreSQL server binaries (initdb, postgres) under /usr/lib/postgresql/*/bin or on PATH; \
+              install postgresql or set CHAOS_PG_BINDIR"
+            .into(),
+    })
+}
+
+fn rabbitmq_script() -> Result<PathBuf, BackendError> {
+    if let Ok(p) = std::env::var("CHAOS_RABBITMQ_SERVER") {
+        return Ok(PathBuf::from(p));
+    }
+    // The Debian wrapper in /usr/sbin re-launches as the rabbitmq user via su, which would
+    // make beam a grandchild; the real script keeps beam our direct child.
+    let p = PathBuf::from("/usr/lib/rabbitmq/bin/rabbitmq-server");
+    if p.exists() {
+        return Ok(p);
+    }
+    Err(BackendError::Unavailable {
+        backend: "local",
+        why: "no /usr/lib/rabbitmq/bin/rabbitmq-server; install rabbitmq-server or set CHAOS_RABBITMQ_SERVER".into(),
+    })
+}
+
+fn free_port() -> Result<u16, BackendError> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| BackendError::failed("finding a free port", e))?;
+    Ok(l.local_addr().map_err(|e| BackendError::failed("finding a free port", e))?.port())
+}
+
+fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+/// One server process (group) we start, kill, pause and restart.
+struct Server {
+    name: &'static str,
+    program: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    cwd: PathBuf,
+    run_as: Option<(Uid, Gid)>,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Server {
+    fn spawn(&mut self) -> Result<(), BackendError> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .map_err(|e| BackendError::failed(format!("opening {}", self.log.display()), e))?;
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.args)
+            .current_dir(&self.cwd)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(|e| BackendError::failed("log", e))?)
+            .stderr(log)
+            .process_group(0);
+        if let Some((uid, gid)) = self.run_as {
+            cmd.uid(uid.as_raw()).gid(gid.as_raw());
+        }
+        // SAFETY: prctl is async-signal-safe. The signal fires when the spawning THREAD
+        // exits, so spawn only from runtime threads that live as long as the run.
+        unsafe {
+            cmd.pre_exec(|| {
+                nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)?;
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().map_err(|e| BackendError::failed(format!("starting {} ({})", self.name, self.program.display()), e))?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    fn pgid(&self) -> Option<Pid> {
+        self.child.as_ref().map(|c| Pid::from_raw(c.id() as i32))
+    }
+
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    fn signal(&self, sig: Signal) -> Result<(), BackendError> {
+        let pgid = self.pgid().ok_or_else(|| BackendError::failed(format!("signalling {}", self.name), "not running"))?;
+        killpg(pgid, sig).map_err(|e| BackendError::failed(format!("{sig} to {}", self.name), e))
+    }
+
+    /// SIGKILL the whole group and wait until every process of it is gone.
+    async fn kill(&mut self) -> Result<(), BackendError> {
+        let Some(pgid) = self.pgid() else { return Ok(()) };
+        let _ = killpg(pgid, Signal::SIGKILL);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let reaped = self.exited().is_some();
+            let group_gone = matches!(killpg(pgid, None), Err(nix::errno::Errno::ESRCH));
+            if reaped && group_gone {
+                self.child = None;
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(BackendError::failed(format!("killing {}", self.name), "processes still alive after 20 s"));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn kill_now(&mut self) {
+        if let Some(pgid) = self.pgid() {
+            let _ = killpg(pgid, Signal::SIGKILL);
+            if let Some(c) = self.child.as_mut() {
+                let _ = c.wait();
+            }
+            self.child = None;
+        }
+    }
+}
+
+pub struct LocalBackend {
+    root: PathBuf,
+    pg: Server,
+    pg_port: u16,
+    rmq: Server,
+    rmq_port: u16,
+    services: Vec<String>,
+    stopped: bool,
+}
+
+impl LocalBackend {
+    pub async fn start(services: &[&str]) -> Result<Self, BackendError> {
+        let root = std::env::temp_dir().join(format!(
+            "craig-chaos-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0)
+        ));
+        let io = |what: &str, e: std::io::Error| BackendError::failed(format!("{what} in {}", root.display()), e);
+        std::fs::create_dir_all(&root).map_err(|e| io("creating", e))?;
+        let mut backend = None;
+        let result = async {
+            let pg = pg_server(&root)?;
+            let rmq = rmq_server(&root)?;
+            let b = backend.insert(LocalBackend {
+                pg_port: pg.1,
+                pg: pg.0,
+                rmq_port: rmq.1,
+                rmq: rmq.0,
+                root: root.clone(),
+                services: services.iter().map(|s| s.to_string()).collect(),
+                stopped: false,
+            });
+            b.rmq.spawn()?;
+            b.pg.spawn()?;
+            b.wait_ready(Target::Database, Duration::from_secs(30)).await?;
+            let mut admin = sqlx::PgConnection::connect(&b.admin_url()).await.map_err(|e| BackendError::failed("connecting to the private PostgreSQL", e))?;
+            for s in &b.services {
+                sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{s}\"")))
+                    .execute(&mut admin)
+                    .await
+                    .map_err(|e| BackendError::failed(format!("creating database {s}"), e))?;
+            }
+            let _ = admin.close().await;
+            b.wait_ready(Target::Broker, Duration::from_secs(60)).await?;
+            Ok::<(), BackendError>(())
+        }
+        .await;
+        match (result, backend) {
+            (Ok(()), Some(b)) => Ok(b),
+            (Err(e), Some(b)) => {
+                drop(b); // kills and removes
+                Err(e)
+            }
+            (Err(e), None) => {
+                let _ = std::fs::remove_dir_all(&root);
+                Err(e)
+            }
+            (Ok(()), None) => unreachable!("backend is set before Ok"),
+        }
+    }
+
+    fn admin_url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.pg_port)
+    }
+
+    pub fn endpoints(&self) -> Endpoints {
+        Endpoints {
+            databases: self
+                .services
+                .iter()
+                .map(|s| (s.clone(), format!("postgres://postgres@127.0.0.1:{}/{s}", self.pg_port)))
+                .collect(),
+            amqp_url: format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.rmq_port),
+            database_addr: format!("127.0.0.1:{}", self.pg_port),
+            broker_addr: format!("127.0.0.1:{}", self.rmq_port),
+        }
+    }
+
+    /// The temp dir holding data and logs (`pg.log`, `rabbitmq.log`).
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn server(&mut self, t: Target) -> &mut Server {
+        match t {
+            Target::Database => &mut self.pg,
+            Target::Broker => &mut self.rmq,
+        }
+    }
+
+    async fn wait_ready(&mut self, t: Target, limit: Duration) -> Result<(), BackendError> {
+        let deadline = Instant::now() + limit;
+        let url = match t {
+            Target::Database => self.admin_url(),
+            Target::Broker => self.endpoints().amqp_url,
+        };
+        loop {
+            let ready = match t {
+                Target::Database => match sqlx::PgConnection::connect(&url).await {
+                    Ok(c) => {
+                        let _ = c.close().await;
+                        true
+                    }
+                    Err(_) => false,
+                },
+                Target::Broker => match craig_mq::publisher::connect(&url, 0, "chaos-probe").await {
+                    Ok(c) => {
+                        let _ = c.close(200, "probe".into()).await;
+                        true
+                    }
+                    Err(_) => false,
+                },
+            };
+            if ready {
+                return Ok(());
+            }
+            let server = self.server(t);
+            if let Some(status) = server.exited() {
+                return Err(BackendError::failed(
+                    format!("starting the private {}", server.name),
+                    format!("it exited with {status}; last log lines:\n{}", log_tail(&server.log)),
+                ));
+            }
+            if Instant::now() > deadline {
+                return Err(BackendError::failed(
+                    format!("starting the private {}", server.name),
+                    format!("not ready after {limit:?}; last log lines:\n{}", log_tail(&server.log)),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub async fn kill(&mut self, t: Target) -> Result<(), BackendError> {
+        self.server(t).kill().await
+    }
+
+    pub async fn restart(&mut self, t: Target) -> Result<(), BackendError> {
+        let s = self.server(t);
+        if s.child.is_some() {
+            s.kill().await?;
+        }
+        s.spawn()?;
+        let limit = if t == Target::Broker { Duration::from_secs(60) } else { Duration::from_secs(30) };
+        self.wait_ready(t, limit).await
+    }
+
+    pub fn pause(&mut self, t: Target, paused: bool) -> Result<(), BackendError> {
+        self.server(t).signal(if paused { Signal::SIGSTOP } else { Signal::SIGCONT })
+    }
+
+    pub async fn stop(mut self) -> Result<(), BackendError> {
+        self.stopped = true;
+        let a = self.pg.kill().await;
+        let b = self.rmq.kill().await;
+        let c = std::fs::remove_dir_all(&self.root).map_err(|e| BackendError::failed(format!("removing {}", self.root.display()), e));
+        a.and(b).and(c)
+    }
+}
+
+impl Drop for LocalBackend {
+    fn drop(&mut self) {
+        if !self.stopped {
+            self.pg.kill_now();
+            self.rmq.kill_now();
+            let _ = std::fs::remove_dir_all(&self.root);
+        }
+    }
+}
+
+fn pg_server(root: &Path) -> Result<(Server, u16), BackendError> {
+    let bindir = pg_bindir()?;
+    let dir = root.join("pg");
+    std::fs::create_dir_all(&dir).map_err(|e| BackendError::failed("creating pg dir", e))?;
+    let run_as = if Uid::effective().is_root() {
+        let user = nix::unistd::User::from_name("postgres")
+            .ok()
+            .flatten()
+            .ok_or_else(|| BackendError::Unavailable { backend: "local", why: "no postgres user".into() })?;
+        nix::unistd::chown(&dir, Some(user.uid), Some(user.gid)).map_err(|e| BackendError::failed("chown pg dir", e))?;
+        Some((user.uid, user.gid))
+    } else {
+        None
+    };
+    let data = dir.join("data");
+    let mut initdb = Command::new(bindir.join("initdb"));
+    initdb
+        .args(["-D", data.to_str().unwrap_or_default(), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    if let Some((uid, gid)) = run_as {
+        initdb.uid(uid.as_raw()).gid(gid.as_raw());
+    }
+    let out = initdb.output().map_err(|e| BackendError::failed("running initdb", e))?;
+    if !out.status.success() {
+        return Err(BackendError::failed("initdb", String::from_utf8_lossy(&out.stderr)));
+    }
+    let port = free_port()?;
+    let server = Server {
+        name: "PostgreSQL",
+        program: bindir.join("postgres"),
+        args: [
+            "-D", data.to_str().unwrap_or_default(), "-p", &port.to_string(), "-k", dir.to_str().unwrap_or_default(),
+            "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=300",
+            "-c", "shared_buffers=64MB",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+        env: vec![],
+        cwd: dir.clone(),
+        run_as,
+        log: root.join("pg.log"),
+        child: None,
+    };
+    Ok((server, port))
+}
+
+fn rmq_server(root: &Path) -> Result<(Server, u16), BackendError> {
+    let script = rabbitmq_script()?;
+    let dir = root.join("rabbitmq");
+    for sub in ["mnesia", "log", "home"] {
+        std::fs::create_dir_all(dir.join(sub)).map_err(|e| BackendError::failed("creating rabbitmq dirs", e))?;
+    }
+    let (port, dist) = (free_port()?, free_port()?);
+    let conf = dir.join("rabbitmq.conf");
+    std::fs::write(&conf, format!("listeners.tcp.default = 127.0.0.1:{port}\nloopback_users = none\n"))
+        .and_then(|()| std::fs::write(dir.join("enabled_plugins"), "[].\n"))
+        .and_then(|()| std::fs::write(dir.join("rabbitmq-env.conf"), ""))
+        .map_err(|e| BackendError::failed("writing rabbitmq config", e))?;
+    let p = |sub: &str| dir.join(sub).to_string_lossy().into_owned();
+    let node = format!("chaos{}x{port}@localhost", std::process::id());
+    let env = vec![
+        ("HOME".into(), p("home")),
+        ("RABBITMQ_NODENAME".into(), node),
+        ("RABBITMQ_NODE_PORT".into(), port.to_string()),
+        ("RABBITMQ_DIST_PORT".into(), dist.to_string()),
+        ("RABBITMQ_MNESIA_BASE".into(), p("mnesia")),
+        ("RABBITMQ_LOG_BASE".into(), p("log")),
+        ("RABBITMQ_CONFIG_FILE".into(), p("rabbitmq.conf")),
+        ("RABBITMQ_ADVANCED_CONFIG_FILE".into(), p("advanced.config")),
+        ("RABBITMQ_CONF_ENV_FILE".into(), p("rabbitmq-env.conf")),
+        ("RABBITMQ_ENABLED_PLUGINS_FILE".into(), p("enabled_plugins")),
+        ("RABBITMQ_PID_FILE".into(), p("rabbitmq.pid")),
+        ("RUNNING_UNDER_SYSTEMD".into(), "true".into()),
+    ];
+    let server = Server {
+        name: "RabbitMQ",
+        program: script,
+        args: vec![],
+        env,
+        cwd: dir.clone(),
+        run_as: None,
+        log: root.join("rabbitmq.log"),
+        child: None,
+    };
+    Ok((server, port))
+}

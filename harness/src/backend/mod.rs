@@ -1,0 +1,250 @@
+//! Where PostgreSQL and RabbitMQ come from for a run (CONTRACT § Configuration,
+//! `CHAOS_BACKEND`).
+//!
+//! | kind | servers | destructive faults |
+//! |---|---|---|
+//! | `local` | private child processes in a temp dir, on free ports | kill, pause, restart (data kept) |
+//! | `external` | `DATABASE_URL` / `AMQP_URL`, one fresh database per service and one vhost per run | none: the servers are shared |
+//! | `containers` | testcontainers (postgres, rabbitmq; Toxiproxy as a generic image) | stop/start, pause |
+//!
+//! `auto` picks local, then containers, then external, and says why.
+
+pub mod containers;
+pub mod external;
+pub mod local;
+
+use std::fmt;
+use std::str::FromStr;
+
+/// `host:port` of a URL like `scheme://user:pass@host:port/path`.
+pub fn external_authority(url: &str) -> String {
+    external::authority(url)
+}
+
+/// A server a destructive fault can target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Target {
+    Database,
+    Broker,
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Target::Database => "database",
+            Target::Broker => "broker",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    Auto,
+    Local,
+    External,
+    Containers,
+}
+
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Auto => "auto",
+            BackendKind::Local => "local",
+            BackendKind::External => "external",
+            BackendKind::Containers => "containers",
+        }
+    }
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for BackendKind {
+    type Err = BackendError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" | "" => Ok(BackendKind::Auto),
+            "local" => Ok(BackendKind::Local),
+            "external" => Ok(BackendKind::External),
+            "containers" => Ok(BackendKind::Containers),
+            other => Err(BackendError::Unknown(other.to_owned())),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("unknown backend {0:?}; expected auto, local, external or containers")]
+    Unknown(String),
+    #[error("backend {backend} is not available here: {why}")]
+    Unavailable { backend: &'static str, why: String },
+    #[error("backend {backend} cannot {fault} the {target}: {why}")]
+    Unsupported { backend: &'static str, fault: &'static str, target: Target, why: &'static str },
+    #[error("{what}: {why}")]
+    Failed { what: String, why: String },
+}
+
+impl BackendError {
+    pub(crate) fn failed(what: impl Into<String>, why: impl fmt::Display) -> Self {
+        BackendError::Failed { what: what.into(), why: why.to_string() }
+    }
+}
+
+/// What `auto` found, and why it chose what it chose.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Choice {
+    pub kind: BackendKind,
+    pub reason: String,
+}
+
+/// Resolve `requested` (from `--backend` or `CHAOS_BACKEND`) to a concrete backend.
+/// `local_probe` and `docker_probe` say why a backend is unusable (`Err`) or confirm it.
+pub fn choose(requested: BackendKind, local_probe: Result<(), String>, docker_probe: Result<(), String>) -> Result<Choice, BackendError> {
+    match requested {
+        BackendKind::Local => local_probe
+            .map(|()| Choice { kind: BackendKind::Local, reason: "requested".into() })
+            .map_err(|why| BackendError::Unavailable { backend: "local", why }),
+        BackendKind::Containers => docker_probe
+            .map(|()| Choice { kind: BackendKind::Containers, reason: "requested".into() })
+            .map_err(|why| BackendError::Unavailable { backend: "containers", why }),
+        BackendKind::External => Ok(Choice { kind: BackendKind::External, reason: "requested".into() }),
+        BackendKind::Auto => match (local_probe, docker_probe) {
+            (Ok(()), _) => Ok(Choice {
+                kind: BackendKind::Local,
+                reason: "PostgreSQL and RabbitMQ server binaries found; private nodes allow kill/pause/restart".into(),
+            }),
+            (Err(l), Ok(())) => Ok(Choice { kind: BackendKind::Containers, reason: format!("local unavailable ({l}); a Docker engine answers") }),
+            (Err(l), Err(d)) => Ok(Choice {
+                kind: BackendKind::External,
+                reason: format!("local unavailable ({l}); containers unavailable ({d}); using DATABASE_URL/AMQP_URL"),
+            }),
+        },
+    }
+}
+
+/// Endpoints a run's nodes and checkers use.
+#[derive(Debug, Clone)]
+pub struct Endpoints {
+    /// `(service, database url)` for each service of the run.
+    pub databases: Vec<(String, String)>,
+    pub amqp_url: String,
+    /// `host:port` of the database server and the broker (what a fault proxy forwards to).
+    pub database_addr: String,
+    pub broker_addr: String,
+}
+
+impl Endpoints {
+    pub fn database_url(&self, service: &str) -> Option<&str> {
+        self.databases.iter().find(|(s, _)| s == service).map(|(_, u)| u.as_str())
+    }
+}
+
+/// A started backend.
+pub enum Backend {
+    Local(local::LocalBackend),
+    External(external::ExternalBackend),
+    Containers(containers::ContainersBackend),
+}
+
+impl Backend {
+    /// Start `kind` (resolving `auto`) with one database per service. Prints the choice.
+    pub async fn start(requested: BackendKind, run_label: &str, services: &[&str]) -> Result<(Backend, Choice), BackendError> {
+        let local_probe = local::probe();
+        let docker_probe = if matches!(requested, BackendKind::Containers)
+            || (matches!(requested, BackendKind::Auto) && local_probe.is_err())
+        {
+            containers::probe().await
+        } else {
+            Err("not probed".into())
+        };
+        let choice = choose(requested, local_probe, docker_probe)?;
+        let backend = match choice.kind {
+            BackendKind::Local => Backend::Local(local::LocalBackend::start(services).await?),
+            BackendKind::External => Backend::External(external::ExternalBackend::start(run_label, services).await?),
+            BackendKind::Containers => Backend::Containers(containers::ContainersBackend::start(services).await?),
+            BackendKind::Auto => unreachable!("choose resolves auto"),
+        };
+        Ok((backend, choice))
+    }
+
+    pub fn kind(&self) -> BackendKind {
+        match self {
+            Backend::Local(_) => BackendKind::Local,
+            Backend::External(_) => BackendKind::External,
+            Backend::Containers(_) => BackendKind::Containers,
+        }
+    }
+
+    pub fn endpoints(&self) -> Endpoints {
+        match self {
+            Backend::Local(b) => b.endpoints(),
+            Backend::External(b) => b.endpoints(),
+            Backend::Containers(b) => b.endpoints(),
+        }
+    }
+
+    /// SIGKILL (or container kill) the target, and wait until it is really gone.
+    pub async fn kill(&mut self, target: Target) -> Result<(), BackendError> {
+        match self {
+            Backend::Local(b) => b.kill(target).await,
+            Backend::External(_) => Err(external::unsupported("kill", target)),
+            Backend::Containers(b) => b.kill(target).await,
+        }
+    }
+
+    /// Start a killed target again on its old data and wait until it serves.
+    pub async fn restart(&mut self, target: Target) -> Result<(), BackendError> {
+        match self {
+            Backend::Local(b) => b.restart(target).await,
+            Backend::External(_) => Err(external::unsupported("restart", target)),
+            Backend::Containers(b) => b.restart(target).await,
+        }
+    }
+
+    /// Freeze (SIGSTOP / docker pause) or thaw the target.
+    pub async fn pause(&mut self, target: Target, paused: bool) -> Result<(), BackendError> {
+        match self {
+            Backend::Local(b) => b.pause(target, paused),
+            Backend::External(_) => Err(external::unsupported(if paused { "pause" } else { "resume" }, target)),
+            Backend::Containers(b) => b.pause(target, paused).await,
+        }
+    }
+
+    /// Tear everything down (databases, vhosts, processes, temp dirs, containers).
+    pub async fn stop(self) -> Result<(), BackendError> {
+        match self {
+            Backend::Local(b) => b.stop().await,
+            Backend::External(b) => b.stop().await,
+            Backend::Containers(b) => b.stop().await,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_prefers_local_then_containers_then_external() {
+        let ok = || Ok(());
+        let no = |w: &str| Err(w.to_owned());
+        assert_eq!(choose(BackendKind::Auto, ok(), ok()).unwrap().kind, BackendKind::Local);
+        let c = choose(BackendKind::Auto, no("no initdb"), ok()).unwrap();
+        assert_eq!(c.kind, BackendKind::Containers);
+        assert!(c.reason.contains("no initdb"));
+        let e = choose(BackendKind::Auto, no("no initdb"), no("no docker")).unwrap();
+        assert_eq!(e.kind, BackendKind::External);
+        assert!(e.reason.contains("no initdb") && e.reason.contains("no docker"), "{}", e.reason);
+    }
+
+    #[test]
+    fn an_explicit_choice_that_cannot_start_says_why() {
+        let err = choose(BackendKind::Containers, Ok(()), Err("no Docker engine at /var/run/docker.sock".into())).unwrap_err();
+        assert_eq!(err.to_string(), "backend containers is not available here: no Docker engine at /var/run/docker.sock");
+        assert_eq!("bogus".parse::<BackendKind>().unwrap_err().to_string(), "unknown backend \"bogus\"; expected auto, local, external or containers");
+    }
+}

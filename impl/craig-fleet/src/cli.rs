@@ -1,0 +1,103 @@
+//! The `craig-node` command line, callable as a library so the harness binary can run the
+//! same node code as a child process of its own (`chaos craig-node …`).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use crate::node::{self, NodeOptions};
+use crate::{Compat, CompatSet, Service};
+use craig_mq::ServiceSettings;
+use tokio_util::sync::CancellationToken;
+
+/// Run one ADR-022 reference service: its HTTP routes, outbox worker and consumers.
+///
+/// Reads DATABASE_URL (the service's own database), AMQP_URL and CRAIG_JWT_SECRET, plus the
+/// CRAIG_* worker settings documented in craig-mq's `settings` module. SIGTERM or Ctrl-C
+/// stops intake, drains the outbox once more and exits 0.
+#[derive(Parser)]
+#[command(name = "craig-node", version, args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// Service to run: cases, financial, rules or security.
+    #[arg(long)]
+    service: Option<Service>,
+    /// HTTP listen address (port 0 picks a free port; the chosen one is printed).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    http: SocketAddr,
+    /// Reproduce a removed behaviour (repeatable), e.g. --compat pre-d2.
+    #[arg(long = "compat", value_name = "MODE")]
+    compat: Vec<Compat>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Apply migrations/<service>/ to DATABASE_URL and exit.
+    Migrate {
+        #[arg(long)]
+        service: Service,
+        /// How long to keep retrying a database that is not up yet.
+        #[arg(long, default_value = "30", value_name = "SECONDS")]
+        wait: u64,
+    },
+}
+
+/// Parse `args` (program name first) and run `craig-node` to completion.
+pub fn run<I, T>(args: I) -> std::process::ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,sqlx=warn,lapin=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+    #[cfg(feature = "failpoints")]
+    let _failpoints = craig_mq::crash::setup_from_env();
+    let cli = Cli::parse_from(args);
+    let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+    match rt.block_on(real_main(cli)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("craig-node: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn real_main(cli: Cli) -> anyhow::Result<()> {
+    let settings = ServiceSettings::load().context("loading settings from the environment")?;
+    if let Some(Command::Migrate { service, wait }) = cli.command {
+        node::migrate(service, &settings.database_url, Duration::from_secs(wait)).await?;
+        println!("craig-node: migrations/{service} applied");
+        return Ok(());
+    }
+    let service = cli.service.context("--service is required (cases, financial, rules or security)")?;
+    let jwt_secret = std::env::var("CRAIG_JWT_SECRET")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .context("CRAIG_JWT_SECRET is not set; craig-node refuses to serve without a bearer key")?;
+    let shutdown = CancellationToken::new();
+    let signal_stop = shutdown.clone();
+    tokio::spawn(async move {
+        wait_for_stop_signal().await;
+        tracing::info!(event = "node.stopping", "stop signal received; draining");
+        signal_stop.cancel();
+    });
+    let opts = NodeOptions { service, http: cli.http, compat: CompatSet::new(cli.compat), settings, jwt_secret };
+    node::run(opts, shutdown).await
+}
+
+async fn wait_for_stop_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
