@@ -4,10 +4,14 @@
 //!
 //! | module | what |
 //! |---|---|
+//! | [`history`] | what happened in a run (`history.jsonl`) |
+//! | [`checkers`] | invariants as pure functions of a history |
 //! | [`backend`] | where PostgreSQL and RabbitMQ come from: local, external, containers |
 //! | [`proxy`] | Toxiproxy-compatible fault proxy and its API client |
 //! | [`process`] | fleet replicas as child processes: signals, restarts, logs |
 
 pub mod backend;
+pub mod checkers;
+pub mod history;
 pub mod process;
 pub mod proxy;

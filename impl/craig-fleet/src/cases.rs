@@ -67,6 +67,14 @@ async fn write_referral(state: &AppState, id: Uuid, subject: &str, by: Uuid) -> 
         .bind(by)
         .execute(&mut *tx)
         .await?;
+    if let Some(direct) = &state.direct {
+        // Compat pre-d1: commit, then publish; a failed publish is only logged.
+        tx.commit().await?;
+        if let Err(e) = direct.publish(&envelope).await {
+            tracing::warn!(event = "compat.pre_d1_publish_failed", error = %e, "failed to publish case.referral_created");
+        }
+        return Ok(envelope.id);
+    }
     publish_in_tx(&mut tx, &envelope).await?;
     tx.commit().await?;
     Ok(envelope.id)

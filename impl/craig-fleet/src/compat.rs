@@ -16,6 +16,7 @@ pub enum Compat {
     PreD3,
     PreD5,
     Pre965,
+    /// #1128: locks held across publishes, no publisher confirms, one batch a tick.
     Pre1128,
     Pre1156,
     Pre1179,
@@ -51,7 +52,7 @@ impl Compat {
 
     /// Whether this build implements the mode.
     pub fn implemented(self) -> bool {
-        matches!(self, Compat::PreD2 | Compat::PreD3)
+        matches!(self, Compat::PreD1 | Compat::PreD2 | Compat::PreD3 | Compat::Pre1128)
     }
 }
 
@@ -85,6 +86,28 @@ impl FromStr for Compat {
     }
 }
 
+/// Compat `pre-d1` (ADR-022 context item 1): publish straight to the broker AFTER the
+/// commit and only warn when that fails — the event is then lost. Not used otherwise.
+pub struct DirectPublisher {
+    amqp_url: String,
+    cfg: craig_mq::PublisherConfig,
+    inner: tokio::sync::Mutex<Option<craig_mq::Publisher>>,
+}
+
+impl DirectPublisher {
+    pub fn new(amqp_url: impl Into<String>, cfg: craig_mq::PublisherConfig) -> Self {
+        Self { amqp_url: amqp_url.into(), cfg, inner: tokio::sync::Mutex::new(None) }
+    }
+
+    pub async fn publish(&self, env: &craig_mq::EventEnvelope) -> Result<(), craig_mq::PublishError> {
+        let mut guard = self.inner.lock().await;
+        if guard.as_ref().is_none_or(|p| !p.is_usable()) {
+            *guard = Some(craig_mq::Publisher::connect(&self.amqp_url, self.cfg).await?);
+        }
+        guard.as_ref().expect("just set").publish(env).await
+    }
+}
+
 /// The set of modes a node runs with.
 #[derive(Debug, Clone, Default)]
 pub struct CompatSet(Vec<Compat>);
@@ -105,7 +128,7 @@ mod tests {
     #[test]
     fn parses_implemented_refuses_the_rest() {
         assert_eq!("pre-d2".parse::<Compat>(), Ok(Compat::PreD2));
-        assert_eq!("pre-1128".parse::<Compat>(), Err(CompatError::NotImplemented(Compat::Pre1128)));
+        assert_eq!("pre-1197".parse::<Compat>(), Err(CompatError::NotImplemented(Compat::Pre1197)));
         let err = "pre-9999".parse::<Compat>().unwrap_err();
         assert!(err.to_string().contains("pre-1197"), "{err}");
         for (name, mode) in NAMES {

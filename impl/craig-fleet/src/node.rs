@@ -11,7 +11,7 @@ use axum::{Json, Router};
 use craig_api::JwtKey;
 use craig_mq::subscriber::{SubscriberConfig, run_subscriber};
 use craig_mq::topology::{QueueSpec, consumer_queue};
-use craig_mq::{OutboxWorker, ServiceSettings};
+use craig_mq::{DrainMode, OutboxWorker, ServiceSettings};
 use serde_json::json;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -26,6 +26,9 @@ pub struct AppState {
     pub service: Service,
     pub pool: PgPool,
     pub key: JwtKey,
+    pub compat: CompatSet,
+    /// Only under compat `pre-d1`.
+    pub direct: Option<std::sync::Arc<crate::compat::DirectPublisher>>,
 }
 
 impl FromRef<AppState> for JwtKey {
@@ -74,7 +77,16 @@ pub async fn migrate(service: Service, url: &str, wait: Duration) -> anyhow::Res
 pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Result<()> {
     let service = opts.service;
     let pool = pool(&opts.settings.database_url)?;
-    let state = AppState { service, pool: pool.clone(), key: JwtKey::new(&opts.jwt_secret) };
+    let direct = opts.compat.has(Compat::PreD1).then(|| {
+        std::sync::Arc::new(crate::compat::DirectPublisher::new(&opts.settings.amqp_url, opts.settings.publisher))
+    });
+    let state = AppState {
+        service,
+        pool: pool.clone(),
+        key: JwtKey::new(&opts.jwt_secret),
+        compat: opts.compat.clone(),
+        direct,
+    };
 
     let mut app = Router::new().route("/healthz", get(|| async { Json(json!({ "status": "ok" })) }));
     if service == Service::Cases {
@@ -95,7 +107,9 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
         }
     });
 
-    let worker = OutboxWorker::new(pool.clone(), &opts.settings.amqp_url, opts.settings.publisher, opts.settings.outbox);
+    let mode = if opts.compat.has(Compat::Pre1128) { DrainMode::Pre1128 } else { DrainMode::ClaimLease };
+    let worker =
+        OutboxWorker::new(pool.clone(), &opts.settings.amqp_url, opts.settings.publisher, opts.settings.outbox).with_mode(mode);
     tasks.spawn(worker.run(shutdown.clone()));
 
     let bindings = service.consumes();

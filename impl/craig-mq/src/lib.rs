@@ -24,6 +24,6 @@ pub mod topology;
 
 pub use envelope::{EnvelopeError, EventEnvelope};
 pub use inbox::{InboxError, InboxOutcome, handle_idempotently};
-pub use outbox::{OutboxConfig, OutboxWorker, publish_in_tx};
+pub use outbox::{DrainMode, OutboxConfig, OutboxWorker, publish_in_tx};
 pub use publisher::{PublishError, Publisher, PublisherConfig};
 pub use settings::{Retention, ServiceSettings, SettingsError};

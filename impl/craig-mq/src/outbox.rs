@@ -122,11 +122,29 @@ pub struct OutboxWorker {
     cfg: OutboxConfig,
     publisher: Option<Publisher>,
     failures: u32,
+    mode: DrainMode,
+}
+
+/// Which drain the worker runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DrainMode {
+    /// Amendment #1128: claim-lease, publish outside any lock, confirms, drain until short.
+    #[default]
+    ClaimLease,
+    /// Compat `pre-1128`: ONE transaction holds `FOR UPDATE` row locks across every publish
+    /// of the batch, publishes WITHOUT confirms (`published_at` = "written to the socket"),
+    /// and takes at most one batch per tick. Kept only to show what #1128 fixed.
+    Pre1128,
 }
 
 impl OutboxWorker {
     pub fn new(pool: PgPool, amqp_url: impl Into<String>, publisher_cfg: PublisherConfig, cfg: OutboxConfig) -> Self {
-        Self { pool, amqp_url: amqp_url.into(), publisher_cfg, cfg, publisher: None, failures: 0 }
+        Self { pool, amqp_url: amqp_url.into(), publisher_cfg, cfg, publisher: None, failures: 0, mode: DrainMode::default() }
+    }
+
+    pub fn with_mode(mut self, mode: DrainMode) -> Self {
+        self.mode = mode;
+        self
     }
 
     /// Poll until `shutdown`, then run one last bounded drain so a SIGTERM leaves nothing
@@ -164,6 +182,10 @@ impl OutboxWorker {
     /// Passes until one comes back short or has a failure (#1128: no throughput ceiling).
     pub async fn drain(&mut self) -> Result<DrainReport, OutboxError> {
         let mut report = DrainReport::default();
+        if self.mode == DrainMode::Pre1128 {
+            let pass = self.pass_pre1128().await?;
+            return Ok(DrainReport { passes: 1, published: pass.published, failed: pass.failed });
+        }
         loop {
             let pass = self.pass().await?;
             report.passes += 1;
@@ -251,6 +273,51 @@ impl OutboxWorker {
         }
         report.published = acked.len();
         report.failed = failed.len();
+        Ok(report)
+    }
+
+    /// The pre-#1128 drain (compat only): locks held across unconfirmed publishes.
+    async fn pass_pre1128(&mut self) -> Result<PassReport, OutboxError> {
+        let mut tx = self.pool.begin().await?;
+        let rows: Vec<(Uuid, serde_json::Value)> = sqlx::query_as(
+            "SELECT id, envelope FROM event_outbox WHERE published_at IS NULL \
+             ORDER BY created_at LIMIT $1 FOR UPDATE",
+        )
+        .bind(i64::from(self.cfg.batch_size))
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut report = PassReport { claimed: rows.len(), ..Default::default() };
+        if rows.is_empty() {
+            return Ok(report);
+        }
+        if self.publisher.as_ref().is_none_or(|p| !p.is_usable()) {
+            self.publisher = Publisher::connect_unconfirmed(&self.amqp_url, self.publisher_cfg).await.ok();
+        }
+        for (id, json) in rows {
+            let res = match (&self.publisher, EventEnvelope::from_value(json)) {
+                (None, _) => Err("connection: broker unreachable".to_owned()),
+                (_, Err(e)) => Err(format!("malformed_envelope: {e}")),
+                (Some(p), Ok(env)) => p.publish(&env).await.map_err(|e| format!("{}: {e}", e.kind())),
+            };
+            match res {
+                Ok(()) => {
+                    sqlx::query("UPDATE event_outbox SET published_at = GREATEST(now(), created_at) WHERE id = $1")
+                        .bind(id)
+                        .execute(&mut *tx)
+                        .await?;
+                    report.published += 1;
+                }
+                Err(err) => {
+                    sqlx::query("UPDATE event_outbox SET attempts = attempts + 1, last_error = $2 WHERE id = $1")
+                        .bind(id)
+                        .bind(err)
+                        .execute(&mut *tx)
+                        .await?;
+                    report.failed += 1;
+                }
+            }
+        }
+        tx.commit().await?;
         Ok(report)
     }
 

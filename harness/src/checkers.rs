@@ -1,0 +1,435 @@
+//! Invariant checkers: pure functions of a [`History`], in the shape of Jepsen's
+//! `total-queue` — each returns a [`Verdict`] with a validity, counts and at most ten
+//! witnesses. No I/O, no clock, no runtime. [`check_all`] runs them; a checker that panics
+//! yields `unknown` with the panic message instead of taking the run down.
+//!
+//! | checker | violated when |
+//! |---|---|
+//! | `no_loss` | an acknowledged write's event never produced its effect |
+//! | `no_phantom` | an effect exists for a write that failed, was rolled back, or was never attempted |
+//! | `effect_once` | an envelope's effect ran twice and no consumer crash sits between the two runs (#1180 attribution) |
+//! | `liveness` | the outbox did not drain within the bound after faults healed, or a row stayed claimed past its lease |
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::history::{Event, History, Outcome};
+
+pub const MAX_WITNESSES: usize = 10;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Validity {
+    Valid,
+    Unknown,
+    Invalid,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Verdict {
+    pub name: String,
+    pub validity: Validity,
+    pub counts: BTreeMap<String, u64>,
+    pub witnesses: Vec<String>,
+    pub error: Option<String>,
+}
+
+impl Verdict {
+    fn new(name: &str) -> Self {
+        Self { name: name.into(), validity: Validity::Valid, counts: BTreeMap::new(), witnesses: vec![], error: None }
+    }
+
+    fn count(&mut self, key: &str, n: usize) {
+        self.counts.insert(key.into(), n as u64);
+    }
+
+    fn witness(&mut self, w: String) {
+        if self.witnesses.len() < MAX_WITNESSES {
+            self.witnesses.push(w);
+        }
+    }
+}
+
+pub const INVARIANTS: &[&str] = &["no_loss", "no_phantom", "effect_once", "liveness"];
+
+/// Run one checker by name (None: no such checker).
+pub fn check(name: &str, h: &History) -> Option<Verdict> {
+    let f: fn(&History) -> Verdict = match name {
+        "no_loss" => no_loss,
+        "no_phantom" => no_phantom,
+        "effect_once" => effect_once,
+        "liveness" => liveness,
+        _ => return None,
+    };
+    Some(match std::panic::catch_unwind(|| f(h)) {
+        Ok(v) => v,
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "checker panicked".into());
+            Verdict { error: Some(msg), validity: Validity::Unknown, ..Verdict::new(name) }
+        }
+    })
+}
+
+/// Every checker; the worst validity is the run's.
+pub fn check_all(h: &History) -> Vec<Verdict> {
+    INVARIANTS.iter().filter_map(|n| check(n, h)).collect()
+}
+
+struct Effects {
+    /// referral → (first effect time)
+    by_referral: HashMap<Uuid, u64>,
+    /// envelope → effect times in order
+    by_envelope: BTreeMap<Uuid, Vec<u64>>,
+    total: usize,
+}
+
+fn effects(h: &History) -> Effects {
+    let mut e = Effects { by_referral: HashMap::new(), by_envelope: BTreeMap::new(), total: 0 };
+    for entry in h.iter() {
+        if let Event::Effect { envelope, referral, .. } = &entry.event {
+            e.total += 1;
+            e.by_envelope.entry(*envelope).or_default().push(entry.t_ms);
+            if let Some(r) = referral {
+                e.by_referral.entry(*r).or_insert(entry.t_ms);
+            }
+        }
+    }
+    e
+}
+
+/// Every acknowledged write's event reached the consumer (took effect at least once).
+/// Unknown-outcome writes that show up are `recovered`, never `lost`.
+pub fn no_loss(h: &History) -> Verdict {
+    let mut v = Verdict::new("no_loss");
+    let fx = effects(h);
+    let (mut attempted, mut acknowledged, mut ok, mut lost, mut recovered, mut unknown, mut failed) = (0, 0, 0, 0, 0, 0, 0);
+    for entry in h.iter() {
+        let Event::Write { referral, outcome, replica, .. } = &entry.event else { continue };
+        attempted += 1;
+        let delivered = fx.by_referral.contains_key(referral);
+        match outcome {
+            Outcome::Ok => {
+                acknowledged += 1;
+                if delivered {
+                    ok += 1;
+                } else {
+                    lost += 1;
+                    let fault = h.fault_before(entry.t_ms).unwrap_or_else(|| "no fault before it".into());
+                    v.witness(format!("referral {referral} acknowledged by {replica} @{}ms never took effect; last fault: {fault}", entry.t_ms));
+                }
+            }
+            Outcome::Unknown => {
+                unknown += 1;
+                if delivered {
+                    recovered += 1;
+                }
+            }
+            Outcome::Failed => failed += 1,
+        }
+    }
+    for (k, n) in [
+        ("attempted", attempted),
+        ("acknowledged", acknowledged),
+        ("ok", ok),
+        ("lost", lost),
+        ("recovered", recovered),
+        ("unknown", unknown),
+        ("failed", failed),
+    ] {
+        v.count(k, n);
+    }
+    v.validity = if lost > 0 {
+        Validity::Invalid
+    } else if acknowledged == 0 {
+        v.error = Some("nothing to check: no acknowledged writes".into());
+        Validity::Unknown
+    } else {
+        Validity::Valid
+    };
+    v
+}
+
+/// No effect without a write that may have committed.
+pub fn no_phantom(h: &History) -> Verdict {
+    let mut v = Verdict::new("no_phantom");
+    let fx = effects(h);
+    let mut may_exist: HashSet<Uuid> = HashSet::new();
+    let mut must_not: HashMap<Uuid, &'static str> = HashMap::new();
+    for entry in h.iter() {
+        match &entry.event {
+            Event::Write { referral, outcome: Outcome::Failed, .. } => {
+                must_not.insert(*referral, "failed");
+            }
+            Event::Write { referral, .. } => {
+                may_exist.insert(*referral);
+            }
+            Event::RolledBack { referral } => {
+                must_not.insert(*referral, "rolled back");
+            }
+            _ => {}
+        }
+    }
+    let mut unexpected = 0;
+    let mut referrals: Vec<(&Uuid, &u64)> = fx.by_referral.iter().collect();
+    referrals.sort();
+    for (referral, t) in referrals {
+        let why = match must_not.get(referral) {
+            Some(why) => Some(*why),
+            None if !may_exist.contains(referral) => Some("never attempted"),
+            None => None,
+        };
+        if let Some(why) = why {
+            unexpected += 1;
+            v.witness(format!("referral {referral} took effect @{t}ms but was {why}"));
+        }
+    }
+    v.count("effects", fx.total);
+    v.count("rolled_back_or_failed", must_not.len());
+    v.count("unexpected", unexpected);
+    v.validity = if unexpected > 0 {
+        Validity::Invalid
+    } else if must_not.is_empty() && fx.total == 0 {
+        v.error = Some("nothing to check: no effects and no failed or rolled-back writes".into());
+        Validity::Unknown
+    } else {
+        Validity::Valid
+    };
+    v
+}
+
+/// Each envelope's effect at most once — except a re-execution inside the documented #1180
+/// window (a consumer crash between the first and the second run), which is counted as
+/// `crash_window_reexecutions` and attributed to that crash, never silently allowed.
+pub fn effect_once(h: &History) -> Verdict {
+    let mut v = Verdict::new("effect_once");
+    let fx = effects(h);
+    let crashes: Vec<(u64, String)> = h
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::Crash { replica, consumer: true, how } => Some((e.t_ms, format!("crash {replica} ({how}) @{}ms", e.t_ms))),
+            _ => None,
+        })
+        .collect();
+    let (mut duplicated, mut attributed, mut unattributed) = (0, 0, 0);
+    for (envelope, times) in &fx.by_envelope {
+        if times.len() < 2 {
+            continue;
+        }
+        duplicated += 1;
+        for pair in times.windows(2) {
+            let (t1, t2) = (pair[0], pair[1]);
+            match crashes.iter().find(|(tc, _)| *tc >= t1 && *tc <= t2) {
+                Some((_, crash)) => {
+                    attributed += 1;
+                    v.witness(format!("envelope {envelope} re-ran @{t2}ms after {crash} (#1180 window)"));
+                }
+                None => {
+                    unattributed += 1;
+                    let fault = h.fault_before(t2).unwrap_or_else(|| "no fault before it".into());
+                    v.witness(format!("envelope {envelope} took effect @{t1}ms and again @{t2}ms with no consumer crash between; last fault: {fault}"));
+                }
+            }
+        }
+    }
+    v.count("envelopes", fx.by_envelope.len());
+    v.count("effects", fx.total);
+    v.count("duplicated", duplicated);
+    v.count("crash_window_reexecutions", attributed);
+    v.count("unattributed", unattributed);
+    v.validity = if unattributed > 0 {
+        Validity::Invalid
+    } else if fx.total == 0 {
+        v.error = Some("nothing to check: no effects".into());
+        Validity::Unknown
+    } else {
+        Validity::Valid
+    };
+    v
+}
+
+/// Everything drains within the bound after faults heal; no row stays claimed past its lease.
+pub fn liveness(h: &History) -> Verdict {
+    let mut v = Verdict::new("liveness");
+    let mut drained = None;
+    let mut stuck = 0;
+    for e in h.iter() {
+        match &e.event {
+            Event::Drained { after_ms, bound_ms, pending } => drained = Some((*after_ms, *bound_ms, *pending)),
+            Event::Stuck { envelope, service, claimed_ms_ago } => {
+                stuck += 1;
+                v.witness(format!("{service} outbox row {envelope} still claimed {claimed_ms_ago} ms after its claim"));
+            }
+            _ => {}
+        }
+    }
+    v.count("stuck_claims", stuck);
+    match drained {
+        None => {
+            v.error = Some("nothing to check: the run recorded no drain measurement".into());
+            v.validity = Validity::Unknown;
+        }
+        Some((after, bound, pending)) => {
+            v.count("bound_ms", bound as usize);
+            v.count("pending_at_end", pending as usize);
+            if let Some(ms) = after {
+                v.count("drained_after_ms", ms as usize);
+            }
+            if after.is_none() {
+                v.witness(format!("{pending} outbox rows still pending {bound} ms after the faults healed"));
+            }
+            v.validity = if after.is_none() || stuck > 0 { Validity::Invalid } else { Validity::Valid };
+        }
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::history::Phase;
+
+    fn id(n: u128) -> Uuid {
+        Uuid::from_u128(n)
+    }
+
+    fn write(h: &mut History, t: u64, n: u128, outcome: Outcome) {
+        h.push(t, Event::Write { referral: id(n), replica: "cases-1".into(), outcome, status: None });
+    }
+
+    fn effect(h: &mut History, t: u64, env: u128, referral: u128) {
+        h.push(t, Event::Effect { envelope: id(env), referral: Some(id(referral)), service: "rules".into() });
+    }
+
+    #[test]
+    fn no_loss_classifies_ok_lost_and_recovered() {
+        let mut h = History::default();
+        write(&mut h, 1, 1, Outcome::Ok);
+        write(&mut h, 2, 2, Outcome::Ok);
+        write(&mut h, 3, 3, Outcome::Unknown);
+        write(&mut h, 4, 4, Outcome::Unknown);
+        write(&mut h, 5, 5, Outcome::Failed);
+        h.push(6, Event::Fault { kind: "down".into(), target: "cases-1->broker".into(), phase: Phase::Start });
+        effect(&mut h, 10, 101, 1);
+        effect(&mut h, 11, 103, 3);
+        let v = no_loss(&h);
+        assert_eq!(v.validity, Validity::Invalid);
+        let c = |k: &str| v.counts[k];
+        assert_eq!(
+            (c("attempted"), c("acknowledged"), c("ok"), c("lost"), c("recovered"), c("unknown"), c("failed")),
+            (5, 2, 1, 1, 1, 2, 1)
+        );
+        assert_eq!(v.witnesses.len(), 1);
+        assert!(v.witnesses[0].contains(&id(2).to_string()), "{:?}", v.witnesses);
+        assert!(v.witnesses[0].contains("no fault before it"), "the fault came after the write");
+    }
+
+    #[test]
+    fn no_loss_names_the_fault_before_a_loss() {
+        let mut h = History::default();
+        h.push(1, Event::Fault { kind: "kill".into(), target: "broker".into(), phase: Phase::Start });
+        write(&mut h, 2, 1, Outcome::Ok);
+        let v = no_loss(&h);
+        assert_eq!(v.validity, Validity::Invalid);
+        assert!(v.witnesses[0].ends_with("last fault: kill broker @1ms"), "{}", v.witnesses[0]);
+    }
+
+    #[test]
+    fn no_loss_with_nothing_acknowledged_is_unknown_not_valid() {
+        let mut h = History::default();
+        write(&mut h, 1, 1, Outcome::Unknown);
+        assert_eq!(no_loss(&h).validity, Validity::Unknown);
+    }
+
+    #[test]
+    fn no_phantom_flags_failed_rolled_back_and_unattempted_effects() {
+        let mut h = History::default();
+        write(&mut h, 1, 1, Outcome::Ok);
+        write(&mut h, 2, 2, Outcome::Failed);
+        h.push(3, Event::RolledBack { referral: id(3) });
+        effect(&mut h, 10, 101, 1);
+        let v = no_phantom(&h);
+        assert_eq!((v.validity, v.counts["unexpected"]), (Validity::Valid, 0));
+
+        effect(&mut h, 11, 102, 2);
+        effect(&mut h, 12, 103, 3);
+        effect(&mut h, 13, 109, 9);
+        let v = no_phantom(&h);
+        assert_eq!((v.validity, v.counts["unexpected"]), (Validity::Invalid, 3));
+        let all = v.witnesses.join("\n");
+        assert!(all.contains("was failed") && all.contains("was rolled back") && all.contains("was never attempted"), "{all}");
+    }
+
+    #[test]
+    fn effect_once_attributes_crash_window_reexecutions_and_flags_the_rest() {
+        let mut h = History::default();
+        effect(&mut h, 10, 101, 1);
+        h.push(15, Event::Crash { replica: "rules-1".into(), consumer: true, how: "SIGABRT".into() });
+        effect(&mut h, 20, 101, 1); // re-run after the consumer crash: attributed
+        effect(&mut h, 30, 102, 2);
+        effect(&mut h, 31, 102, 2); // duplicate with no crash between: a violation
+        h.push(25, Event::Crash { replica: "cases-1".into(), consumer: false, how: "SIGABRT".into() });
+        h.sort();
+        let v = effect_once(&h);
+        assert_eq!(v.validity, Validity::Invalid);
+        assert_eq!(
+            (v.counts["duplicated"], v.counts["crash_window_reexecutions"], v.counts["unattributed"]),
+            (2, 1, 1)
+        );
+        assert!(v.witnesses.iter().any(|w| w.contains("after crash rules-1 (SIGABRT) @15ms (#1180 window)")), "{:?}", v.witnesses);
+        assert!(v.witnesses.iter().any(|w| w.contains("no consumer crash between; last fault: crash cases-1")), "{:?}", v.witnesses);
+    }
+
+    #[test]
+    fn effect_once_holds_with_only_attributed_reexecutions() {
+        let mut h = History::default();
+        effect(&mut h, 10, 101, 1);
+        h.push(15, Event::Crash { replica: "rules-1".into(), consumer: true, how: "SIGKILL".into() });
+        effect(&mut h, 20, 101, 1);
+        let v = effect_once(&h);
+        assert_eq!((v.validity, v.counts["crash_window_reexecutions"]), (Validity::Valid, 1));
+    }
+
+    #[test]
+    fn liveness_needs_a_drain_within_the_bound_and_no_stuck_claims() {
+        let mut h = History::default();
+        assert_eq!(liveness(&h).validity, Validity::Unknown);
+        h.push(100, Event::Drained { after_ms: Some(1200), bound_ms: 60_000, pending: 0 });
+        assert_eq!(liveness(&h).validity, Validity::Valid);
+        h.push(101, Event::Stuck { envelope: id(7), service: "cases".into(), claimed_ms_ago: 90_000 });
+        let v = liveness(&h);
+        assert_eq!((v.validity, v.counts["stuck_claims"]), (Validity::Invalid, 1));
+        let mut h = History::default();
+        h.push(100, Event::Drained { after_ms: None, bound_ms: 60_000, pending: 12 });
+        let v = liveness(&h);
+        assert_eq!(v.validity, Validity::Invalid);
+        assert!(v.witnesses[0].starts_with("12 outbox rows still pending"));
+    }
+
+    #[test]
+    fn witnesses_are_capped() {
+        let mut h = History::default();
+        for n in 0..50 {
+            write(&mut h, n as u64, n, Outcome::Ok);
+        }
+        let v = no_loss(&h);
+        assert_eq!((v.counts["lost"], v.witnesses.len()), (50, MAX_WITNESSES));
+    }
+
+    #[test]
+    fn a_panicking_checker_is_unknown_with_its_error() {
+        assert!(check("nope", &History::default()).is_none());
+        let v = Verdict { error: Some("boom".into()), validity: Validity::Unknown, ..Verdict::new("x") };
+        assert_eq!(v.validity, Validity::Unknown);
+        // check() itself wraps the real checkers; all return without panicking on empty input.
+        for name in INVARIANTS {
+            let v = check(name, &History::default()).unwrap();
+            assert_ne!(v.validity, Validity::Invalid, "{name} on an empty history");
+        }
+    }
+}

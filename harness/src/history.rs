@@ -1,0 +1,137 @@
+//! The history of one scenario run: every attempted domain write and its outcome, every
+//! staged envelope, every side effect, every fault and crash, and periodic samples —
+//! timestamped in milliseconds since the run started, one JSON object a line
+//! (`history.jsonl`).
+//!
+//! Pure data: no I/O here beyond (de)serializing lines; checkers read it without a clock.
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// How a write's caller saw it end (Jepsen's ok / fail / info).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
+    /// Acknowledged: the service said it committed (HTTP 201).
+    Ok,
+    /// Definitely not committed (rejected before any write, or rolled back by us).
+    Failed,
+    /// Unknown: a timeout, a reset or a 5xx — it may or may not have committed.
+    Unknown,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Event {
+    /// The first line: the seed every random choice of the run was drawn from.
+    Seed { seed: u64, scenario: String },
+    /// A domain write attempted through a replica (`referral` id chosen by the harness).
+    Write { referral: Uuid, replica: String, outcome: Outcome, status: Option<u16> },
+    /// A write staged in a transaction the harness rolled back on purpose.
+    RolledBack { referral: Uuid },
+    /// An outbox row found at the end of the run.
+    Staged { envelope: Uuid, referral: Option<Uuid>, service: String, published: bool, attempts: i32 },
+    /// A counted side effect (a `rule_evaluations` row), with the DB's time of it.
+    Effect { envelope: Uuid, referral: Option<Uuid>, service: String },
+    /// A fault began or ended.
+    Fault { kind: String, target: String, phase: Phase },
+    /// A replica process died (crash point, kill). `consumer` is true for consuming services.
+    Crash { replica: String, consumer: bool, how: String },
+    /// Periodic sample for the timeline.
+    Sample { outbox_pending: i64, published: i64, effects: i64, lag_ms: f64 },
+    /// After faults healed: how long until nothing was pending (None: not within the bound).
+    Drained { after_ms: Option<u64>, bound_ms: u64, pending: i64 },
+    /// A row still claimed past its lease at the end.
+    Stuck { envelope: Uuid, service: String, claimed_ms_ago: i64 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    Start,
+    End,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    pub t_ms: u64,
+    #[serde(flatten)]
+    pub event: Event,
+}
+
+/// A whole history, in time order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct History {
+    pub entries: Vec<Entry>,
+}
+
+impl History {
+    pub fn push(&mut self, t_ms: u64, event: Event) {
+        self.entries.push(Entry { t_ms, event });
+    }
+
+    /// Sort by time (stable: same-time entries keep insertion order).
+    pub fn sort(&mut self) {
+        self.entries.sort_by_key(|e| e.t_ms);
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Entry> {
+        self.entries.iter()
+    }
+
+    pub fn to_jsonl(&self) -> String {
+        let mut out = String::new();
+        for e in &self.entries {
+            out.push_str(&serde_json::to_string(e).expect("history entries serialize"));
+            out.push('\n');
+        }
+        out
+    }
+
+    pub fn from_jsonl(text: &str) -> Result<Self, (usize, serde_json::Error)> {
+        let mut h = History::default();
+        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            h.entries.push(serde_json::from_str(line).map_err(|e| (i + 1, e))?);
+        }
+        Ok(h)
+    }
+
+    /// The last fault that started at or before `t_ms`, as "kind target @t".
+    pub fn fault_before(&self, t_ms: u64) -> Option<String> {
+        self.entries
+            .iter()
+            .filter(|e| e.t_ms <= t_ms)
+            .filter_map(|e| match &e.event {
+                Event::Fault { kind, target, phase: Phase::Start } => Some(format!("{kind} {target} @{}ms", e.t_ms)),
+                Event::Crash { replica, how, .. } => Some(format!("crash {replica} ({how}) @{}ms", e.t_ms)),
+                _ => None,
+            })
+            .next_back()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jsonl_round_trip_is_flat_and_typed() {
+        let mut h = History::default();
+        h.push(0, Event::Seed { seed: 7, scenario: "s".into() });
+        h.push(5, Event::Write { referral: Uuid::nil(), replica: "cases-1".into(), outcome: Outcome::Unknown, status: None });
+        let text = h.to_jsonl();
+        assert!(text.lines().nth(1).unwrap().starts_with(r#"{"t_ms":5,"type":"write","#), "{text}");
+        assert_eq!(History::from_jsonl(&text).unwrap(), h);
+        assert_eq!(History::from_jsonl("{}\n").unwrap_err().0, 1);
+    }
+
+    #[test]
+    fn fault_before_names_the_latest_preceding_fault() {
+        let mut h = History::default();
+        h.push(10, Event::Fault { kind: "kill".into(), target: "broker".into(), phase: Phase::Start });
+        h.push(20, Event::Crash { replica: "rules-1".into(), consumer: true, how: "SIGABRT".into() });
+        assert_eq!(h.fault_before(5), None);
+        assert_eq!(h.fault_before(15).as_deref(), Some("kill broker @10ms"));
+        assert_eq!(h.fault_before(25).as_deref(), Some("crash rules-1 (SIGABRT) @20ms"));
+    }
+}
