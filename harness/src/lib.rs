@@ -4,6 +4,7 @@
 //!
 //! | module | what |
 //! |---|---|
+//! | [`scenario`] | scenario files: parsing with file/line errors |
 //! | [`history`] | what happened in a run (`history.jsonl`) |
 //! | [`checkers`] | invariants as pure functions of a history |
 //! | [`backend`] | where PostgreSQL and RabbitMQ come from: local, external, containers |
@@ -15,3 +16,4 @@ pub mod checkers;
 pub mod history;
 pub mod process;
 pub mod proxy;
+pub mod scenario;

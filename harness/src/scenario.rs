@@ -1,0 +1,486 @@
+//! Scenario files: one TOML file per scenario under `scenarios/`. Unknown keys and bad
+//! values are rejected with the file, the line and the reason ([`ScenarioError`]).
+//!
+//! ```toml
+//! name = "crash-claim-stamp"
+//! amendment = "#1128"
+//! description = "A cases replica aborts after the broker ACKed and before the stamp."
+//!
+//! [fleet]
+//! cases = { replicas = 1 }
+//! rules = { replicas = 1, compat = ["pre-d2"] }
+//!
+//! [settings]                # optional; worker knobs passed to every replica
+//! claim_lease_secs = 3
+//!
+//! [workload]
+//! writes = 200              # HTTP writes through the cases replicas
+//! rate = 100                # per second
+//! rollback_share = 0.1      # extra writes the harness stages and rolls back
+//!
+//! [[faults]]
+//! kind = "crash"            # crash | kill | pause | toxic | down
+//! target = "cases-1"        # a replica, "broker", "database", or a link "cases-1->broker"
+//! failpoint = "outbox::after_publish_before_stamp"
+//! at = { failpoint_hit = 3 }  # or { after_ms = N } or { after_writes = N }
+//! restart_after_ms = 500
+//!
+//! [expect]
+//! no_loss = "hold"          # hold | violate
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::proxy::{Stream, ToxicKind};
+
+#[derive(Debug, thiserror::Error)]
+#[error("{file}:{line}: {reason}")]
+pub struct ScenarioError {
+    pub file: String,
+    pub line: usize,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    pub name: String,
+    pub amendment: String,
+    #[serde(default)]
+    pub description: String,
+    /// Fixed seed for this scenario (else derived from the run's seed and the name).
+    #[serde(default)]
+    pub seed: Option<u64>,
+    pub fleet: BTreeMap<String, Spanned<FleetEntry>>,
+    #[serde(default)]
+    pub settings: Settings,
+    pub workload: Workload,
+    #[serde(default)]
+    pub faults: Vec<Spanned<Fault>>,
+    pub expect: BTreeMap<String, Spanned<Expect>>,
+    /// How long everything may take to drain after the faults heal.
+    #[serde(default = "default_bound")]
+    pub liveness_bound_ms: u64,
+    #[serde(skip)]
+    pub path: PathBuf,
+}
+
+fn default_bound() -> u64 {
+    60_000
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FleetEntry {
+    #[serde(default = "one")]
+    pub replicas: u32,
+    #[serde(default)]
+    pub compat: Vec<String>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    #[serde(default = "lease")]
+    pub claim_lease_secs: u64,
+    #[serde(default = "poll")]
+    pub poll_ms: u64,
+    #[serde(default = "confirm")]
+    pub confirm_timeout_ms: u64,
+    #[serde(default = "heartbeat")]
+    pub heartbeat_secs: u64,
+}
+
+fn lease() -> u64 {
+    3
+}
+fn poll() -> u64 {
+    100
+}
+fn confirm() -> u64 {
+    1500
+}
+fn heartbeat() -> u64 {
+    2
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self { claim_lease_secs: lease(), poll_ms: poll(), confirm_timeout_ms: confirm(), heartbeat_secs: heartbeat() }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    pub writes: u32,
+    pub rate: f64,
+    #[serde(default)]
+    pub rollback_share: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FaultKind {
+    /// A crash point aborts the replica (feature `failpoints`); restarted after `restart_after_ms`.
+    Crash,
+    /// SIGKILL a replica, the broker or the database; restarted after `duration_ms`.
+    Kill,
+    /// SIGSTOP for `duration_ms`, then SIGCONT.
+    Pause,
+    /// A Toxiproxy toxic on a link for `duration_ms`.
+    Toxic,
+    /// A link disabled ("down") for `duration_ms`.
+    Down,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fault {
+    pub kind: FaultKind,
+    pub target: String,
+    #[serde(default)]
+    pub failpoint: Option<String>,
+    pub at: Trigger,
+    #[serde(default)]
+    pub duration_ms: Option<u64>,
+    #[serde(default)]
+    pub restart_after_ms: Option<u64>,
+    /// For `kind = "toxic"`: `{ type = "latency", stream = "downstream", attributes = {...} }`.
+    #[serde(default)]
+    pub toxic: Option<ToxicSpec>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToxicSpec {
+    #[serde(default)]
+    pub stream: Stream,
+    #[serde(default = "full")]
+    pub toxicity: f32,
+    #[serde(flatten)]
+    pub kind: ToxicKind,
+}
+
+fn full() -> f32 {
+    1.0
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub enum Trigger {
+    AfterMs(u64),
+    AfterWrites(u32),
+    FailpointHit(u32),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Expect {
+    Hold,
+    Violate,
+}
+
+/// Invariants this build can check (CONTRACT names the rest; they arrive with their issues).
+pub const CHECKABLE: &[&str] = crate::checkers::INVARIANTS;
+const CONTRACT_INVARIANTS: &[&str] = &[
+    "no_loss",
+    "no_phantom",
+    "effect_once",
+    "sentinel_integrity",
+    "fencing",
+    "dlq_occurrence_once",
+    "threshold_crossing_once",
+    "retention_safety",
+    "liveness",
+];
+const SERVICES: &[&str] = &["cases", "financial", "rules", "security"];
+
+/// What a fault's target names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FaultTarget {
+    Replica(String),
+    Broker,
+    Database,
+    /// `<replica>-><broker|database>`: the replica's own proxied connection.
+    Link { replica: String, to: crate::backend::Target },
+}
+
+impl Scenario {
+    pub fn replica_names(&self) -> Vec<String> {
+        self.fleet
+            .iter()
+            .flat_map(|(svc, e)| (1..=e.get_ref().replicas).map(move |i| format!("{svc}-{i}")))
+            .collect()
+    }
+
+    pub fn parse_target(&self, t: &str) -> Option<FaultTarget> {
+        let names = self.replica_names();
+        match t {
+            "broker" => Some(FaultTarget::Broker),
+            "database" => Some(FaultTarget::Database),
+            _ => match t.split_once("->") {
+                Some((r, to)) if names.iter().any(|n| n == r) => {
+                    let to = match to {
+                        "broker" => crate::backend::Target::Broker,
+                        "database" => crate::backend::Target::Database,
+                        _ => return None,
+                    };
+                    Some(FaultTarget::Link { replica: r.to_owned(), to })
+                }
+                Some(_) => None,
+                None => names.iter().any(|n| n == t).then(|| FaultTarget::Replica(t.to_owned())),
+            },
+        }
+    }
+
+    /// Compat modes named by the fleet, for the report (`"-"` when none).
+    pub fn compat_summary(&self) -> String {
+        let mut modes: Vec<String> = self.fleet.values().flat_map(|e| e.get_ref().compat.clone()).collect();
+        modes.sort();
+        modes.dedup();
+        if modes.is_empty() { "-".into() } else { modes.join(",") }
+    }
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text[..offset.min(text.len())].bytes().filter(|&b| b == b'\n').count() + 1
+}
+
+/// Parse and validate one scenario file.
+pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
+    let file = path.display().to_string();
+    let err = |span: Option<std::ops::Range<usize>>, reason: String| ScenarioError {
+        file: file.clone(),
+        line: span.map(|s| line_of(text, s.start)).unwrap_or(1),
+        reason,
+    };
+    let mut s: Scenario = toml::from_str(text).map_err(|e| err(e.span(), e.message().to_owned()))?;
+    s.path = path.to_path_buf();
+    let at = |needle: &str| text.find(needle).map(|o| o..o);
+    // The line of `key =` inside a table's span (falls back to the table's first line).
+    let key_in = |span: std::ops::Range<usize>, key: &str| {
+        // A table's span may cover only its header: read on to the next header.
+        let body = &text[span.start.min(text.len())..];
+        let found = body.lines().scan(0usize, |off, l| {
+            let here = *off;
+            *off += l.len() + 1;
+            Some((here, l))
+        });
+        let hit = found
+            .take_while(|(o, l)| *o == 0 || !l.trim_start().starts_with('['))
+            .filter(|(_, l)| l.trim_start().starts_with(key))
+            .map(|(o, _)| span.start + o)
+            .next();
+        Some(hit.map(|o| o..o).unwrap_or(span))
+    };
+    if s.name.trim().is_empty() {
+        return Err(err(at("name"), "name must not be empty".into()));
+    }
+    for (svc, entry) in &s.fleet {
+        if !SERVICES.contains(&svc.as_str()) {
+            return Err(err(Some(entry.span()), format!("unknown service {svc:?}; expected one of {}", SERVICES.join(", "))));
+        }
+        let e = entry.get_ref();
+        if e.replicas == 0 || e.replicas > 8 {
+            return Err(err(Some(entry.span()), format!("{svc}: replicas must be 1..=8, not {}", e.replicas)));
+        }
+        for mode in &e.compat {
+            if let Err(why) = mode.parse::<craig_fleet::Compat>() {
+                return Err(err(Some(entry.span()), format!("{svc}: {why}")));
+            }
+        }
+    }
+    if !s.fleet.contains_key("cases") {
+        return Err(err(at("[fleet]"), "the fleet needs a cases service: the workload writes through it".into()));
+    }
+    let w = &s.workload;
+    if w.writes == 0 || !(w.rate > 0.0 && w.rate <= 5000.0) || !(0.0..=1.0).contains(&w.rollback_share) {
+        return Err(err(at("[workload]"), "workload needs writes > 0, 0 < rate <= 5000, 0 <= rollback_share <= 1".into()));
+    }
+    if s.settings.claim_lease_secs == 0 || s.settings.poll_ms == 0 {
+        return Err(err(at("[settings]"), "claim_lease_secs and poll_ms must be positive".into()));
+    }
+    for f in &s.faults {
+        let span = Some(f.span());
+        let fault = f.get_ref();
+        let target = s
+            .parse_target(&fault.target)
+            .ok_or_else(|| err(key_in(f.span(), "target"), format!("unknown fault target {:?}; replicas here: {}", fault.target, s.replica_names().join(", "))))?;
+        match (fault.kind, &target) {
+            (FaultKind::Crash, FaultTarget::Replica(_)) => {
+                let fp = fault.failpoint.as_deref().ok_or_else(|| err(span.clone(), "a crash needs a failpoint".into()))?;
+                if !craig_mq::crash::CRASH_POINTS.contains(&fp) {
+                    return Err(err(key_in(f.span(), "failpoint"), format!("unknown failpoint {fp:?}; known: {}", craig_mq::crash::CRASH_POINTS.join(", "))));
+                }
+                if !matches!(fault.at, Trigger::FailpointHit(n) if n >= 1) {
+                    return Err(err(span, "a crash fires on a failpoint hit: at = { failpoint_hit = N } (N >= 1)".into()));
+                }
+            }
+            (FaultKind::Crash, _) => return Err(err(span, "a crash targets a replica".into())),
+            (FaultKind::Kill | FaultKind::Pause, FaultTarget::Link { .. }) => {
+                return Err(err(span, "kill and pause target a replica, the broker or the database, not a link".into()));
+            }
+            (FaultKind::Toxic | FaultKind::Down, FaultTarget::Link { .. }) => {}
+            (FaultKind::Toxic | FaultKind::Down, _) => {
+                return Err(err(span, "toxic and down target a link like \"cases-1->broker\"".into()));
+            }
+            _ => {}
+        }
+        if fault.kind != FaultKind::Crash && matches!(fault.at, Trigger::FailpointHit(_)) {
+            return Err(err(span, "failpoint_hit triggers only a crash".into()));
+        }
+        if fault.kind == FaultKind::Toxic && fault.toxic.is_none() {
+            return Err(err(span, "a toxic fault needs toxic = { type = ..., stream = ..., attributes = {...} }".into()));
+        }
+        if matches!(fault.kind, FaultKind::Pause | FaultKind::Toxic | FaultKind::Down) && fault.duration_ms.is_none() {
+            return Err(err(span, "this fault needs duration_ms (when it heals)".into()));
+        }
+    }
+    if s.expect.is_empty() {
+        return Err(err(at("[expect]"), "expect names at least one invariant".into()));
+    }
+    for (name, e) in &s.expect {
+        if !CONTRACT_INVARIANTS.contains(&name.as_str()) {
+            return Err(err(Some(e.span()), format!("unknown invariant {name:?}; known: {}", CONTRACT_INVARIANTS.join(", "))));
+        }
+        if !CHECKABLE.contains(&name.as_str()) {
+            return Err(err(Some(e.span()), format!("invariant {name} is not checked by this build yet")));
+        }
+    }
+    Ok(s)
+}
+
+/// Scenario files under `paths` (folders: their `*.toml`, sorted).
+pub fn discover(paths: &[PathBuf]) -> Result<Vec<PathBuf>, ScenarioError> {
+    let roots = if paths.is_empty() { vec![PathBuf::from("scenarios")] } else { paths.to_vec() };
+    let mut out = Vec::new();
+    for root in roots {
+        let io = |e: std::io::Error| ScenarioError { file: root.display().to_string(), line: 0, reason: e.to_string() };
+        if root.is_dir() {
+            for entry in std::fs::read_dir(&root).map_err(io)? {
+                let p = entry.map_err(io)?.path();
+                if p.extension().is_some_and(|e| e == "toml") {
+                    out.push(p);
+                }
+            }
+        } else if root.exists() {
+            out.push(root);
+        } else {
+            return Err(io(std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder")));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Read and parse every scenario; the first bad file stops with its error.
+pub fn load(paths: &[PathBuf]) -> Result<Vec<Scenario>, ScenarioError> {
+    let mut out = Vec::new();
+    for p in discover(paths)? {
+        let text = std::fs::read_to_string(&p)
+            .map_err(|e| ScenarioError { file: p.display().to_string(), line: 0, reason: e.to_string() })?;
+        out.push(parse(&p, &text)?);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r##"name = "t"
+amendment = "#1128"
+
+[fleet]
+cases = { replicas = 2 }
+rules = { compat = ["pre-d2"] }
+
+[workload]
+writes = 10
+rate = 50
+
+[[faults]]
+kind = "crash"
+target = "cases-2"
+failpoint = "outbox::after_claim"
+at = { failpoint_hit = 2 }
+
+[[faults]]
+kind = "toxic"
+target = "rules-1->broker"
+at = { after_ms = 100 }
+duration_ms = 500
+toxic = { type = "latency", stream = "upstream", attributes = { latency = 50 } }
+
+[expect]
+no_loss = "hold"
+effect_once = "violate"
+"##;
+
+    fn parse_str(text: &str) -> Result<Scenario, ScenarioError> {
+        parse(Path::new("scenarios/t.toml"), text)
+    }
+
+    #[test]
+    fn parses_a_full_scenario() {
+        let s = parse_str(GOOD).unwrap();
+        assert_eq!(s.replica_names(), ["cases-1", "cases-2", "rules-1"]);
+        assert_eq!(s.faults.len(), 2);
+        assert_eq!(s.faults[0].get_ref().at, Trigger::FailpointHit(2));
+        assert_eq!(s.parse_target("rules-1->broker"), Some(FaultTarget::Link { replica: "rules-1".into(), to: crate::backend::Target::Broker }));
+        assert_eq!(*s.expect["effect_once"].get_ref(), Expect::Violate);
+        assert_eq!(s.compat_summary(), "pre-d2");
+        assert_eq!(s.settings.claim_lease_secs, 3);
+    }
+
+    fn rejected(text: &str) -> ScenarioError {
+        parse_str(text).unwrap_err()
+    }
+
+    #[test]
+    fn an_unknown_key_is_rejected_with_its_line() {
+        let e = rejected(&GOOD.replace("rate = 50", "rate = 50\nburst = 3"));
+        assert_eq!(e.line, 11, "{e}");
+        assert!(e.to_string().starts_with("scenarios/t.toml:11: unknown field `burst`"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_are_rejected_with_line_and_reason() {
+        let e = rejected(&GOOD.replace(r#"no_loss = "hold""#, r#"no_loss = "maybe""#));
+        assert_eq!(e.line, 26, "{e}");
+        assert!(e.reason.contains("unknown variant `maybe`"), "{e}");
+
+        let e = rejected(&GOOD.replace(r#"target = "cases-2""#, r#"target = "cases-9""#));
+        assert_eq!(e.line, 14, "{e}");
+        assert!(e.reason.contains("unknown fault target \"cases-9\""), "{e}");
+
+        let e = rejected(&GOOD.replace("outbox::after_claim", "outbox::nowhere"));
+        assert_eq!(e.line, 15, "{e}");
+        assert!(e.reason.contains("unknown failpoint"), "{e}");
+
+        let e = rejected(&GOOD.replace(r#"compat = ["pre-d2"]"#, r#"compat = ["pre-nope"]"#));
+        assert_eq!(e.line, 6, "{e}");
+        assert!(e.reason.contains("unknown compat mode \"pre-nope\""), "{e}");
+
+        let e = rejected(&GOOD.replace("no_loss", "fencing"));
+        assert!(e.reason.contains("fencing is not checked by this build yet"), "{e}");
+
+        let e = rejected(&GOOD.replace("writes = 10", "writes = -1"));
+        assert_eq!(e.line, 9, "{e}");
+    }
+
+    #[test]
+    fn syntax_errors_carry_the_line() {
+        let e = rejected("name = \"t\"\namendment = \"x\"\n[fleet\n");
+        assert_eq!(e.line, 3, "{e}");
+    }
+}
