@@ -120,8 +120,11 @@ pub fn no_loss(h: &History) -> Verdict {
                     ok += 1;
                 } else {
                     lost += 1;
-                    let fault = h.fault_before(entry.t_ms).unwrap_or_else(|| "no fault before it".into());
-                    v.witness(format!("referral {referral} acknowledged by {replica} @{}ms never took effect; last fault: {fault}", entry.t_ms));
+                    v.witness(format!(
+                        "referral {referral} acknowledged by {replica} @{}ms never took effect; {}",
+                        entry.t_ms,
+                        h.fault_near(entry.t_ms)
+                    ));
                 }
             }
             Outcome::Unknown => {
@@ -231,8 +234,10 @@ pub fn effect_once(h: &History) -> Verdict {
                 }
                 None => {
                     unattributed += 1;
-                    let fault = h.fault_before(t2).unwrap_or_else(|| "no fault before it".into());
-                    v.witness(format!("envelope {envelope} took effect @{t1}ms and again @{t2}ms with no consumer crash between; last fault: {fault}"));
+                    v.witness(format!(
+                        "envelope {envelope} took effect @{t1}ms and again @{t2}ms with no consumer crash between; {}",
+                        h.fault_near(t2)
+                    ));
                 }
             }
         }
@@ -326,7 +331,7 @@ mod tests {
         );
         assert_eq!(v.witnesses.len(), 1);
         assert!(v.witnesses[0].contains(&id(2).to_string()), "{:?}", v.witnesses);
-        assert!(v.witnesses[0].contains("no fault before it"), "the fault came after the write");
+        assert!(v.witnesses[0].ends_with("no fault before it; next fault: down cases-1->broker @6ms"), "{}", v.witnesses[0]);
     }
 
     #[test]
@@ -336,7 +341,7 @@ mod tests {
         write(&mut h, 2, 1, Outcome::Ok);
         let v = no_loss(&h);
         assert_eq!(v.validity, Validity::Invalid);
-        assert!(v.witnesses[0].ends_with("last fault: kill broker @1ms"), "{}", v.witnesses[0]);
+        assert!(v.witnesses[0].ends_with("last fault before it: kill broker @1ms"), "{}", v.witnesses[0]);
     }
 
     #[test]
@@ -382,7 +387,11 @@ mod tests {
             (2, 1, 1)
         );
         assert!(v.witnesses.iter().any(|w| w.contains("after crash rules-1 (SIGABRT) @15ms (#1180 window)")), "{:?}", v.witnesses);
-        assert!(v.witnesses.iter().any(|w| w.contains("no consumer crash between; last fault: crash cases-1")), "{:?}", v.witnesses);
+        assert!(
+            v.witnesses.iter().any(|w| w.contains("no consumer crash between; last fault before it: crash cases-1")),
+            "{:?}",
+            v.witnesses
+        );
     }
 
     #[test]

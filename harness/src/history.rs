@@ -96,17 +96,29 @@ impl History {
         Ok(h)
     }
 
+    fn faults(&self) -> impl DoubleEndedIterator<Item = (u64, String)> + '_ {
+        self.entries.iter().filter_map(|e| match &e.event {
+            Event::Fault { kind, target, phase: Phase::Start } => Some((e.t_ms, format!("{kind} {target} @{}ms", e.t_ms))),
+            Event::Crash { replica, how, .. } => Some((e.t_ms, format!("crash {replica} ({how}) @{}ms", e.t_ms))),
+            _ => None,
+        })
+    }
+
     /// The last fault that started at or before `t_ms`, as "kind target @t".
     pub fn fault_before(&self, t_ms: u64) -> Option<String> {
-        self.entries
-            .iter()
-            .filter(|e| e.t_ms <= t_ms)
-            .filter_map(|e| match &e.event {
-                Event::Fault { kind, target, phase: Phase::Start } => Some(format!("{kind} {target} @{}ms", e.t_ms)),
-                Event::Crash { replica, how, .. } => Some(format!("crash {replica} ({how}) @{}ms", e.t_ms)),
-                _ => None,
-            })
-            .next_back()
+        self.faults().filter(|(t, _)| *t <= t_ms).map(|(_, f)| f).next_back()
+    }
+
+    /// For a witness: the last fault at or before `t_ms`, else the first one after it
+    /// (an operation can be hurt by a fault that begins while it is still in flight).
+    pub fn fault_near(&self, t_ms: u64) -> String {
+        match self.fault_before(t_ms) {
+            Some(f) => format!("last fault before it: {f}"),
+            None => match self.faults().find(|(t, _)| *t > t_ms) {
+                Some((_, f)) => format!("no fault before it; next fault: {f}"),
+                None => "no fault in the run".into(),
+            },
+        }
     }
 }
 

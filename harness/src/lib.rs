@@ -5,6 +5,8 @@
 //! | module | what |
 //! |---|---|
 //! | [`scenario`] | scenario files: parsing with file/line errors |
+//! | [`runner`] | runs a scenario: backend, proxies, replicas, workload, faults, drain |
+//! | [`report`] | report.json, report.md, timeline.svg, history.jsonl |
 //! | [`history`] | what happened in a run (`history.jsonl`) |
 //! | [`checkers`] | invariants as pure functions of a history |
 //! | [`backend`] | where PostgreSQL and RabbitMQ come from: local, external, containers |
@@ -16,4 +18,6 @@ pub mod checkers;
 pub mod history;
 pub mod process;
 pub mod proxy;
+pub mod report;
+pub mod runner;
 pub mod scenario;

@@ -1,9 +1,18 @@
 //! `chaos`: the ADR-022 chaos-verification harness CLI (CONTRACT § chaos).
+//!
+//! Exit codes: 0 every scenario met its `expect`; 1 one did not; 2 bad input (file, line,
+//! reason); 3 inconclusive (nothing to check, a checker failed, or the run could not do
+//! what the scenario asked).
 
+use std::io::IsTerminal as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use craig_chaos::backend::BackendKind;
+use craig_chaos::report::RunReport;
+use craig_chaos::runner::{RunOptions, run_scenario, scenario_seed};
+use craig_chaos::scenario;
 
 /// Run ADR-022 chaos scenarios against real PostgreSQL and RabbitMQ and check the invariants.
 #[derive(Parser)]
@@ -15,33 +24,24 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run scenario files or folders (default: scenarios/).
+    /// Run scenario files or folders (default: scenarios/) and print a verdict table.
     Run {
+        /// Scenario files or folders.
         paths: Vec<PathBuf>,
+        /// Seed for every random choice (default: from the clock; printed either way).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// auto, local, external or containers.
+        #[arg(long, env = "CHAOS_BACKEND", default_value = "auto")]
+        backend: BackendKind,
+        /// Report folder (default: target/chaos/<run id>).
+        #[arg(long)]
+        report: Option<PathBuf>,
     },
-    /// List the scenarios found.
+    /// List the scenarios found, with what each expects.
     List {
         paths: Vec<PathBuf>,
     },
-}
-
-fn scenario_files(paths: &[PathBuf]) -> std::io::Result<Vec<PathBuf>> {
-    let roots = if paths.is_empty() { vec![PathBuf::from("scenarios")] } else { paths.to_vec() };
-    let mut out = Vec::new();
-    for root in roots {
-        if root.is_dir() {
-            for entry in std::fs::read_dir(&root)? {
-                let p = entry?.path();
-                if p.extension().is_some_and(|e| e == "toml") {
-                    out.push(p);
-                }
-            }
-        } else {
-            out.push(root);
-        }
-    }
-    out.sort();
-    Ok(out)
 }
 
 fn main() -> ExitCode {
@@ -52,15 +52,40 @@ fn main() -> ExitCode {
         return craig_fleet::cli::run(args);
     }
     let cli = Cli::parse();
-    let (Command::Run { paths } | Command::List { paths }) = &cli.command;
-    match scenario_files(paths) {
-        Ok(files) if files.is_empty() => {
-            println!("chaos: no scenarios yet");
+    match cli.command {
+        Command::List { paths } => list(&paths),
+        Command::Run { paths, seed, backend, report } => {
+            let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+            rt.block_on(async {
+                tokio::select! {
+                    code = run(paths, seed, backend, report) => code,
+                    _ = tokio::signal::ctrl_c() => {
+                        eprintln!("chaos: interrupted; servers and replicas stopped, temp dirs removed");
+                        ExitCode::from(130)
+                    }
+                }
+            })
+        }
+    }
+}
+
+fn list(paths: &[PathBuf]) -> ExitCode {
+    match scenario::load(paths) {
+        Ok(all) if all.is_empty() => {
+            println!("chaos: no scenarios found");
             ExitCode::SUCCESS
         }
-        Ok(files) => {
-            for f in files {
-                println!("{}", f.display());
+        Ok(all) => {
+            for s in all {
+                let expect: Vec<String> = s
+                    .expect
+                    .iter()
+                    .map(|(k, v)| format!("{k}={}", match v.get_ref() {
+                        scenario::Expect::Hold => "hold",
+                        scenario::Expect::Violate => "violate",
+                    }))
+                    .collect();
+                println!("{:<32} {:<8} compat {:<10} {}", s.name, s.amendment, s.compat_summary(), expect.join(" "));
             }
             ExitCode::SUCCESS
         }
@@ -68,5 +93,64 @@ fn main() -> ExitCode {
             eprintln!("chaos: {e}");
             ExitCode::from(2)
         }
+    }
+}
+
+async fn run(paths: Vec<PathBuf>, seed: Option<u64>, backend: BackendKind, report: Option<PathBuf>) -> ExitCode {
+    let scenarios = match scenario::load(&paths) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("chaos: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if scenarios.is_empty() {
+        println!("chaos: no scenarios found; nothing to check");
+        return ExitCode::from(3);
+    }
+    let seed = seed.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
+    });
+    let run_id = format!("{}-{:08x}", chrono::Utc::now().format("%Y%m%d-%H%M%S"), seed as u32);
+    let report_dir = report.unwrap_or_else(|| PathBuf::from("target/chaos").join(&run_id));
+    let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+    let command = format!(
+        "cargo run --release -p craig-chaos -- run {}--seed {seed} --backend {backend}",
+        if shown.is_empty() { String::new() } else { format!("{} ", shown.join(" ")) }
+    );
+    // Progress lines go to stderr either way; on a terminal they come every 2 s per scenario.
+    let progress = std::io::stderr().is_terminal() || std::env::var_os("CI").is_some() || std::env::var_os("CHAOS_PROGRESS").is_some();
+    println!("chaos run {run_id}: {} scenarios, seed {seed}, backend {backend}", scenarios.len());
+    println!("reproduce: {command}");
+    let opts = RunOptions { backend, report_dir: report_dir.clone(), progress };
+    let mut results = Vec::new();
+    for (i, s) in scenarios.iter().enumerate() {
+        let sseed = scenario_seed(seed, s);
+        eprintln!("[{}/{}] {} ({}, compat {}) seed {sseed}", i + 1, scenarios.len(), s.name, s.amendment, s.compat_summary());
+        let r = run_scenario(s, &opts, sseed).await;
+        let word = if r.passed { "met" } else if r.inconclusive { "INCONCLUSIVE" } else { "NOT MET" };
+        eprintln!("[{}/{}] {} — {word} in {:.1} s{}", i + 1, scenarios.len(), s.name, r.duration_ms as f64 / 1000.0,
+            r.error.as_deref().map(|e| format!(": {e}")).unwrap_or_default());
+        results.push(r);
+    }
+    let backend_used = results.iter().map(|r| r.backend.as_str()).find(|b| !b.is_empty()).unwrap_or(backend.name()).to_owned();
+    let rep = RunReport { run_id: &run_id, seed, backend: &backend_used, command: &command, results: &results };
+    println!("\n{}", rep.table());
+    if let Err(e) = rep.write(&report_dir) {
+        eprintln!("chaos: writing the report to {}: {e}", report_dir.display());
+        return ExitCode::from(3);
+    }
+    println!("report: {}/report.md (timeline.svg, report.json, history.jsonl beside it)", report_dir.display());
+    let failed = results.iter().any(|r| !r.passed && !r.inconclusive);
+    let inconclusive = results.iter().any(|r| r.inconclusive);
+    if failed {
+        println!("chaos: a scenario did not meet its expectations; reproduce with: {command}");
+        ExitCode::from(1)
+    } else if inconclusive {
+        println!("chaos: inconclusive; reproduce with: {command}");
+        ExitCode::from(3)
+    } else {
+        println!("chaos: every scenario met its expectations");
+        ExitCode::SUCCESS
     }
 }

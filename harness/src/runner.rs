@@ -1,0 +1,689 @@
+//! Runs one scenario end to end: backend → migrations and topology → a fault proxy in
+//! front of every replica's database and broker connections → replicas → workload, faults
+//! and sampling → drain (liveness) → collection → checkers.
+//!
+//! One seed drives the workload's choices and the proxy's jitter; every fault is recorded
+//! in the history with its time. A seed fixes the schedule, not the interleaving: real
+//! processes, sockets and the OS scheduler still decide what overlaps (as TigerBeetle's
+//! Vortex says of itself).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::json;
+use sqlx::PgPool;
+use tokio::sync::{Mutex, watch};
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use crate::backend::{Backend, BackendKind, Choice, Target};
+use crate::checkers::{self, Validity, Verdict};
+use crate::history::{Event, History, Outcome, Phase};
+use crate::process::{NodeProgram, Replica, ReplicaSpec, describe};
+use crate::proxy::{FaultProxy, Toxic, ToxiproxyClient, api};
+use crate::scenario::{Expect, Fault, FaultKind, FaultTarget, Scenario, Trigger};
+
+pub struct RunOptions {
+    pub backend: BackendKind,
+    pub report_dir: PathBuf,
+    /// Print live progress lines to stderr.
+    pub progress: bool,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FaultRecord {
+    pub kind: String,
+    pub target: String,
+    pub at_ms: u64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct InvariantResult {
+    pub name: String,
+    pub expected: Expect,
+    /// "held" | "violated"; absent when the checker could not decide.
+    pub observed: Option<String>,
+    pub counts: BTreeMap<String, u64>,
+    pub witnesses: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ScenarioResult {
+    pub name: String,
+    pub amendment: String,
+    pub compat: String,
+    pub seed: u64,
+    pub backend: String,
+    pub faults: Vec<FaultRecord>,
+    pub invariants: Vec<InvariantResult>,
+    pub passed: bool,
+    /// Some result could not be decided (a checker with nothing to check, or a run error).
+    pub inconclusive: bool,
+    pub duration_ms: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(skip)]
+    pub history: History,
+}
+
+/// The per-scenario seed: the scenario's own, else derived from the run seed and the name.
+pub fn scenario_seed(run_seed: u64, s: &Scenario) -> u64 {
+    s.seed.unwrap_or_else(|| {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in s.name.bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        h ^ run_seed
+    })
+}
+
+/// Shared clock and history of one run. Time 0 is the start of the workload (set by
+/// [`Log::rebase`] once the servers and replicas are up); set-up happens "before" 0.
+#[derive(Clone)]
+struct Log {
+    origin: Arc<std::sync::Mutex<(Instant, i64)>>,
+    history: Arc<std::sync::Mutex<History>>,
+    faults: Arc<std::sync::Mutex<Vec<FaultRecord>>>,
+}
+
+impl Log {
+    fn new() -> Self {
+        Self {
+            origin: Arc::new(std::sync::Mutex::new((Instant::now(), chrono::Utc::now().timestamp_millis()))),
+            history: Arc::default(),
+            faults: Arc::default(),
+        }
+    }
+    fn rebase(&self) {
+        *self.origin.lock().unwrap() = (Instant::now(), chrono::Utc::now().timestamp_millis());
+    }
+    fn started(&self) -> Instant {
+        self.origin.lock().unwrap().0
+    }
+    fn now(&self) -> u64 {
+        self.started().elapsed().as_millis() as u64
+    }
+    fn push(&self, event: Event) {
+        let t = self.now();
+        self.history.lock().unwrap().push(t, event);
+    }
+    fn push_at(&self, t: u64, event: Event) {
+        self.history.lock().unwrap().push(t, event);
+    }
+    fn fault(&self, kind: &str, target: &str, phase: Phase) {
+        if phase == Phase::Start {
+            self.faults.lock().unwrap().push(FaultRecord { kind: kind.into(), target: target.into(), at_ms: self.now() });
+        }
+        self.push(Event::Fault { kind: kind.into(), target: target.into(), phase });
+    }
+    /// A DB timestamp (epoch ms) as run time (clamped at 0).
+    fn rel(&self, epoch_ms: i64) -> u64 {
+        (epoch_ms - self.origin.lock().unwrap().1).max(0) as u64
+    }
+}
+
+type Replicas = Arc<BTreeMap<String, Arc<Mutex<Replica>>>>;
+
+fn consumes(service: &str) -> bool {
+    service.parse::<craig_fleet::Service>().map(|s| !s.consumes().is_empty()).unwrap_or(false)
+}
+
+/// Run one scenario. Errors inside the run are reported in the result (inconclusive).
+pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> ScenarioResult {
+    let run_clock = Instant::now();
+    let log = Log::new();
+    log.push(Event::Seed { seed, scenario: s.name.clone() });
+    let mut result = ScenarioResult {
+        name: s.name.clone(),
+        amendment: s.amendment.clone(),
+        compat: s.compat_summary(),
+        seed,
+        backend: String::new(),
+        faults: vec![],
+        invariants: vec![],
+        passed: false,
+        inconclusive: false,
+        duration_ms: 0,
+        error: None,
+        history: History::default(),
+    };
+    match execute(s, opts, seed, &log, &mut result).await {
+        Ok(()) => {}
+        Err(e) => {
+            result.error = Some(format!("{e:#}"));
+            result.inconclusive = true;
+        }
+    }
+    let mut history = log.history.lock().unwrap().clone();
+    history.sort();
+    result.faults = log.faults.lock().unwrap().clone();
+    if result.error.is_none() {
+        for (name, expect) in &s.expect {
+            let v = checkers::check(name, &history).unwrap_or_else(|| Verdict {
+                name: name.clone(),
+                validity: Validity::Unknown,
+                counts: BTreeMap::new(),
+                witnesses: vec![],
+                error: Some("no such checker".into()),
+            });
+            result.invariants.push(invariant_result(v, *expect.get_ref()));
+        }
+        result.inconclusive = result.invariants.iter().any(|i| i.observed.is_none());
+        result.passed = !result.inconclusive
+            && result.invariants.iter().all(|i| i.observed.as_deref() == Some(expected_word(i.expected)));
+    }
+    result.duration_ms = run_clock.elapsed().as_millis() as u64;
+    result.history = history;
+    result
+}
+
+fn expected_word(e: Expect) -> &'static str {
+    match e {
+        Expect::Hold => "held",
+        Expect::Violate => "violated",
+    }
+}
+
+fn invariant_result(v: Verdict, expected: Expect) -> InvariantResult {
+    let observed = match v.validity {
+        Validity::Valid => Some("held".to_owned()),
+        Validity::Invalid => Some("violated".to_owned()),
+        Validity::Unknown => None,
+    };
+    InvariantResult { name: v.name, expected, observed, counts: v.counts, witnesses: v.witnesses, error: v.error }
+}
+
+async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: &mut ScenarioResult) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let services: Vec<String> = s.fleet.keys().cloned().collect();
+    let svc_refs: Vec<&str> = services.iter().map(String::as_str).collect();
+    let (backend, choice): (Backend, Choice) =
+        Backend::start(opts.backend, &format!("{}-{seed}", s.name), &svc_refs).await.context("starting the backend")?;
+    result.backend = choice.kind.name().to_owned();
+    if opts.progress {
+        eprintln!("  backend: {} ({})", choice.kind, choice.reason);
+    }
+    let backend = Arc::new(Mutex::new(backend));
+    let outcome = drive(s, opts, seed, log, backend.clone()).await;
+    let stop = match Arc::try_unwrap(backend) {
+        Ok(b) => b.into_inner().stop().await.context("stopping the backend"),
+        Err(_) => Ok(()), // a task still holds it; its Drop cleans up
+    };
+    outcome.and(stop)
+}
+
+async fn drive(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, backend: Arc<Mutex<Backend>>) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let ep = backend.lock().await.endpoints();
+    if matches!(backend.lock().await.kind(), BackendKind::Containers) {
+        anyhow::bail!("scenario runs on the containers backend need its Toxiproxy wiring, which is not built yet; use local or external");
+    }
+    // Schema and topology first, so no event is published before its queue exists.
+    let mut pools: BTreeMap<String, PgPool> = BTreeMap::new();
+    for (svc, entry) in &s.fleet {
+        let url = ep.database_url(svc).context("backend has no database for a fleet service")?;
+        craig_fleet::node::migrate(svc.parse()?, url, Duration::from_secs(30)).await?;
+        pools.insert(
+            svc.clone(),
+            sqlx::postgres::PgPoolOptions::new().max_connections(3).acquire_timeout(Duration::from_secs(5)).connect_lazy(url)?,
+        );
+        let service: craig_fleet::Service = svc.parse()?;
+        if !service.consumes().is_empty() {
+            let conn = craig_mq::publisher::connect(&ep.amqp_url, 5, "chaos-setup").await?;
+            let ch = conn.create_channel().await?;
+            let spec = craig_mq::topology::QueueSpec {
+                queue: craig_mq::topology::consumer_queue(svc),
+                bindings: service.consumes().iter().map(|k| k.to_string()).collect(),
+                with_dlx: !entry.get_ref().compat.iter().any(|c| c == "pre-d3"),
+            };
+            craig_mq::topology::declare_consumer_queue(&ch, &spec).await?;
+            let _ = conn.close(200, "setup".into()).await;
+        }
+    }
+
+    let (api_addr, api_task) = api::serve(FaultProxy::new(seed.rotate_left(17)), "127.0.0.1:0".parse()?).await?;
+    let toxi = ToxiproxyClient::new(format!("http://{api_addr}"));
+    let logs_dir = opts.report_dir.join("logs").join(&s.name);
+    std::fs::create_dir_all(&logs_dir)?;
+    let program = NodeProgram::from_env()?;
+    let secret = format!("chaos-{seed:x}");
+
+    let mut replicas = BTreeMap::new();
+    for (svc, entry) in &s.fleet {
+        for i in 1..=entry.get_ref().replicas {
+            let name = format!("{svc}-{i}");
+            let db = toxi.create_proxy(&format!("{name}->database"), "127.0.0.1:0", &ep.database_addr).await?;
+            let mq = toxi.create_proxy(&format!("{name}->broker"), "127.0.0.1:0", &ep.broker_addr).await?;
+            let db_url = ep.database_url(svc).unwrap().replacen(&ep.database_addr, &db.listen, 1);
+            let amqp_url = ep.amqp_url.replacen(&ep.broker_addr, &mq.listen, 1);
+            let mut spec = ReplicaSpec::new(svc.clone(), i);
+            spec.compat = entry.get_ref().compat.clone();
+            let fps: Vec<String> = s
+                .faults
+                .iter()
+                .map(|f| f.get_ref())
+                .filter(|f| f.kind == FaultKind::Crash && f.target == name)
+                .filter_map(|f| match (f.failpoint.as_deref(), f.at) {
+                    (Some(fp), Trigger::FailpointHit(n)) if n > 1 => Some(format!("{fp}={}*off->return(abort)", n - 1)),
+                    (Some(fp), _) => Some(format!("{fp}=return(abort)")),
+                    _ => None,
+                })
+                .collect();
+            spec.failpoints = (!fps.is_empty()).then(|| fps.join(";"));
+            spec.env = vec![
+                ("DATABASE_URL".into(), db_url),
+                ("AMQP_URL".into(), amqp_url),
+                ("CRAIG_JWT_SECRET".into(), secret.clone()),
+                ("CRAIG_OUTBOX_CLAIM_LEASE_SECS".into(), s.settings.claim_lease_secs.to_string()),
+                ("CRAIG_OUTBOX_POLL_MS".into(), s.settings.poll_ms.to_string()),
+                ("CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS".into(), s.settings.confirm_timeout_ms.to_string()),
+                ("CRAIG_AMQP_HEARTBEAT_SECS".into(), s.settings.heartbeat_secs.to_string()),
+                ("CRAIG_OUTBOX_BACKOFF_BASE_MS".into(), "100".into()),
+                ("CRAIG_OUTBOX_BACKOFF_MAX_MS".into(), "1000".into()),
+                ("RUST_LOG".into(), "info,sqlx=warn,lapin=warn".into()),
+            ];
+            let mut r = Replica::new(spec, program.clone(), &logs_dir);
+            r.start().await.with_context(|| format!("starting replica {name}"))?;
+            replicas.insert(name, Arc::new(Mutex::new(r)));
+        }
+    }
+    let replicas: Replicas = Arc::new(replicas);
+
+    log.rebase();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (writes_tx, writes_rx) = watch::channel(0u32);
+    let sampler = tokio::spawn(sample(log.clone(), pools.clone(), stop_rx.clone(), opts.progress, s.workload.writes));
+    let watcher = tokio::spawn(watch_replicas(s.clone(), log.clone(), replicas.clone(), stop_rx.clone()));
+    let mut fault_tasks = Vec::new();
+    for (i, f) in s.faults.iter().enumerate() {
+        let f = f.get_ref().clone();
+        if f.kind == FaultKind::Crash {
+            continue; // armed through FAILPOINTS; the watcher records and restarts
+        }
+        let target = s.parse_target(&f.target).expect("validated");
+        fault_tasks.push(tokio::spawn(inject(
+            i,
+            f,
+            target,
+            log.clone(),
+            backend.clone(),
+            replicas.clone(),
+            toxi.clone(),
+            writes_rx.clone(),
+        )));
+    }
+    let cases_pool = pools.get("cases").cloned().context("fleet has no cases")?;
+    workload(s, seed, log, &replicas, &cases_pool, &secret, writes_tx).await;
+    for t in fault_tasks {
+        t.await.context("fault task panicked")??;
+    }
+    // Wait for crash restarts the watcher scheduled.
+    wait_crash_restarts(s, &replicas).await;
+
+    // Liveness: how long until the system is quiet — nothing pending in any outbox, no
+    // ready message in any consumer queue, and the effect count unchanged for a full
+    // second (a delivery in flight is neither pending nor ready, but it moves the count).
+    let bound = Duration::from_millis(s.liveness_bound_ms);
+    let healed = Instant::now();
+    let mut drained_after = None;
+    let mut pending_total = 0;
+    let mut quiet_since: Option<(Instant, i64)> = None;
+    while healed.elapsed() < bound {
+        pending_total = 0;
+        for pool in pools.values() {
+            pending_total += craig_mq::outbox::pending_count(pool).await.unwrap_or(1);
+        }
+        let depth = queue_depths(&ep.amqp_url, s).await.unwrap_or(1);
+        let effects = match pools.get("rules") {
+            Some(p) => sqlx::query_scalar::<_, i64>("SELECT count(*) FROM rule_evaluations").fetch_one(p).await.unwrap_or(-1),
+            None => 0,
+        };
+        if pending_total == 0 && depth == 0 {
+            match quiet_since {
+                Some((since, n)) if n == effects => {
+                    if since.elapsed() >= Duration::from_secs(1) {
+                        drained_after = Some(since.duration_since(healed).as_millis() as u64);
+                        break;
+                    }
+                }
+                _ => quiet_since = Some((Instant::now(), effects)),
+            }
+        } else {
+            quiet_since = None;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    log.push(Event::Drained { after_ms: drained_after, bound_ms: s.liveness_bound_ms, pending: pending_total });
+    for (svc, pool) in &pools {
+        let stuck: Vec<(Uuid, f64)> = sqlx::query_as(
+            "SELECT id, EXTRACT(EPOCH FROM (now() - claimed_at)) * 1000 FROM event_outbox \
+             WHERE published_at IS NULL AND claimed_at < now() - make_interval(secs => $1)",
+        )
+        .bind(s.settings.claim_lease_secs as f64)
+        .fetch_all(pool)
+        .await
+        .unwrap_or_default();
+        for (envelope, ago) in stuck {
+            log.push(Event::Stuck { envelope, service: svc.clone(), claimed_ms_ago: ago as i64 });
+        }
+    }
+
+    let _ = stop_tx.send(true);
+    let _ = watcher.await;
+    let _ = sampler.await;
+    for r in replicas.values() {
+        let mut r = r.lock().await;
+        if r.pid().is_some() {
+            let _ = r.stop(Duration::from_secs(15)).await;
+        }
+    }
+    collect(log, &pools).await?;
+    for p in pools.values() {
+        p.close().await;
+    }
+    api_task.abort();
+    Ok(())
+}
+
+async fn queue_depths(amqp: &str, s: &Scenario) -> anyhow::Result<u32> {
+    let conn = craig_mq::publisher::connect(amqp, 5, "chaos-probe").await?;
+    let mut total = 0;
+    for svc in s.fleet.keys().filter(|svc| consumes(svc)) {
+        let ch = conn.create_channel().await?;
+        total += craig_mq::topology::queue_depth(&ch, &craig_mq::topology::consumer_queue(svc)).await?;
+    }
+    let _ = conn.close(200, "probe".into()).await;
+    Ok(total)
+}
+
+async fn wait_crash_restarts(s: &Scenario, replicas: &Replicas) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for f in s.faults.iter().map(|f| f.get_ref()).filter(|f| f.kind == FaultKind::Crash && f.restart_after_ms.is_some()) {
+        let Some(r) = replicas.get(&f.target) else { continue };
+        // A crash point that never fired leaves the replica running; one that fired gets
+        // restarted by the watcher. Either way the replica should be up before the drain.
+        while Instant::now() < deadline {
+            if r.lock().await.pid().is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// Record crashes as they happen; restart crashed replicas whose crash fault asks for it.
+async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, mut stop: watch::Receiver<bool>) {
+    loop {
+        for (name, r) in replicas.iter() {
+            let status = r.lock().await.exited();
+            let Some(status) = status else { continue };
+            let service = name.rsplit_once('-').map(|(s, _)| s).unwrap_or(name);
+            log.push(Event::Crash { replica: name.clone(), consumer: consumes(service), how: describe(status) });
+            let fault = s.faults.iter().map(|f| f.get_ref()).find(|f| f.kind == FaultKind::Crash && &f.target == name);
+            if let Some(f) = fault {
+                log.fault("crash", &format!("{name} at {}", f.failpoint.as_deref().unwrap_or("?")), Phase::Start);
+                if let Some(ms) = f.restart_after_ms {
+                    let (r, log, name) = (r.clone(), log.clone(), name.clone());
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                        let mut r = r.lock().await;
+                        r.spec.failpoints = None; // fire once
+                        if let Err(e) = r.start().await {
+                            tracing::error!(event = "chaos.restart_failed", replica = %name, error = %e);
+                        }
+                        log.fault("crash", &format!("{name} restarted"), Phase::End);
+                    });
+                }
+            }
+        }
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn inject(
+    index: usize,
+    f: Fault,
+    target: FaultTarget,
+    log: Log,
+    backend: Arc<Mutex<Backend>>,
+    replicas: Replicas,
+    toxi: ToxiproxyClient,
+    mut writes: watch::Receiver<u32>,
+) -> anyhow::Result<()> {
+    match f.at {
+        Trigger::AfterMs(ms) => tokio::time::sleep_until(log.started() + Duration::from_millis(ms)).await,
+        Trigger::AfterWrites(n) => {
+            let _ = writes.wait_for(|done| *done >= n).await;
+        }
+        Trigger::FailpointHit(_) => unreachable!("crash faults are armed, not injected"),
+    }
+    let kind = match f.kind {
+        FaultKind::Kill => "kill",
+        FaultKind::Pause => "pause",
+        FaultKind::Toxic => "toxic",
+        FaultKind::Down => "down",
+        FaultKind::Crash => "crash",
+    };
+    let label = match (&f.toxic, f.kind) {
+        (Some(t), FaultKind::Toxic) => format!("{} ({} {})", f.target, t.kind.type_name(), t.stream.as_str()),
+        _ => f.target.clone(),
+    };
+    let hold = Duration::from_millis(f.duration_ms.or(f.restart_after_ms).unwrap_or(0));
+    log.fault(kind, &label, Phase::Start);
+    match (&target, f.kind) {
+        (FaultTarget::Broker | FaultTarget::Database, FaultKind::Kill) => {
+            let t = if target == FaultTarget::Broker { Target::Broker } else { Target::Database };
+            backend.lock().await.kill(t).await?;
+            tokio::time::sleep(hold).await;
+            backend.lock().await.restart(t).await?;
+        }
+        (FaultTarget::Broker | FaultTarget::Database, FaultKind::Pause) => {
+            let t = if target == FaultTarget::Broker { Target::Broker } else { Target::Database };
+            backend.lock().await.pause(t, true).await?;
+            tokio::time::sleep(hold).await;
+            backend.lock().await.pause(t, false).await?;
+        }
+        (FaultTarget::Replica(name), FaultKind::Kill) => {
+            let r = replicas.get(name).expect("validated").clone();
+            let service = name.rsplit_once('-').map(|(s, _)| s).unwrap_or(name);
+            let status = r.lock().await.kill().await?;
+            log.push(Event::Crash { replica: name.clone(), consumer: consumes(service), how: describe(status) });
+            tokio::time::sleep(hold).await;
+            r.lock().await.start().await?;
+        }
+        (FaultTarget::Replica(name), FaultKind::Pause) => {
+            let r = replicas.get(name).expect("validated").clone();
+            r.lock().await.pause()?;
+            tokio::time::sleep(hold).await;
+            r.lock().await.resume()?;
+        }
+        (FaultTarget::Link { replica, to }, FaultKind::Toxic) => {
+            let proxy = format!("{replica}->{to}");
+            let spec = f.toxic.clone().expect("validated");
+            let toxic = Toxic { name: format!("fault-{index}"), stream: spec.stream, toxicity: spec.toxicity, kind: spec.kind };
+            toxi.add_toxic(&proxy, &toxic).await?;
+            tokio::time::sleep(hold).await;
+            toxi.remove_toxic(&proxy, &toxic.name).await?;
+        }
+        (FaultTarget::Link { replica, to }, FaultKind::Down) => {
+            let proxy = format!("{replica}->{to}");
+            toxi.set_enabled(&proxy, false).await?;
+            tokio::time::sleep(hold).await;
+            toxi.set_enabled(&proxy, true).await?;
+        }
+        _ => anyhow::bail!("fault {kind} on {} is not supported", f.target),
+    }
+    log.fault(kind, &label, Phase::End);
+    Ok(())
+}
+
+async fn workload(s: &Scenario, seed: u64, log: &Log, replicas: &Replicas, cases: &PgPool, secret: &str, done: watch::Sender<u32>) {
+    use fake::Fake;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let cases_replicas: Vec<Arc<Mutex<Replica>>> =
+        replicas.iter().filter(|(n, _)| n.starts_with("cases-")).map(|(_, r)| r.clone()).collect();
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().expect("http client");
+    let key = craig_api::JwtKey::new(secret);
+    let token = key.sign(&craig_api::Claims {
+        sub: Uuid::now_v7(),
+        aud: vec!["craig-cases".into()],
+        scope: String::new(),
+        exp: chrono::Utc::now().timestamp() + 24 * 3600,
+    });
+    let gap = Duration::from_secs_f64(1.0 / s.workload.rate);
+    let began = Instant::now();
+    let inflight = Arc::new(tokio::sync::Semaphore::new(64));
+    let completed = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let done = Arc::new(done);
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..s.workload.writes {
+        tokio::time::sleep_until(began + gap * i).await;
+        if rng.random_bool(s.workload.rollback_share) {
+            rolled_back_write(log, cases).await;
+        }
+        let subject: String = fake::faker::name::en::Name().fake_with_rng(&mut rng);
+        let r = cases_replicas[i as usize % cases_replicas.len()].clone();
+        let addr = r.lock().await.addr.clone();
+        let permit = inflight.clone().acquire_owned().await.expect("semaphore open");
+        let (http, token, log, completed, done) = (http.clone(), token.clone(), log.clone(), completed.clone(), done.clone());
+        let replica_name = format!("cases-{}", i as usize % cases_replicas.len() + 1);
+        tasks.spawn(async move {
+            let referral = Uuid::now_v7();
+            let t = log.now();
+            let (outcome, status) = match addr {
+                None => (Outcome::Failed, None), // replica down: nothing was sent
+                Some(addr) => {
+                    let sent = http
+                        .post(format!("http://{addr}/v1/cases/referrals"))
+                        .bearer_auth(&token)
+                        .json(&json!({ "id": referral, "subject": subject }))
+                        .send()
+                        .await;
+                    match sent {
+                        Ok(resp) => {
+                            let code = resp.status().as_u16();
+                            let o = match code {
+                                201 => Outcome::Ok,
+                                400..=499 => Outcome::Failed,
+                                _ => Outcome::Unknown,
+                            };
+                            (o, Some(code))
+                        }
+                        Err(e) if e.is_connect() => (Outcome::Failed, None),
+                        Err(_) => (Outcome::Unknown, None),
+                    }
+                }
+            };
+            log.push_at(t, Event::Write { referral, replica: replica_name, outcome, status });
+            let n = completed.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            done.send_replace(n);
+            drop(permit);
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+/// A write staged in a transaction the harness rolls back: its event must never appear.
+async fn rolled_back_write(log: &Log, cases: &PgPool) {
+    let referral = Uuid::now_v7();
+    let Ok(env) = craig_mq::EventEnvelope::new(
+        craig_fleet::cases::REFERRAL_CREATED,
+        "cases",
+        Some(referral),
+        json!({ "referral_id": referral, "subject": "rolled back" }),
+    ) else {
+        return;
+    };
+    let Ok(mut tx) = cases.begin().await else { return };
+    let staged = sqlx::query("INSERT INTO referrals (id, subject, created_by) VALUES ($1, 'rolled back', $1)")
+        .bind(referral)
+        .execute(&mut *tx)
+        .await
+        .is_ok()
+        && craig_mq::publish_in_tx(&mut tx, &env).await.is_ok();
+    if staged && tx.rollback().await.is_ok() {
+        log.push(Event::RolledBack { referral });
+    }
+}
+
+async fn sample(log: Log, pools: BTreeMap<String, PgPool>, mut stop: watch::Receiver<bool>, progress: bool, writes: u32) {
+    let mut last_print = Instant::now();
+    loop {
+        let (mut pending, mut published, mut effects, mut lag, mut lag_n) = (0i64, 0i64, 0i64, 0f64, 0);
+        for (svc, pool) in &pools {
+            let row: Option<(i64, i64, Option<f64>)> = sqlx::query_as(
+                "SELECT count(*) FILTER (WHERE published_at IS NULL), count(published_at), \
+                 (avg(EXTRACT(EPOCH FROM (published_at - created_at))) FILTER (WHERE published_at > now() - interval '1 second'))::float8 * 1000 \
+                 FROM event_outbox",
+            )
+            .fetch_optional(pool)
+            .await
+            .ok()
+            .flatten();
+            if let Some((p, pubd, l)) = row {
+                pending += p;
+                published += pubd;
+                if let Some(l) = l {
+                    lag += l;
+                    lag_n += 1;
+                }
+            }
+            if svc == "rules" {
+                effects += sqlx::query_scalar::<_, i64>("SELECT count(*) FROM rule_evaluations").fetch_one(pool).await.unwrap_or(0);
+            }
+        }
+        let lag_ms = if lag_n > 0 { lag / lag_n as f64 } else { 0.0 };
+        log.push(Event::Sample { outbox_pending: pending, published, effects, lag_ms });
+        if progress && last_print.elapsed() >= Duration::from_secs(2) {
+            last_print = Instant::now();
+            eprintln!(
+                "  t={:>6.1}s  writes≤{writes}  published {published}  pending {pending}  effects {effects}  lag {lag_ms:.0} ms",
+                log.now() as f64 / 1000.0
+            );
+        }
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+        }
+    }
+}
+
+/// Read what the databases say happened: staged envelopes and counted side effects.
+async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyhow::Result<()> {
+    for (svc, pool) in pools {
+        let rows: Vec<(Uuid, Option<Uuid>, bool, i32, i64)> = sqlx::query_as(
+            "SELECT id, aggregate_id, published_at IS NOT NULL, attempts, (EXTRACT(EPOCH FROM created_at) * 1000)::int8 FROM event_outbox",
+        )
+        .fetch_all(pool)
+        .await?;
+        for (envelope, referral, published, attempts, at) in rows {
+            log.push_at(log.rel(at), Event::Staged { envelope, referral, service: svc.clone(), published, attempts });
+        }
+        if svc == "rules" {
+            let rows: Vec<(Uuid, Option<Uuid>, i64)> = sqlx::query_as(
+                "SELECT envelope_id, referral_id, (EXTRACT(EPOCH FROM evaluated_at) * 1000)::int8 FROM rule_evaluations",
+            )
+            .fetch_all(pool)
+            .await?;
+            for (envelope, referral, at) in rows {
+                log.push_at(log.rel(at), Event::Effect { envelope, referral, service: "rules".into() });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The folder for this scenario's own files inside the report.
+pub fn scenario_dir(report: &Path, name: &str) -> PathBuf {
+    report.join("scenarios").join(name)
+}
