@@ -122,7 +122,14 @@ async fn run(paths: Vec<PathBuf>, seed: Option<u64>, backend: BackendKind, repor
     let progress = std::io::stderr().is_terminal() || std::env::var_os("CI").is_some() || std::env::var_os("CHAOS_PROGRESS").is_some();
     println!("chaos run {run_id}: {} scenarios, seed {seed}, backend {backend}", scenarios.len());
     println!("reproduce: {command}");
-    let opts = RunOptions { backend, report_dir: report_dir.clone(), progress };
+    let node_program = match craig_chaos::process::NodeProgram::from_env() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("chaos: cannot locate the node program: {e}");
+            return ExitCode::from(3);
+        }
+    };
+    let opts = RunOptions { backend, node_program, report_dir: report_dir.clone(), progress };
     let mut results = Vec::new();
     for (i, s) in scenarios.iter().enumerate() {
         let sseed = scenario_seed(seed, s);

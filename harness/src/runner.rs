@@ -29,6 +29,8 @@ use crate::scenario::{Expect, Fault, FaultKind, FaultTarget, Scenario, Trigger};
 
 pub struct RunOptions {
     pub backend: BackendKind,
+    /// How replicas are launched (the harness binary, or `CRAIG_NODE_BIN`).
+    pub node_program: NodeProgram,
     pub report_dir: PathBuf,
     /// Print live progress lines to stderr.
     pub progress: bool,
@@ -251,7 +253,7 @@ async fn drive(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, backend: A
     let toxi = ToxiproxyClient::new(format!("http://{api_addr}"));
     let logs_dir = opts.report_dir.join("logs").join(&s.name);
     std::fs::create_dir_all(&logs_dir)?;
-    let program = NodeProgram::from_env()?;
+    let program = opts.node_program.clone();
     let secret = format!("chaos-{seed:x}");
 
     let mut replicas = BTreeMap::new();

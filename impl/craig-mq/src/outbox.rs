@@ -20,7 +20,6 @@
 
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use sqlx::{PgPool, Postgres, Transaction};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -249,26 +248,11 @@ impl OutboxWorker {
         crash::hit("outbox::after_publish_before_stamp");
 
         if !acked.is_empty() {
-            sqlx::query(
-                "UPDATE event_outbox SET published_at = GREATEST(now(), created_at), claimed_at = NULL \
-                 WHERE id = ANY($1)",
-            )
-            .bind(&acked)
-            .execute(&self.pool)
-            .await?;
+            lease::stamp(&self.pool, &acked).await?;
             tracing::debug!(event = "outbox.published", rows = acked.len());
         }
         if !failed.is_empty() {
-            let (ids, errs): (Vec<Uuid>, Vec<String>) = failed.iter().cloned().unzip();
-            sqlx::query(
-                "UPDATE event_outbox o SET claimed_at = NULL, attempts = o.attempts + 1, last_error = f.err \
-                 FROM unnest($1::uuid[], $2::text[]) AS f(id, err) \
-                 WHERE o.id = f.id AND o.published_at IS NULL",
-            )
-            .bind(&ids)
-            .bind(&errs)
-            .execute(&self.pool)
-            .await?;
+            lease::release(&self.pool, &failed).await?;
             tracing::warn!(event = "outbox.publish_failed", rows = failed.len(), first_error = %failed[0].1);
         }
         report.published = acked.len();
@@ -322,20 +306,8 @@ impl OutboxWorker {
     }
 
     async fn claim(&self) -> Result<Vec<Claimed>, OutboxError> {
-        let rows: Vec<(Uuid, serde_json::Value, Option<DateTime<Utc>>)> = sqlx::query_as(
-            "UPDATE event_outbox o SET claimed_at = now() \
-             FROM (SELECT id, claimed_at AS prev FROM event_outbox \
-                   WHERE published_at IS NULL \
-                     AND (claimed_at IS NULL OR claimed_at < now() - make_interval(secs => $1)) \
-                   ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED) c \
-             WHERE o.id = c.id \
-             RETURNING o.id, o.envelope, c.prev",
-        )
-        .bind(self.cfg.claim_lease.as_secs_f64())
-        .bind(i64::from(self.cfg.batch_size))
-        .fetch_all(&self.pool)
-        .await?;
-        let mut claimed: Vec<Claimed> = rows
+        let rows = lease::claim(&self.pool, self.cfg.claim_lease, self.cfg.batch_size).await?;
+        let claimed: Vec<Claimed> = rows
             .into_iter()
             .map(|(id, json, prev)| Claimed {
                 id,
@@ -343,8 +315,6 @@ impl OutboxWorker {
                 reclaimed: prev.is_some(),
             })
             .collect();
-        // RETURNING has no order; publish oldest first (UUIDv7 ids sort by creation).
-        claimed.sort_by_key(|c| c.id);
         Ok(claimed)
     }
 
@@ -353,6 +323,69 @@ impl OutboxWorker {
             self.publisher = Some(Publisher::connect(&self.amqp_url, self.publisher_cfg).await?);
         }
         Ok(self.publisher.as_ref().expect("just set"))
+    }
+}
+
+/// The three statements of the #1128 claim-lease protocol, each its own short
+/// transaction. The worker composes them; tests drive them one by one against a model.
+pub mod lease {
+    use std::time::Duration;
+
+    use chrono::{DateTime, Utc};
+    use sqlx::PgPool;
+    use uuid::Uuid;
+
+    /// Claim up to `batch` pending rows, oldest first (`created_at`, then id): rows never
+    /// claimed or whose claim is older than `lease`. Returns `(id, envelope, previous
+    /// claimed_at)`, in that order; a previous claim means a lease expired.
+    pub async fn claim(
+        pool: &PgPool,
+        lease: Duration,
+        batch: u32,
+    ) -> Result<Vec<(Uuid, serde_json::Value, Option<DateTime<Utc>>)>, sqlx::Error> {
+        let mut rows: Vec<(Uuid, serde_json::Value, Option<DateTime<Utc>>, DateTime<Utc>)> = sqlx::query_as(
+            "UPDATE event_outbox o SET claimed_at = now() \
+             FROM (SELECT id, claimed_at AS prev FROM event_outbox \
+                   WHERE published_at IS NULL \
+                     AND (claimed_at IS NULL OR claimed_at < now() - make_interval(secs => $1)) \
+                   ORDER BY created_at, id LIMIT $2 FOR UPDATE SKIP LOCKED) c \
+             WHERE o.id = c.id \
+             RETURNING o.id, o.envelope, c.prev, o.created_at",
+        )
+        .bind(lease.as_secs_f64())
+        .bind(i64::from(batch))
+        .fetch_all(pool)
+        .await?;
+        // RETURNING has no order of its own.
+        rows.sort_by_key(|r| (r.3, r.0));
+        Ok(rows.into_iter().map(|(id, env, prev, _)| (id, env, prev)).collect())
+    }
+
+    /// Stamp `published_at` (the broker ACKed). Unguarded by design (#1185: a double
+    /// publish is inbox-deduped), so a stale worker's stamp still counts.
+    pub async fn stamp(pool: &PgPool, ids: &[Uuid]) -> Result<u64, sqlx::Error> {
+        Ok(sqlx::query(
+            "UPDATE event_outbox SET published_at = GREATEST(now(), created_at), claimed_at = NULL WHERE id = ANY($1)",
+        )
+        .bind(ids)
+        .execute(pool)
+        .await?
+        .rows_affected())
+    }
+
+    /// Release failed rows at once: `claimed_at = NULL`, `attempts + 1`, `last_error`.
+    pub async fn release(pool: &PgPool, failed: &[(Uuid, String)]) -> Result<u64, sqlx::Error> {
+        let (ids, errs): (Vec<Uuid>, Vec<String>) = failed.iter().cloned().unzip();
+        Ok(sqlx::query(
+            "UPDATE event_outbox o SET claimed_at = NULL, attempts = o.attempts + 1, last_error = f.err \
+             FROM unnest($1::uuid[], $2::text[]) AS f(id, err) \
+             WHERE o.id = f.id AND o.published_at IS NULL",
+        )
+        .bind(&ids)
+        .bind(&errs)
+        .execute(pool)
+        .await?
+        .rows_affected())
     }
 }
 
