@@ -441,4 +441,67 @@ mod tests {
             assert_ne!(v.validity, Validity::Invalid, "{name} on an empty history");
         }
     }
+
+    mod properties {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        fn outcome() -> impl Strategy<Value = Outcome> {
+            prop_oneof![Just(Outcome::Ok), Just(Outcome::Failed), Just(Outcome::Unknown)]
+        }
+
+        proptest! {
+            /// Total-queue bookkeeping holds for any history: every acknowledged write is
+            /// ok or lost, recovered writes are unknown ones that took effect, and the
+            /// verdict is red exactly when something was lost.
+            #[test]
+            fn no_loss_accounting_is_exhaustive(writes in proptest::collection::vec((outcome(), any::<bool>()), 0..60)) {
+                let mut h = History::default();
+                for (n, (o, delivered)) in writes.iter().enumerate() {
+                    write(&mut h, n as u64, n as u128, *o);
+                    if *delivered && *o != Outcome::Failed {
+                        effect(&mut h, 1000 + n as u64, 10_000 + n as u128, n as u128);
+                    }
+                }
+                let v = no_loss(&h);
+                let c = |k: &str| v.counts[k];
+                prop_assert_eq!(c("attempted") as usize, writes.len());
+                prop_assert_eq!(c("ok") + c("lost"), c("acknowledged"));
+                prop_assert!(c("recovered") <= c("unknown"));
+                prop_assert_eq!(c("acknowledged") + c("unknown") + c("failed"), c("attempted"));
+                let lost = writes.iter().filter(|(o, d)| *o == Outcome::Ok && !d).count() as u64;
+                prop_assert_eq!(c("lost"), lost);
+                prop_assert_eq!(v.validity == Validity::Invalid, lost > 0);
+                prop_assert!(v.witnesses.len() <= MAX_WITNESSES);
+            }
+
+            /// effect_once: every duplicate run is either attributed to a consumer crash
+            /// between the two runs or counted as a violation — never dropped.
+            #[test]
+            fn effect_once_accounts_for_every_rerun(runs in proptest::collection::vec((1usize..4, any::<bool>()), 1..30)) {
+                let mut h = History::default();
+                let mut t = 0;
+                let mut reruns = 0;
+                for (env, (times, crash_between)) in runs.iter().enumerate() {
+                    for k in 0..*times {
+                        if k > 0 {
+                            reruns += 1;
+                            if *crash_between {
+                                t += 1;
+                                h.push(t, Event::Crash { replica: "rules-1".into(), consumer: true, how: "SIGKILL".into() });
+                            }
+                        }
+                        t += 1;
+                        effect(&mut h, t, env as u128, env as u128);
+                    }
+                }
+                let v = effect_once(&h);
+                prop_assert_eq!(v.counts["crash_window_reexecutions"] + v.counts["unattributed"], reruns);
+                let unattributed: u64 = runs.iter().filter(|(_, c)| !c).map(|(n, _)| *n as u64 - 1).sum();
+                prop_assert_eq!(v.counts["unattributed"], unattributed);
+                prop_assert_eq!(v.validity == Validity::Invalid, unattributed > 0);
+            }
+        }
+    }
 }

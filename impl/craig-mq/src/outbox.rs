@@ -405,4 +405,19 @@ mod tests {
         assert_eq!(got, [0, 1, 2, 4, 8, 16, 32, 60, 60]);
         assert_eq!(backoff(&cfg, u32::MAX), Duration::from_secs(60));
     }
+
+    proptest::proptest! {
+        /// Backoff never shrinks as failures accumulate and never passes its cap.
+        #[test]
+        fn backoff_is_monotone_and_capped(base_ms in 1u64..5_000, max_ms in 1u64..120_000, n in 0u32..100) {
+            let cfg = OutboxConfig {
+                backoff_base: Duration::from_millis(base_ms),
+                backoff_max: Duration::from_millis(max_ms),
+                ..OutboxConfig::default()
+            };
+            proptest::prop_assert!(backoff(&cfg, n) <= backoff(&cfg, n + 1));
+            proptest::prop_assert!(backoff(&cfg, n + 1) <= cfg.backoff_max);
+            proptest::prop_assert!(backoff(&cfg, n + 1) >= cfg.backoff_base.min(cfg.backoff_max));
+        }
+    }
 }
