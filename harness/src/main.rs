@@ -57,11 +57,18 @@ fn main() -> ExitCode {
         Command::Run { paths, seed, backend, report } => {
             let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
             rt.block_on(async {
+                let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+                // Dropping the run future drops its backend and replicas: servers are
+                // killed and temp dirs removed before we exit.
                 tokio::select! {
                     code = run(paths, seed, backend, report) => code,
                     _ = tokio::signal::ctrl_c() => {
                         eprintln!("chaos: interrupted; servers and replicas stopped, temp dirs removed");
                         ExitCode::from(130)
+                    }
+                    _ = term.recv() => {
+                        eprintln!("chaos: terminated; servers and replicas stopped, temp dirs removed");
+                        ExitCode::from(143)
                     }
                 }
             })

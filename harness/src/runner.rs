@@ -245,7 +245,7 @@ async fn drive(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, backend: A
                 with_dlx: !entry.get_ref().compat.iter().any(|c| c == "pre-d3"),
             };
             craig_mq::topology::declare_consumer_queue(&ch, &spec).await?;
-            let _ = conn.close(200, "setup".into()).await;
+            let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "setup".into())).await;
         }
     }
 
@@ -341,7 +341,11 @@ async fn drive(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, backend: A
         for pool in pools.values() {
             pending_total += craig_mq::outbox::pending_count(pool).await.unwrap_or(1);
         }
-        let depth = queue_depths(&ep.amqp_url, s).await.unwrap_or(1);
+        // Bounded: a probe that hangs must not hang the run.
+        let depth = match tokio::time::timeout(Duration::from_secs(5), queue_depths(&ep.amqp_url, s)).await {
+            Ok(Ok(d)) => d,
+            _ => 1,
+        };
         let effects = match pools.get("rules") {
             Some(p) => sqlx::query_scalar::<_, i64>("SELECT count(*) FROM rule_evaluations").fetch_one(p).await.unwrap_or(-1),
             None => 0,
@@ -400,7 +404,7 @@ async fn queue_depths(amqp: &str, s: &Scenario) -> anyhow::Result<u32> {
         let ch = conn.create_channel().await?;
         total += craig_mq::topology::queue_depth(&ch, &craig_mq::topology::consumer_queue(svc)).await?;
     }
-    let _ = conn.close(200, "probe".into()).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "probe".into())).await;
     Ok(total)
 }
 

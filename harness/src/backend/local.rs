@@ -187,6 +187,7 @@ pub struct LocalBackend {
 
 impl LocalBackend {
     pub async fn start(services: &[&str]) -> Result<Self, BackendError> {
+        reap_leftovers();
         let root = std::env::temp_dir().join(format!(
             "craig-chaos-{}-{}",
             std::process::id(),
@@ -341,6 +342,20 @@ impl Drop for LocalBackend {
             self.pg.kill_now();
             self.rmq.kill_now();
             let _ = std::fs::remove_dir_all(&self.root);
+        }
+    }
+}
+
+/// Remove `craig-chaos-<pid>-*` temp dirs whose harness process is gone (a run killed by
+/// SIGKILL has no chance to clean up; its servers died with it through PDEATHSIG).
+fn reap_leftovers() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("craig-chaos-")) else { continue };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else { continue };
+        if matches!(nix::sys::signal::kill(Pid::from_raw(pid), None), Err(nix::errno::Errno::ESRCH)) {
+            let _ = std::fs::remove_dir_all(e.path());
         }
     }
 }

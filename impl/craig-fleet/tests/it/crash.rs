@@ -2,12 +2,12 @@
 //! aborted by a crash point (SIGABRT), then a fresh node heals by lease expiry.
 #![cfg(feature = "failpoints")]
 
-mod common;
+
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use craig_fleet::Service;
 
 const QUEUE: &str = "craig-rules.events";

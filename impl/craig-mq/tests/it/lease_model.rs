@@ -7,12 +7,14 @@
 //!
 //! `PROPTEST_CASES` sets the number of sequences (default 12).
 
-mod common;
+
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use craig_mq::outbox::lease;
+
+use crate::common;
 use proptest::prelude::*;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use uuid::Uuid;
@@ -88,7 +90,10 @@ impl ReferenceStateMachine for LeaseModel {
                 for i in m.claimable() {
                     m.last_claimed.push((i, m.rows[i].claim == Some(true)));
                     m.rows[i].claim = Some(false);
-                    m.inflight[w].push(i);
+                    // A worker re-claiming its own expired row holds it once.
+                    if !m.inflight[w].contains(&i) {
+                        m.inflight[w].push(i);
+                    }
                 }
             }
             // Unguarded stamp (#1185): a stale worker's stamp still publishes.
@@ -164,7 +169,11 @@ impl StateMachineTest for Sut {
                 let reclaimed: Vec<bool> = rows.iter().map(|r| r.2.is_some()).collect();
                 let expected: Vec<bool> = after.last_claimed.iter().map(|(_, expired)| *expired).collect();
                 assert_eq!(reclaimed, expected, "reclaim flags");
-                sut.inflight[w].extend(got);
+                for id in got {
+                    if !sut.inflight[w].contains(&id) {
+                        sut.inflight[w].push(id);
+                    }
+                }
             }
             Step::Stamp(w) => {
                 let ids = std::mem::take(&mut sut.inflight[w]);

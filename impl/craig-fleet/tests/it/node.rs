@@ -1,10 +1,10 @@
 //! `craig-node` end to end on real PostgreSQL and RabbitMQ: HTTP → outbox → broker → inbox.
 
-mod common;
+
 
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use craig_fleet::Service;
 use craig_mq::{EventEnvelope, Publisher};
 use serde_json::json;

@@ -1,11 +1,11 @@
 //! ADR-022 §D1 + #1128 on real PostgreSQL and RabbitMQ.
 
-mod common;
+
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 #[tokio::test]
 async fn rolled_back_staging_publishes_nothing() {
@@ -55,7 +55,7 @@ async fn two_workers_never_publish_a_row_twice_while_the_lease_holds() {
     let env = env("two_workers").await;
     env.declare_rules_queue().await;
     let ids = env.stage(3_000, 500).await;
-    let cfg = common::OutboxConfigExt::small_batches(fast_outbox());
+    let cfg = crate::common::OutboxConfigExt::small_batches(fast_outbox());
     let (mut a, mut b) = (env.worker(cfg), env.worker(cfg));
     let (ra, rb) = tokio::join!(a.drain(), b.drain());
     let (ra, rb) = (ra.unwrap(), rb.unwrap());

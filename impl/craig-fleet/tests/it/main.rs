@@ -1,0 +1,6 @@
+//! craig-fleet's integration tests: real `craig-node` processes, in one binary.
+
+mod common;
+#[cfg(feature = "failpoints")]
+mod crash;
+mod node;

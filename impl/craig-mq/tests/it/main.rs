@@ -1,0 +1,5 @@
+//! craig-mq's integration tests on real PostgreSQL and RabbitMQ, in one binary.
+
+mod common;
+mod lease_model;
+mod outbox;
