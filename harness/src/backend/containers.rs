@@ -114,19 +114,7 @@ impl ContainersBackend {
             amqp_port: 0,
         };
         b.refresh_ports().await?;
-        let admin = format!("postgres://postgres@127.0.0.1:{}/postgres", b.pg_port);
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(1)
-            .connect(&admin)
-            .await
-            .map_err(|e| BackendError::failed("connecting to the postgres container", e))?;
-        for s in &b.services {
-            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{s}\"")))
-                .execute(&pool)
-                .await
-                .map_err(|e| BackendError::failed(format!("creating database {s}"), e))?;
-        }
-        pool.close().await;
+        super::create_databases(b.pg_port, &b.services).await?;
         Ok(b)
     }
 
@@ -137,16 +125,10 @@ impl ContainersBackend {
     }
 
     pub fn endpoints(&self) -> Endpoints {
-        Endpoints {
-            databases: self
-                .services
-                .iter()
-                .map(|s| (s.clone(), format!("postgres://postgres@127.0.0.1:{}/{s}", self.pg_port)))
-                .collect(),
-            amqp_url: format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.amqp_port),
-            database_addr: format!("{POSTGRES_HOST}-{}:5432", self.network),
-            broker_addr: format!("{RABBITMQ_HOST}-{}:5672", self.network),
-        }
+        // Toxiproxy reaches the servers by container name on the run's network.
+        let db = format!("{POSTGRES_HOST}-{}:5432", self.network);
+        let mq = format!("{RABBITMQ_HOST}-{}:5672", self.network);
+        Endpoints::loopback(&self.services, self.pg_port, self.amqp_port, db, mq)
     }
 
     /// The Toxiproxy API base URL on the host.

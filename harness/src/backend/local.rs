@@ -211,14 +211,7 @@ impl LocalBackend {
             b.rmq.spawn()?;
             b.pg.spawn()?;
             b.wait_ready(Target::Database, Duration::from_secs(30)).await?;
-            let mut admin = sqlx::PgConnection::connect(&b.admin_url()).await.map_err(|e| BackendError::failed("connecting to the private PostgreSQL", e))?;
-            for s in &b.services {
-                sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{s}\"")))
-                    .execute(&mut admin)
-                    .await
-                    .map_err(|e| BackendError::failed(format!("creating database {s}"), e))?;
-            }
-            let _ = admin.close().await;
+            super::create_databases(b.pg_port, &b.services).await?;
             b.wait_ready(Target::Broker, Duration::from_secs(60)).await?;
             Ok::<(), BackendError>(())
         }
@@ -242,16 +235,8 @@ impl LocalBackend {
     }
 
     pub fn endpoints(&self) -> Endpoints {
-        Endpoints {
-            databases: self
-                .services
-                .iter()
-                .map(|s| (s.clone(), format!("postgres://postgres@127.0.0.1:{}/{s}", self.pg_port)))
-                .collect(),
-            amqp_url: format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.rmq_port),
-            database_addr: format!("127.0.0.1:{}", self.pg_port),
-            broker_addr: format!("127.0.0.1:{}", self.rmq_port),
-        }
+        let (db, mq) = (format!("127.0.0.1:{}", self.pg_port), format!("127.0.0.1:{}", self.rmq_port));
+        Endpoints::loopback(&self.services, self.pg_port, self.rmq_port, db, mq)
     }
 
     /// The temp dir holding data and logs (`pg.log`, `rabbitmq.log`).

@@ -138,9 +138,36 @@ pub struct Endpoints {
 }
 
 impl Endpoints {
+    /// Servers reachable on 127.0.0.1 (`local`, `containers` with published ports): one
+    /// database per service on `pg_port`, the default vhost on `amqp_port`. The `*_addr`
+    /// fields are what a fault proxy forwards to (they differ for containers).
+    pub fn loopback(services: &[String], pg_port: u16, amqp_port: u16, database_addr: String, broker_addr: String) -> Self {
+        Endpoints {
+            databases: services.iter().map(|s| (s.clone(), format!("postgres://postgres@127.0.0.1:{pg_port}/{s}"))).collect(),
+            amqp_url: format!("amqp://guest:guest@127.0.0.1:{amqp_port}/%2f"),
+            database_addr,
+            broker_addr,
+        }
+    }
+
     pub fn database_url(&self, service: &str) -> Option<&str> {
         self.databases.iter().find(|(s, _)| s == service).map(|(_, u)| u.as_str())
     }
+}
+
+/// `CREATE DATABASE` for each service on a fresh server (admin database `postgres`).
+pub(crate) async fn create_databases(pg_port: u16, services: &[String]) -> Result<(), BackendError> {
+    use sqlx::Connection as _;
+    let admin = format!("postgres://postgres@127.0.0.1:{pg_port}/postgres");
+    let mut conn = sqlx::PgConnection::connect(&admin).await.map_err(|e| BackendError::failed("connecting to PostgreSQL", e))?;
+    for s in services {
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{s}\"")))
+            .execute(&mut conn)
+            .await
+            .map_err(|e| BackendError::failed(format!("creating database {s}"), e))?;
+    }
+    let _ = conn.close().await;
+    Ok(())
 }
 
 /// A started backend.
