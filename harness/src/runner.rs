@@ -300,7 +300,8 @@ async fn drive(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, backend: A
     log.rebase();
     let (stop_tx, stop_rx) = watch::channel(false);
     let (writes_tx, writes_rx) = watch::channel(0u32);
-    let sampler = tokio::spawn(sample(log.clone(), pools.clone(), stop_rx.clone(), opts.progress, s.workload.writes));
+    let sampler =
+        tokio::spawn(sample(log.clone(), pools.clone(), stop_rx.clone(), opts.progress, (writes_rx.clone(), s.workload.writes)));
     let watcher = tokio::spawn(watch_replicas(s.clone(), log.clone(), replicas.clone(), stop_rx.clone()));
     let mut fault_tasks = Vec::new();
     for (i, f) in s.faults.iter().enumerate() {
@@ -622,7 +623,13 @@ async fn rolled_back_write(log: &Log, cases: &PgPool) {
     }
 }
 
-async fn sample(log: Log, pools: BTreeMap<String, PgPool>, mut stop: watch::Receiver<bool>, progress: bool, writes: u32) {
+async fn sample(
+    log: Log,
+    pools: BTreeMap<String, PgPool>,
+    mut stop: watch::Receiver<bool>,
+    progress: bool,
+    (written, writes): (watch::Receiver<u32>, u32),
+) {
     let mut last_print = Instant::now();
     loop {
         let (mut pending, mut published, mut effects, mut lag, mut lag_n) = (0i64, 0i64, 0i64, 0f64, 0);
@@ -653,8 +660,9 @@ async fn sample(log: Log, pools: BTreeMap<String, PgPool>, mut stop: watch::Rece
         if progress && last_print.elapsed() >= Duration::from_secs(2) {
             last_print = Instant::now();
             eprintln!(
-                "  t={:>6.1}s  writes≤{writes}  published {published}  pending {pending}  effects {effects}  lag {lag_ms:.0} ms",
-                log.now() as f64 / 1000.0
+                "  t={:>6.1}s  writes {}/{writes}  published {published}  pending {pending}  effects {effects}  lag {lag_ms:.0} ms",
+                log.now() as f64 / 1000.0,
+                *written.borrow()
             );
         }
         tokio::select! {
