@@ -7,7 +7,7 @@
 //! |---|---|
 //! | `no_loss` | an acknowledged write's event never produced its effect |
 //! | `no_phantom` | an effect exists for a write that failed, was rolled back, or was never attempted |
-//! | `effect_once` | an envelope's effect ran twice and no consumer crash sits between the two runs (#1180 attribution) |
+//! | `effect_once` | an envelope's effect ran twice and no consumer crash or consumer-database fault sits between the two runs (#1180 attribution) |
 //! | `liveness` | the outbox did not drain within the bound after faults healed, or a row stayed claimed past its lease |
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::history::{Event, History, Outcome};
+use crate::history::{Event, History, Outcome, Phase};
 
 pub const MAX_WITNESSES: usize = 10;
 
@@ -207,15 +207,35 @@ pub fn no_phantom(h: &History) -> Verdict {
 }
 
 /// Each envelope's effect at most once — except a re-execution inside the documented #1180
-/// window (a consumer crash between the first and the second run), which is counted as
-/// `crash_window_reexecutions` and attributed to that crash, never silently allowed.
+/// window (a consumer crash, or a fault of the consumer's database, between the first and
+/// the second run), which is counted as `crash_window_reexecutions` and attributed to that
+/// fault, never silently allowed.
 pub fn effect_once(h: &History) -> Verdict {
     let mut v = Verdict::new("effect_once");
     let fx = effects(h);
+    // What can open the #1180 window (handler committed, stamp not): a consumer process
+    // crash, or its database failing between the two commits — the whole server, or the
+    // consumer's own link to it.
+    let consumers: HashSet<&str> = h
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::Effect { service, .. } => Some(service.as_str()),
+            _ => None,
+        })
+        .collect();
+    let consumer_db_fault = |target: &str| {
+        target == "database"
+            || target.split_once("->database").is_some_and(|(replica, _)| {
+                replica.rsplit_once('-').is_some_and(|(svc, _)| consumers.contains(svc))
+            })
+    };
     let crashes: Vec<(u64, String)> = h
         .iter()
         .filter_map(|e| match &e.event {
             Event::Crash { replica, consumer: true, how } => Some((e.t_ms, format!("crash {replica} ({how}) @{}ms", e.t_ms))),
+            Event::Fault { kind, target, phase: Phase::Start } if consumer_db_fault(target) => {
+                Some((e.t_ms, format!("{kind} {target} @{}ms", e.t_ms)))
+            }
             _ => None,
         })
         .collect();
@@ -392,6 +412,24 @@ mod tests {
             "{:?}",
             v.witnesses
         );
+    }
+
+    #[test]
+    fn a_consumer_database_fault_opens_the_window_a_producer_one_does_not() {
+        let mut h = History::default();
+        effect(&mut h, 10, 101, 1);
+        h.push(12, Event::Fault { kind: "kill".into(), target: "database".into(), phase: Phase::Start });
+        effect(&mut h, 20, 101, 1);
+        effect(&mut h, 30, 102, 2);
+        h.push(32, Event::Fault { kind: "down".into(), target: "cases-1->database".into(), phase: Phase::Start });
+        effect(&mut h, 40, 102, 2);
+        effect(&mut h, 50, 103, 3);
+        h.push(52, Event::Fault { kind: "down".into(), target: "rules-1->database".into(), phase: Phase::Start });
+        effect(&mut h, 60, 103, 3);
+        h.sort();
+        let v = effect_once(&h);
+        assert_eq!((v.counts["crash_window_reexecutions"], v.counts["unattributed"]), (2, 1), "{:?}", v.witnesses);
+        assert!(v.witnesses.iter().any(|w| w.contains("after kill database @12ms (#1180 window)")), "{:?}", v.witnesses);
     }
 
     #[test]
