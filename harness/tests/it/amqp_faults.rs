@@ -22,11 +22,21 @@ async fn rig(label: &str) -> Rig {
     let broker = craig_chaos::backend::external_authority(sandbox.amqp_url());
     let info = api.create_proxy("broker", "127.0.0.1:0", &broker).await.unwrap();
     let proxied = sandbox.amqp_url().replacen(&broker, &info.listen, 1);
+    // Publishes are mandatory: give them the queue a deployment would have.
+    let conn = craig_mq::publisher::connect(sandbox.amqp_url(), 30, "test-setup").await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let spec = craig_mq::topology::QueueSpec {
+        queue: "craig-rules.events".into(),
+        bindings: vec!["case.referral_created".into()],
+        with_dlx: true,
+    };
+    craig_mq::topology::declare_consumer_queue(&ch, &spec).await.unwrap();
+    let _ = conn.close(200, "bye".into()).await;
     Rig { sandbox, api, proxied }
 }
 
 fn cfg() -> PublisherConfig {
-    PublisherConfig { heartbeat_secs: 30, confirm_timeout: Duration::from_millis(800) }
+    PublisherConfig { heartbeat_secs: 30, confirm_timeout: Duration::from_millis(800), ..PublisherConfig::default() }
 }
 
 fn envelope() -> EventEnvelope {

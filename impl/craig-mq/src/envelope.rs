@@ -40,6 +40,9 @@ pub enum EnvelopeError {
     TooLong { field: &'static str, len: usize },
     #[error("envelope field `{field}` has characters outside [a-z0-9._-]: {value:?}")]
     BadName { field: &'static str, value: String },
+    /// PostgreSQL's `jsonb` cannot hold U+0000, so such an envelope can never be staged.
+    #[error("envelope payload holds a NUL character (U+0000) at {path}, which the outbox cannot store")]
+    Nul { path: String },
 }
 
 impl EventEnvelope {
@@ -89,6 +92,46 @@ impl EventEnvelope {
         }
         check_name("event_type", &self.event_type)?;
         check_name("source_service", &self.source_service)
+    }
+}
+
+impl EventEnvelope {
+    /// [`validate`](Self::validate), plus what the outbox's `jsonb` column must be able to
+    /// store: no U+0000 anywhere in the payload (strings or keys).
+    pub fn validate_storable(&self) -> Result<(), EnvelopeError> {
+        self.validate()?;
+        find_nul(&self.payload, &mut String::from("payload"))
+    }
+}
+
+fn find_nul(v: &serde_json::Value, path: &mut String) -> Result<(), EnvelopeError> {
+    use serde_json::Value;
+    let nul = |path: &str| Err(EnvelopeError::Nul { path: path.to_owned() });
+    match v {
+        Value::String(s) if s.contains('\0') => nul(path),
+        Value::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                let len = path.len();
+                path.push_str(&format!("[{i}]"));
+                find_nul(item, path)?;
+                path.truncate(len);
+            }
+            Ok(())
+        }
+        Value::Object(map) => {
+            for (k, item) in map {
+                let len = path.len();
+                path.push('.');
+                path.push_str(&k.replace('\0', "\\0"));
+                if k.contains('\0') {
+                    return nul(path);
+                }
+                find_nul(item, path)?;
+                path.truncate(len);
+            }
+            Ok(())
+        }
+        _ => Ok(()),
     }
 }
 
@@ -162,6 +205,19 @@ mod tests {
         assert!(matches!(EventEnvelope::from_value(v.clone()), Err(EnvelopeError::BadName { .. })));
         v["event_type"] = json!("a".repeat(MAX_NAME_LEN + 1));
         assert!(matches!(EventEnvelope::from_value(v), Err(EnvelopeError::TooLong { .. })));
+    }
+
+    #[test]
+    fn a_nul_anywhere_in_the_payload_is_not_storable() {
+        let mut env = sample();
+        assert!(env.validate_storable().is_ok());
+        env.payload = json!({"a": [1, {"b": "x\u{0}y"}]});
+        let err = env.validate_storable().unwrap_err();
+        assert!(matches!(&err, EnvelopeError::Nul { path } if path == "payload.a[1].b"), "{err}");
+        env.payload = json!({"k\u{0}": 1});
+        assert!(matches!(env.validate_storable(), Err(EnvelopeError::Nul { .. })));
+        // validate() alone is about the wire shape; the payload is the producer's business.
+        assert!(env.validate().is_ok());
     }
 
     #[test]

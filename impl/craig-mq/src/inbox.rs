@@ -78,6 +78,7 @@ where
         // None: pruned between the two statements — treat as unseen and run the handler.
         if processed == Some(true) {
             tracing::debug!(event = "inbox.dedup_hit", envelope_id = %envelope.id, queue = consumer_queue);
+            crate::metrics::inbox(InboxOutcome::Duplicate);
             return Ok(InboxOutcome::Duplicate);
         }
     }
@@ -96,5 +97,6 @@ where
         tracing::info!(event = "inbox.reprocessed", envelope_id = %envelope.id, queue = consumer_queue,
             "envelope seen before without processed_at; handler ran again (#1180 window)");
     }
+    crate::metrics::inbox(outcome);
     Ok(outcome)
 }

@@ -10,12 +10,14 @@
 //! | [`inbox`] | §D2 idempotent inbox, #1180 boundary, #1196 consumer identity |
 //! | [`topology`] | §D3 DLX/DLQ wiring |
 //! | [`subscriber`] | §D3 consumer sessions, #1197 ack-failure posture |
+//! | [`metrics`] | the Prometheus instruments (CONTRACT § Metrics) |
 //! | [`settings`] | § Retention policy (#965/#1129), worker knobs |
 //! | [`crash`] | crash points for the harness (feature `failpoints`) |
 
 pub mod crash;
 pub mod envelope;
 pub mod inbox;
+pub mod metrics;
 pub mod outbox;
 pub mod publisher;
 pub mod settings;
@@ -24,6 +26,6 @@ pub mod topology;
 
 pub use envelope::{EnvelopeError, EventEnvelope};
 pub use inbox::{InboxError, InboxOutcome, handle_idempotently};
-pub use outbox::{DrainMode, OutboxConfig, OutboxWorker, publish_in_tx};
+pub use outbox::{DrainMode, OutboxConfig, OutboxWorker, publish_in_tx, refused_envelope};
 pub use publisher::{PublishError, Publisher, PublisherConfig};
 pub use settings::{Retention, ServiceSettings, SettingsError};

@@ -1,21 +1,30 @@
 //! Transactional outbox — ADR-022 §D1, as reworked by Amendment #1128 (claim-lease drain +
 //! publisher confirms).
 //!
-//! **Staging.** [`publish_in_tx`] writes the envelope to `event_outbox` inside the caller's
-//! transaction: if the domain write rolls back, the staged envelope rolls back with it.
+//! **Staging.** [`publish_in_tx`] validates the envelope and writes it to `event_outbox`
+//! inside the caller's transaction: if the domain write rolls back, the staged envelope rolls
+//! back with it; an envelope the worker could never publish is refused and nothing is staged.
 //!
 //! **Draining** ([`OutboxWorker`]), one pass:
 //! 1. CLAIM up to `batch_size` pending rows in one short statement
 //!    (`FOR UPDATE SKIP LOCKED` + `claimed_at = now()`); rows whose claim is older than the
 //!    lease (60 s) are claimable again — that is how a crash between claim and stamp heals.
+//!    The `claimed_at` a claim stamps is that worker's fence ([`lease::Held`]).
 //! 2. PUBLISH them with no locks, no open transaction and no pooled connection held,
-//!    pipelined, each awaited to its publisher confirm.
+//!    pipelined, `mandatory`, each awaited to its publisher confirm.
 //! 3. STAMP `published_at` on the ACKed rows; RELEASE the rest at once (`claimed_at = NULL`,
-//!    `attempts + 1`, `last_error`).
+//!    `attempts + 1`, `last_error`). Both are fenced by the claim: a worker whose lease
+//!    expired and was re-claimed changes nothing ([`lease::Fenced::stale`]).
 //!
-//! The worker repeats passes until one comes back short (no throughput ceiling), then
-//! sleeps the poll interval (1 s). A pass with any failure ends the drain and backs off
-//! exponentially, capped at 60 s. At-least-once: a crash after the ACK and before the stamp
+//! **Failures.** A row the broker refused on its own (Nack, returned as unroutable) or that is
+//! not a valid envelope is a ROW-level failure: it backs off alone (`next_attempt_at`,
+//! `base × 2^(attempts-1)` capped at the max) and the drain goes on past it. A connection
+//! failure or a missing confirm is BROKER-level: it ends the drain and backs the worker off.
+//! A row that can never be published stays pending with its reason, counted in
+//! `outbox_depth` and logged with its id on every refusal — never stamped, never deleted.
+//!
+//! The worker repeats passes until one comes back short (#1128: no throughput ceiling), then
+//! sleeps the poll interval (1 s). At-least-once: a crash after the ACK and before the stamp
 //! re-publishes after lease expiry; the inbox is the consumer-side boundary.
 
 use std::time::Duration;
@@ -25,12 +34,19 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::crash;
-use crate::envelope::EventEnvelope;
+use crate::envelope::{EnvelopeError, EventEnvelope};
+use crate::metrics as m;
 use crate::publisher::{PublishError, Publisher, PublisherConfig};
 
 /// Stage `envelope` in the caller's transaction (§D1 `publish_in_tx`). The outbox row id
 /// is the envelope id, so a row and its message correlate one to one.
+///
+/// The envelope is validated first ([`EventEnvelope::validate_storable`]): one the worker
+/// could never publish is refused with `sqlx::Error::Encode` carrying the typed
+/// [`EnvelopeError`] (see [`refused_envelope`]) and nothing is staged. The ADR's signature
+/// (`Result<(), sqlx::Error>`) is kept, so every caller's `?` still works.
 pub async fn publish_in_tx(tx: &mut Transaction<'_, Postgres>, envelope: &EventEnvelope) -> Result<(), sqlx::Error> {
+    envelope.validate_storable().map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
     sqlx::query(
         "INSERT INTO event_outbox (id, aggregate_id, event_type, envelope) VALUES ($1, $2, $3, $4)",
     )
@@ -42,6 +58,14 @@ pub async fn publish_in_tx(tx: &mut Transaction<'_, Postgres>, envelope: &EventE
     .await?;
     tracing::debug!(event = "outbox.staged", envelope_id = %envelope.id, event_type = %envelope.event_type);
     Ok(())
+}
+
+/// The [`EnvelopeError`] for which [`publish_in_tx`] refused to stage, if that was the error.
+pub fn refused_envelope(e: &sqlx::Error) -> Option<&EnvelopeError> {
+    match e {
+        sqlx::Error::Encode(inner) => inner.downcast_ref::<EnvelopeError>(),
+        _ => None,
+    }
 }
 
 impl Publisher {
@@ -94,23 +118,31 @@ pub enum OutboxError {
 pub struct PassReport {
     pub claimed: usize,
     pub published: usize,
+    /// Claimed rows released unpublished (row-level and broker-level failures together).
     pub failed: usize,
+    /// Of `failed`: broker-level failures (connection, confirm timeout), which end the drain.
+    pub broker_failed: usize,
     /// Claimed rows whose previous claim had expired (a crashed or stalled worker's rows).
     pub reclaimed: usize,
+    /// Stamps and releases the fence refused: another worker re-claimed the row meanwhile.
+    pub stale: usize,
 }
 
-/// What one drain (passes until a short or failing pass) did.
+/// What one drain (passes until a short pass, a broker failure or no progress) did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct DrainReport {
     pub passes: usize,
     pub published: usize,
     pub failed: usize,
+    pub broker_failed: usize,
 }
 
 struct Claimed {
-    id: Uuid,
+    held: lease::Held,
     envelope: Result<EventEnvelope, String>,
     reclaimed: bool,
+    attempts: i32,
+    created_at: chrono::DateTime<chrono::Utc>,
 }
 
 /// The per-service outbox worker (§D1 `crates/craig-mq/src/outbox.rs`).
@@ -146,12 +178,15 @@ impl OutboxWorker {
         self
     }
 
-    /// Poll until `shutdown`, then run one last bounded drain so a SIGTERM leaves nothing
-    /// behind that the broker could take.
+    /// Poll until `shutdown`, then run one last BOUNDED drain so a SIGTERM leaves little
+    /// behind that the broker could take: passes stop at a deadline (the poll interval, at
+    /// least 5 s) even while other replicas keep the outbox full, and a pass is never cut
+    /// in half, so no claim is abandoned to wait out its lease.
     pub async fn run(mut self, shutdown: CancellationToken) {
         loop {
-            let pause = match self.drain().await {
-                Ok(r) if r.failed == 0 => {
+            // A drain other replicas keep full must still notice the stop between passes.
+            let pause = match self.drain_until(Stop { deadline: None, shutdown: Some(&shutdown) }).await {
+                Ok(r) if r.broker_failed == 0 => {
                     self.failures = 0;
                     self.cfg.poll_interval
                 }
@@ -166,31 +201,46 @@ impl OutboxWorker {
                     pause
                 }
             };
+            self.record_depth().await;
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = tokio::time::sleep(pause) => {}
             }
         }
-        let last = tokio::time::timeout(self.cfg.poll_interval.max(Duration::from_secs(5)), self.drain()).await;
+        let window = self.cfg.poll_interval.max(Duration::from_secs(5));
+        let deadline = tokio::time::Instant::now() + window;
+        // The hard stop only guards a pass that hangs past every timeout it has.
+        let hard = window + self.publisher_cfg.worst_case_publish() + Duration::from_secs(10);
+        let last = tokio::time::timeout(hard, self.drain_until(Stop { deadline: Some(deadline), shutdown: None })).await;
         tracing::info!(event = "outbox.stopped", final_drain = ?last.ok().and_then(Result::ok));
         if let Some(p) = self.publisher.take() {
             p.close().await;
         }
     }
 
-    /// Passes until one comes back short or has a failure (#1128: no throughput ceiling).
+    /// Passes until one comes back short, meets a broker-level failure, or publishes
+    /// nothing (#1128: no throughput ceiling; a row-level refusal does not stop it).
     pub async fn drain(&mut self) -> Result<DrainReport, OutboxError> {
+        self.drain_until(Stop::default()).await
+    }
+
+    async fn drain_until(&mut self, stop: Stop<'_>) -> Result<DrainReport, OutboxError> {
         let mut report = DrainReport::default();
         if self.mode == DrainMode::Pre1128 {
             let pass = self.pass_pre1128().await?;
-            return Ok(DrainReport { passes: 1, published: pass.published, failed: pass.failed });
+            return Ok(DrainReport { passes: 1, published: pass.published, failed: pass.failed, broker_failed: pass.failed });
         }
         loop {
             let pass = self.pass().await?;
             report.passes += 1;
             report.published += pass.published;
             report.failed += pass.failed;
-            if pass.failed > 0 || pass.claimed < self.cfg.batch_size as usize {
+            report.broker_failed += pass.broker_failed;
+            let short = pass.claimed < self.cfg.batch_size as usize;
+            let stuck = pass.published == 0;
+            let late = stop.deadline.is_some_and(|d| tokio::time::Instant::now() >= d)
+                || stop.shutdown.is_some_and(CancellationToken::is_cancelled);
+            if short || stuck || pass.broker_failed > 0 || late {
                 return Ok(report);
             }
         }
@@ -212,31 +262,33 @@ impl OutboxWorker {
         }
         crash::hit("outbox::after_claim");
 
-        let mut failed: Vec<(Uuid, String)> = Vec::new();
-        let mut sendable: Vec<(Uuid, EventEnvelope)> = Vec::with_capacity(claimed.len());
-        for c in claimed {
-            match c.envelope {
-                Ok(env) => sendable.push((c.id, env)),
-                Err(why) => failed.push((c.id, why)),
+        let mut failed: Vec<(lease::Failure, &'static str)> = Vec::new();
+        let mut sendable: Vec<(&Claimed, EventEnvelope)> = Vec::with_capacity(claimed.len());
+        for c in &claimed {
+            match &c.envelope {
+                Ok(env) => sendable.push((c, env.clone())),
+                Err(why) => failed.push((self.row_failure(c, why.clone()), "malformed")),
             }
         }
 
-        let mut acked: Vec<Uuid> = Vec::with_capacity(sendable.len());
+        let mut acked: Vec<&Claimed> = Vec::with_capacity(sendable.len());
         if !sendable.is_empty() {
             match self.publisher().await {
                 Ok(publisher) => {
                     let envs: Vec<EventEnvelope> = sendable.iter().map(|(_, e)| e.clone()).collect();
                     let results = publisher.publish_batch(&envs).await;
-                    for ((id, _), res) in sendable.into_iter().zip(results) {
+                    for ((c, _), res) in sendable.into_iter().zip(results) {
                         match res {
-                            Ok(()) => acked.push(id),
-                            Err(e) => failed.push((id, format!("{}: {e}", e.kind()))),
+                            Ok(()) => acked.push(c),
+                            Err(e) if e.is_row_level() => {
+                                failed.push((self.row_failure(c, format!("{}: {e}", e.kind())), e.kind()));
+                            }
+                            Err(e) => failed.push((broker_failure(c, &e), e.kind())),
                         }
                     }
                 }
                 Err(e) => {
-                    let msg = format!("{}: {e}", e.kind());
-                    failed.extend(sendable.into_iter().map(|(id, _)| (id, msg.clone())));
+                    failed.extend(sendable.into_iter().map(|(c, _)| (broker_failure(c, &e), e.kind())));
                 }
             }
             if self.publisher.as_ref().is_some_and(|p| !p.is_usable()) {
@@ -248,16 +300,52 @@ impl OutboxWorker {
         crash::hit("outbox::after_publish_before_stamp");
 
         if !acked.is_empty() {
-            lease::stamp(&self.pool, &acked).await?;
-            tracing::debug!(event = "outbox.published", rows = acked.len());
+            let held: Vec<lease::Held> = acked.iter().map(|c| c.held).collect();
+            let fenced = lease::stamp(&self.pool, &held).await?;
+            let now = chrono::Utc::now();
+            for c in acked.iter().filter(|c| fenced.applied.contains(&c.held.id)) {
+                m::publish_lag((now - c.created_at).to_std().unwrap_or_default());
+            }
+            m::published(fenced.applied.len());
+            report.published = fenced.applied.len();
+            report.stale += fenced.stale.len();
+            if !fenced.stale.is_empty() {
+                tracing::warn!(event = "outbox.stamp_stale", rows = fenced.stale.len(), first = %fenced.stale[0],
+                    "broker ACKed rows another worker has re-claimed; its claim stands (at-least-once)");
+            }
+            tracing::debug!(event = "outbox.published", rows = fenced.applied.len());
         }
         if !failed.is_empty() {
-            lease::release(&self.pool, &failed).await?;
-            tracing::warn!(event = "outbox.publish_failed", rows = failed.len(), first_error = %failed[0].1);
+            for (f, kind) in &failed {
+                m::publish_error(kind);
+                if let Some(retry) = f.retry_in {
+                    tracing::warn!(event = "outbox.row_refused", envelope_id = %f.held.id, kind, error = %f.error,
+                        retry_in_ms = retry.as_millis() as u64, "row stays pending and backs off on its own");
+                }
+            }
+            report.broker_failed = failed.iter().filter(|(f, _)| f.retry_in.is_none()).count();
+            let rows: Vec<lease::Failure> = failed.into_iter().map(|(f, _)| f).collect();
+            let fenced = lease::release(&self.pool, &rows).await?;
+            report.stale += fenced.stale.len();
+            if report.broker_failed > 0 {
+                let first = rows.iter().find(|f| f.retry_in.is_none()).map(|f| f.error.as_str()).unwrap_or("");
+                tracing::warn!(event = "outbox.publish_failed", rows = report.broker_failed, first_error = %first);
+            }
+            report.failed = rows.len();
         }
-        report.published = acked.len();
-        report.failed = failed.len();
         Ok(report)
+    }
+
+    fn row_failure(&self, c: &Claimed, error: String) -> lease::Failure {
+        let attempts = u32::try_from(c.attempts).unwrap_or(0).saturating_add(1);
+        lease::Failure { held: c.held, error, retry_in: Some(backoff(&self.cfg, attempts)) }
+    }
+
+    /// Update the `outbox_depth` gauge (rows still waiting for a broker ACK).
+    async fn record_depth(&self) {
+        if let Ok(n) = pending_count(&self.pool).await {
+            m::outbox_depth(n);
+        }
     }
 
     /// The pre-#1128 drain (compat only): locks held across unconfirmed publishes.
@@ -280,7 +368,7 @@ impl OutboxWorker {
         for (id, json) in rows {
             let res = match (&self.publisher, EventEnvelope::from_value(json)) {
                 (None, _) => Err("connection: broker unreachable".to_owned()),
-                (_, Err(e)) => Err(format!("malformed_envelope: {e}")),
+                (_, Err(e)) => Err(format!("malformed: {e}")),
                 (Some(p), Ok(env)) => p.publish(&env).await.map_err(|e| format!("{}: {e}", e.kind())),
             };
             match res {
@@ -302,6 +390,7 @@ impl OutboxWorker {
             }
         }
         tx.commit().await?;
+        m::published(report.published);
         Ok(report)
     }
 
@@ -309,10 +398,12 @@ impl OutboxWorker {
         let rows = lease::claim(&self.pool, self.cfg.claim_lease, self.cfg.batch_size).await?;
         let claimed: Vec<Claimed> = rows
             .into_iter()
-            .map(|(id, json, prev)| Claimed {
-                id,
-                envelope: EventEnvelope::from_value(json).map_err(|e| format!("malformed_envelope: {e}")),
-                reclaimed: prev.is_some(),
+            .map(|r| Claimed {
+                held: lease::Held { id: r.id, claim: r.claim },
+                envelope: EventEnvelope::from_value(r.envelope).map_err(|e| format!("malformed: {e}")),
+                reclaimed: r.previous_claim.is_some(),
+                attempts: r.attempts,
+                created_at: r.created_at,
             })
             .collect();
         Ok(claimed)
@@ -326,8 +417,26 @@ impl OutboxWorker {
     }
 }
 
+/// When a drain stops early, checked between passes (a pass is never cut in half).
+#[derive(Default, Clone, Copy)]
+struct Stop<'a> {
+    deadline: Option<tokio::time::Instant>,
+    shutdown: Option<&'a CancellationToken>,
+}
+
+fn broker_failure(c: &Claimed, e: &PublishError) -> lease::Failure {
+    lease::Failure { held: c.held, error: format!("{}: {e}", e.kind()), retry_in: None }
+}
+
 /// The three statements of the #1128 claim-lease protocol, each its own short
 /// transaction. The worker composes them; tests drive them one by one against a model.
+///
+/// **Fencing.** A claim stamps `claimed_at = now()`, and that value is the claiming
+/// worker's fence ([`Held`]). A row is re-claimable only once `claimed_at` is older than
+/// the lease, so a re-claim always stamps a strictly later value. [`stamp`] and [`release`]
+/// match the row AND the fence: a worker whose lease expired and whose row was re-claimed
+/// changes nothing and is told so ([`Fenced::stale`]) — it can no longer clear a live claim
+/// of another worker, which would let a third worker publish a row still in flight.
 pub mod lease {
     use std::time::Duration;
 
@@ -335,57 +444,122 @@ pub mod lease {
     use sqlx::PgPool;
     use uuid::Uuid;
 
+    /// One row a claim returned.
+    #[derive(Debug, Clone)]
+    pub struct ClaimedRow {
+        pub id: Uuid,
+        pub envelope: serde_json::Value,
+        /// The claim this one replaced: `Some` means a lease expired.
+        pub previous_claim: Option<DateTime<Utc>>,
+        /// The `claimed_at` this claim stamped: the fence for [`stamp`] and [`release`].
+        pub claim: DateTime<Utc>,
+        pub attempts: i32,
+        pub created_at: DateTime<Utc>,
+    }
+
+    /// A claim a worker holds: the row and the `claimed_at` its claim stamped.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Held {
+        pub id: Uuid,
+        pub claim: DateTime<Utc>,
+    }
+
+    /// What a fenced statement did, row by row: Applied, or Stale (the row is no longer
+    /// under this claim — re-claimed by another worker, or already published).
+    #[derive(Debug, Clone, Default, PartialEq, Eq)]
+    pub struct Fenced {
+        pub applied: Vec<Uuid>,
+        pub stale: Vec<Uuid>,
+    }
+
+    /// A claimed row to release unpublished.
+    #[derive(Debug, Clone)]
+    pub struct Failure {
+        pub held: Held,
+        pub error: String,
+        /// Row-level refusal: claimable again only after this long (`next_attempt_at`).
+        /// `None`: a broker-level failure, claimable at once (the worker backs off instead).
+        pub retry_in: Option<Duration>,
+    }
+
     /// Claim up to `batch` pending rows, oldest first (`created_at`, then id): rows never
-    /// claimed or whose claim is older than `lease`. Returns `(id, envelope, previous
-    /// claimed_at)`, in that order; a previous claim means a lease expired.
-    pub async fn claim(
-        pool: &PgPool,
-        lease: Duration,
-        batch: u32,
-    ) -> Result<Vec<(Uuid, serde_json::Value, Option<DateTime<Utc>>)>, sqlx::Error> {
-        let mut rows: Vec<(Uuid, serde_json::Value, Option<DateTime<Utc>>, DateTime<Utc>)> = sqlx::query_as(
+    /// claimed or whose claim is older than `lease`, and not backing off.
+    pub async fn claim(pool: &PgPool, lease: Duration, batch: u32) -> Result<Vec<ClaimedRow>, sqlx::Error> {
+        type Row = (Uuid, serde_json::Value, Option<DateTime<Utc>>, DateTime<Utc>, i32, DateTime<Utc>);
+        let rows: Vec<Row> = sqlx::query_as(
             "UPDATE event_outbox o SET claimed_at = now() \
              FROM (SELECT id, claimed_at AS prev FROM event_outbox \
                    WHERE published_at IS NULL \
                      AND (claimed_at IS NULL OR claimed_at < now() - make_interval(secs => $1)) \
+                     AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
                    ORDER BY created_at, id LIMIT $2 FOR UPDATE SKIP LOCKED) c \
              WHERE o.id = c.id \
-             RETURNING o.id, o.envelope, c.prev, o.created_at",
+             RETURNING o.id, o.envelope, c.prev, o.claimed_at, o.attempts, o.created_at",
         )
         .bind(lease.as_secs_f64())
         .bind(i64::from(batch))
         .fetch_all(pool)
         .await?;
+        let mut rows: Vec<ClaimedRow> = rows
+            .into_iter()
+            .map(|(id, envelope, previous_claim, claim, attempts, created_at)| ClaimedRow {
+                id,
+                envelope,
+                previous_claim,
+                claim,
+                attempts,
+                created_at,
+            })
+            .collect();
         // RETURNING has no order of its own.
-        rows.sort_by_key(|r| (r.3, r.0));
-        Ok(rows.into_iter().map(|(id, env, prev, _)| (id, env, prev)).collect())
+        rows.sort_by_key(|r| (r.created_at, r.id));
+        Ok(rows)
     }
 
-    /// Stamp `published_at` (the broker ACKed). Unguarded by design (#1185: a double
-    /// publish is inbox-deduped), so a stale worker's stamp still counts.
-    pub async fn stamp(pool: &PgPool, ids: &[Uuid]) -> Result<u64, sqlx::Error> {
-        Ok(sqlx::query(
-            "UPDATE event_outbox SET published_at = GREATEST(now(), created_at), claimed_at = NULL WHERE id = ANY($1)",
-        )
-        .bind(ids)
-        .execute(pool)
-        .await?
-        .rows_affected())
-    }
-
-    /// Release failed rows at once: `claimed_at = NULL`, `attempts + 1`, `last_error`.
-    pub async fn release(pool: &PgPool, failed: &[(Uuid, String)]) -> Result<u64, sqlx::Error> {
-        let (ids, errs): (Vec<Uuid>, Vec<String>) = failed.iter().cloned().unzip();
-        Ok(sqlx::query(
-            "UPDATE event_outbox o SET claimed_at = NULL, attempts = o.attempts + 1, last_error = f.err \
-             FROM unnest($1::uuid[], $2::text[]) AS f(id, err) \
-             WHERE o.id = f.id AND o.published_at IS NULL",
+    /// Stamp `published_at` (the broker ACKed) on the rows still under these claims.
+    pub async fn stamp(pool: &PgPool, held: &[Held]) -> Result<Fenced, sqlx::Error> {
+        let (ids, claims): (Vec<Uuid>, Vec<DateTime<Utc>>) = held.iter().map(|h| (h.id, h.claim)).unzip();
+        let applied: Vec<Uuid> = sqlx::query_scalar(
+            "UPDATE event_outbox o SET published_at = GREATEST(now(), o.created_at), claimed_at = NULL, \
+                    next_attempt_at = NULL \
+             FROM unnest($1::uuid[], $2::timestamptz[]) AS h(id, claim) \
+             WHERE o.id = h.id AND o.claimed_at = h.claim AND o.published_at IS NULL \
+             RETURNING o.id",
         )
         .bind(&ids)
+        .bind(&claims)
+        .fetch_all(pool)
+        .await?;
+        Ok(split(&ids, applied))
+    }
+
+    /// Release failed rows still under these claims: `claimed_at = NULL`, `attempts + 1`,
+    /// `last_error`, and for a row-level refusal `next_attempt_at = now() + retry_in`.
+    pub async fn release(pool: &PgPool, failed: &[Failure]) -> Result<Fenced, sqlx::Error> {
+        let ids: Vec<Uuid> = failed.iter().map(|f| f.held.id).collect();
+        let claims: Vec<DateTime<Utc>> = failed.iter().map(|f| f.held.claim).collect();
+        let errs: Vec<String> = failed.iter().map(|f| f.error.clone()).collect();
+        // -1: no row backoff (a broker-level failure).
+        let retry: Vec<f64> = failed.iter().map(|f| f.retry_in.map_or(-1.0, |d| d.as_secs_f64())).collect();
+        let applied: Vec<Uuid> = sqlx::query_scalar(
+            "UPDATE event_outbox o SET claimed_at = NULL, attempts = o.attempts + 1, last_error = f.err, \
+                    next_attempt_at = CASE WHEN f.retry < 0 THEN NULL ELSE now() + make_interval(secs => f.retry) END \
+             FROM unnest($1::uuid[], $2::timestamptz[], $3::text[], $4::float8[]) AS f(id, claim, err, retry) \
+             WHERE o.id = f.id AND o.claimed_at = f.claim AND o.published_at IS NULL \
+             RETURNING o.id",
+        )
+        .bind(&ids)
+        .bind(&claims)
         .bind(&errs)
-        .execute(pool)
-        .await?
-        .rows_affected())
+        .bind(&retry)
+        .fetch_all(pool)
+        .await?;
+        Ok(split(&ids, applied))
+    }
+
+    fn split(asked: &[Uuid], applied: Vec<Uuid>) -> Fenced {
+        let stale = asked.iter().filter(|id| !applied.contains(id)).copied().collect();
+        Fenced { applied, stale }
     }
 }
 

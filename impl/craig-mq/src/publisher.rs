@@ -2,9 +2,16 @@
 //! enabled (bootstrap confirm_select): published_at now means 'broker ACKed', not 'written to
 //! socket'; a broker Nack maps to a typed publish error and the row stays pending").
 //!
-//! Three failure kinds stay distinct ([`PublishError`]): the broker said no (`Nacked`), the
-//! broker said nothing within the confirm timeout (`ConfirmTimeout`, e.g. a black-holed
-//! link), and the connection or channel failed (`Connection`). Only an ACK is success.
+//! Every publish is `mandatory` (CONTRACT § fleet): a message that reached no queue comes
+//! back with the ACK (`Confirmation::Ack(Some(returned))`), and that is a failure
+//! (`Unroutable`), never success: on a fresh vhost whose consumer queues do not exist yet
+//! the broker would otherwise ACK, and the outbox would stamp, an event nobody can ever see.
+//!
+//! The failure kinds stay distinct ([`PublishError`]). Row-level, where the broker is healthy
+//! and refused THIS message ([`PublishError::is_row_level`]): it said no (`Nacked`) or had no
+//! route for it (`Unroutable`). Broker-level: the broker said nothing within the confirm
+//! timeout (`ConfirmTimeout`, e.g. a black-holed link) or the connection or channel failed
+//! (`Connection`). Only an ACK without a returned message is success.
 //! After a timeout or a connection error the publisher is [poisoned](Publisher::is_usable):
 //! its channel state is unknown, so the caller drops it and reconnects.
 //!
@@ -31,11 +38,23 @@ pub struct PublisherConfig {
     pub heartbeat_secs: u16,
     /// How long to wait for the broker's confirm of a publish (or a batch of them).
     pub confirm_timeout: Duration,
+    /// How long an AMQP handshake may take before the connection counts as failed: a
+    /// black-holed broker must not hang a worker in `connect`.
+    pub connect_timeout: Duration,
 }
 
 impl Default for PublisherConfig {
     fn default() -> Self {
-        Self { heartbeat_secs: 5, confirm_timeout: Duration::from_secs(5) }
+        Self { heartbeat_secs: 5, confirm_timeout: Duration::from_secs(5), connect_timeout: CONNECT_TIMEOUT }
+    }
+}
+
+impl PublisherConfig {
+    /// The longest one claimed batch can stay in flight: the connect, then the two phases of
+    /// [`Publisher::publish_batch`] (write, confirm), each bounded by the confirm timeout. A
+    /// claim lease shorter than this could expire while its own publish is still running.
+    pub fn worst_case_publish(&self) -> Duration {
+        self.confirm_timeout.saturating_mul(2).saturating_add(self.connect_timeout)
     }
 }
 
@@ -43,6 +62,9 @@ impl Default for PublisherConfig {
 pub enum PublishError {
     #[error("broker nacked envelope {id}")]
     Nacked { id: Uuid },
+    /// The broker returned the mandatory message: no queue is bound for its routing key.
+    #[error("broker returned envelope {id} as unroutable (no queue bound for {routing_key:?}): {reply_code} {reply_text}")]
+    Unroutable { id: Uuid, routing_key: String, reply_code: u16, reply_text: String },
     #[error("no publisher confirm for envelope {id} within {after:?}")]
     ConfirmTimeout { id: Uuid, after: Duration },
     #[error("AMQP connection or channel failed: {0}")]
@@ -54,13 +76,21 @@ pub enum PublishError {
 impl PublishError {
     /// Whether the channel can still be trusted after this error.
     pub fn poisons_channel(&self) -> bool {
-        !matches!(self, PublishError::Nacked { .. })
+        !self.is_row_level()
+    }
+
+    /// The broker is healthy and refused this one message (Nack, no route): the row backs
+    /// off on its own and the drain goes on. Everything else is broker-level and backs the
+    /// whole worker off.
+    pub fn is_row_level(&self) -> bool {
+        matches!(self, PublishError::Nacked { .. } | PublishError::Unroutable { .. })
     }
 
     /// Short stable label for metrics and `last_error` prefixes.
     pub fn kind(&self) -> &'static str {
         match self {
             PublishError::Nacked { .. } => "nacked",
+            PublishError::Unroutable { .. } => "unroutable",
             PublishError::ConfirmTimeout { .. } => "confirm_timeout",
             PublishError::Connection(_) => "connection",
             PublishError::NotConfirmed { .. } => "not_confirmed",
@@ -86,19 +116,23 @@ pub fn with_heartbeat(amqp_url: &str, heartbeat_secs: u16) -> String {
     format!("{amqp_url}{sep}heartbeat={heartbeat_secs}")
 }
 
-/// How long an AMQP handshake may take before the connection counts as failed: a
-/// black-holed broker must not hang a worker in `connect`.
+/// The default bound on an AMQP handshake ([`PublisherConfig::connect_timeout`]).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Open an AMQP connection with the heartbeat set and a connection name for the broker UI,
 /// bounded by [`CONNECT_TIMEOUT`] (an `IOError` of kind `TimedOut` past it).
 pub async fn connect(amqp_url: &str, heartbeat_secs: u16, name: &str) -> Result<Connection, lapin::Error> {
+    connect_within(amqp_url, heartbeat_secs, name, CONNECT_TIMEOUT).await
+}
+
+/// [`connect`] with its own handshake bound.
+pub async fn connect_within(amqp_url: &str, heartbeat_secs: u16, name: &str, within: Duration) -> Result<Connection, lapin::Error> {
     let props = ConnectionProperties::default().with_connection_name(name.into());
-    match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(&with_heartbeat(amqp_url, heartbeat_secs), props)).await {
+    match tokio::time::timeout(within, Connection::connect(&with_heartbeat(amqp_url, heartbeat_secs), props)).await {
         Ok(res) => res,
         Err(_) => Err(lapin::ErrorKind::IOError(std::sync::Arc::new(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
-            format!("AMQP handshake not finished within {CONNECT_TIMEOUT:?}"),
+            format!("AMQP handshake not finished within {within:?}"),
         )))
         .into()),
     }
@@ -117,7 +151,7 @@ impl Publisher {
     }
 
     async fn connect_with(amqp_url: &str, cfg: PublisherConfig, confirms: bool) -> Result<Self, PublishError> {
-        let conn = connect(amqp_url, cfg.heartbeat_secs, "craig-publisher").await?;
+        let conn = connect_within(amqp_url, cfg.heartbeat_secs, "craig-publisher", cfg.connect_timeout).await?;
         let channel = conn.create_channel().await?;
         // Idempotent: a fresh broker or vhost must not turn every publish into a 404.
         crate::topology::declare_exchanges(&channel).await?;
@@ -166,7 +200,9 @@ impl Publisher {
                 self.channel.basic_publish(
                     ShortString::from(EVENTS_EXCHANGE),
                     ShortString::from(env.event_type.as_str()),
-                    BasicPublishOptions::default(),
+                    // Mandatory under confirms: an unroutable message comes back with its ACK.
+                    // The pre-#1128 unconfirmed mode never learned of returns.
+                    BasicPublishOptions { mandatory: self.confirms, immediate: false },
                     &env.to_vec(),
                     props,
                 ),
@@ -196,7 +232,15 @@ impl Publisher {
                 }
             };
             let res = match timeout_at(deadline, confirm).await {
-                Ok(Ok(Confirmation::Ack(_))) => Ok(()),
+                Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+                // The broker ACKs a returned message too: no queue took it, so it is NOT
+                // published (ADR-022 #1128: published_at means "a queue has it").
+                Ok(Ok(Confirmation::Ack(Some(returned)))) => Err(PublishError::Unroutable {
+                    id: env.id,
+                    routing_key: env.event_type.clone(),
+                    reply_code: returned.reply_code,
+                    reply_text: returned.reply_text.to_string(),
+                }),
                 Ok(Ok(Confirmation::Nack(_))) => Err(PublishError::Nacked { id: env.id }),
                 Ok(Ok(Confirmation::NotRequested)) if !self.confirms => Ok(()),
                 Ok(Ok(Confirmation::NotRequested)) => Err(PublishError::NotConfirmed { id: env.id }),
@@ -234,9 +278,13 @@ mod tests {
     }
 
     #[test]
-    fn only_nack_keeps_the_channel() {
+    fn only_row_level_refusals_keep_the_channel() {
         let id = Uuid::now_v7();
         assert!(!PublishError::Nacked { id }.poisons_channel());
+        let unroutable =
+            PublishError::Unroutable { id, routing_key: "x".into(), reply_code: 312, reply_text: "NO_ROUTE".into() };
+        assert!(unroutable.is_row_level() && !unroutable.poisons_channel());
+        assert_eq!(unroutable.kind(), "unroutable");
         assert!(PublishError::ConfirmTimeout { id, after: Duration::from_secs(1) }.poisons_channel());
     }
 }

@@ -18,6 +18,13 @@
 //! | `CRAIG_OUTBOX_BACKOFF_BASE_MS` / `CRAIG_OUTBOX_BACKOFF_MAX_MS` | 1000 / 60000 |
 //! | `CRAIG_AMQP_HEARTBEAT_SECS` | 5 |
 //! | `CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS` | 5000 |
+//! | `CRAIG_AMQP_CONNECT_TIMEOUT_MS` | 5000 |
+//!
+//! Settings that would silently switch the protocol off are rejected with the value and the
+//! rule ([`SettingsError::Unsafe`]): a zero lease, poll interval, backoff base or confirm
+//! timeout, and a lease shorter than `2 × confirm timeout + connect timeout` — the longest a
+//! claimed batch can legitimately stay in flight, so a shorter lease lets a second worker
+//! re-claim rows whose publish is still running.
 
 use std::time::Duration;
 
@@ -60,6 +67,8 @@ pub enum SettingsError {
     InboxWindowTooShort { inbox_days: u32, outbox_days: u32 },
     #[error("{name}={value:?} is not a valid {expected}")]
     Invalid { name: &'static str, value: String, expected: &'static str },
+    #[error("{name}={value} is refused: {rule}")]
+    Unsafe { name: &'static str, value: String, rule: String },
 }
 
 impl ServiceSettings {
@@ -118,7 +127,9 @@ impl ServiceSettings {
                 }
             })?,
             confirm_timeout: Duration::from_millis(num("CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS", 5000)?),
+            connect_timeout: Duration::from_millis(num("CRAIG_AMQP_CONNECT_TIMEOUT_MS", 5000)?),
         };
+        check_protocol(&outbox, &publisher)?;
         Ok(Self {
             database_url: lookup("DATABASE_URL").unwrap_or_else(|| DEFAULT_DATABASE_URL.into()),
             amqp_url: lookup("AMQP_URL").unwrap_or_else(|| DEFAULT_AMQP_URL.into()),
@@ -127,6 +138,55 @@ impl ServiceSettings {
             publisher,
         })
     }
+}
+
+/// `url` with any password replaced by `***` (`postgres://u:***@host/db`), for every log
+/// and error line that names a DATABASE_URL or AMQP_URL. A value that is not URL-shaped
+/// keeps nothing after its scheme's `//` up to the last `@`.
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            let hidden = if userinfo.contains(':') { ":***" } else { "" };
+            format!("{scheme}://{user}{hidden}@{host}{tail}")
+        }
+        None => url.to_owned(),
+    }
+}
+
+/// Reject worker settings that would silently disable the #1128 protocol.
+pub fn check_protocol(outbox: &OutboxConfig, publisher: &PublisherConfig) -> Result<(), SettingsError> {
+    let unsafe_ = |name: &'static str, value: String, rule: &str| {
+        Err(SettingsError::Unsafe { name, value, rule: rule.to_owned() })
+    };
+    let ms = |d: Duration| format!("{}ms", d.as_millis());
+    if outbox.claim_lease.is_zero() {
+        return unsafe_("CRAIG_OUTBOX_CLAIM_LEASE_SECS", "0".into(),
+            "a zero claim lease makes every claimed row claimable again at once (ADR-022 #1128)");
+    }
+    if outbox.poll_interval.is_zero() {
+        return unsafe_("CRAIG_OUTBOX_POLL_MS", "0".into(), "a zero poll interval spins the worker against the database");
+    }
+    if outbox.backoff_base.is_zero() {
+        return unsafe_("CRAIG_OUTBOX_BACKOFF_BASE_MS", "0".into(),
+            "a zero backoff base retries a failing broker or a refused row without pause");
+    }
+    if publisher.confirm_timeout.is_zero() {
+        return unsafe_("CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS", "0".into(),
+            "a zero confirm timeout counts every publish as unconfirmed");
+    }
+    let in_flight = publisher.worst_case_publish();
+    if outbox.claim_lease < in_flight {
+        return unsafe_("CRAIG_OUTBOX_CLAIM_LEASE_SECS", format!("{}s", outbox.claim_lease.as_secs_f64()), &format!(
+            "the lease must be at least 2 x confirm timeout ({}) + connect timeout ({}) = {}, the longest a \
+             claimed batch can be in flight; a shorter lease lets another worker re-claim rows still being \
+             published (ADR-022 #1128)",
+            ms(publisher.confirm_timeout), ms(publisher.connect_timeout), ms(in_flight)));
+    }
+    Ok(())
 }
 
 impl Retention {
@@ -194,6 +254,36 @@ mod tests {
             load(&[("CRAIG_OUTBOX_RETENTION_DAYS", "0")]).unwrap_err(),
             SettingsError::InboxWindowTooShort { inbox_days: 31, outbox_days: 0 }
         );
+    }
+
+    #[test]
+    fn settings_that_disable_the_protocol_are_refused_with_value_and_rule() {
+        for name in ["CRAIG_OUTBOX_CLAIM_LEASE_SECS", "CRAIG_OUTBOX_POLL_MS", "CRAIG_OUTBOX_BACKOFF_BASE_MS", "CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS"] {
+            let err = load(&[(name, "0")]).unwrap_err();
+            assert!(matches!(&err, SettingsError::Unsafe { name: n, .. } if *n == name), "{name}: {err}");
+            assert!(err.to_string().starts_with(&format!("{name}=0 is refused: ")), "{err}");
+        }
+        // 2 × 5 s + 5 s = 15 s: a 14 s lease could expire under its own publish.
+        let err = load(&[("CRAIG_OUTBOX_CLAIM_LEASE_SECS", "14")]).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("CRAIG_OUTBOX_CLAIM_LEASE_SECS=14s") && msg.contains("= 15000ms"), "{msg}");
+        assert!(load(&[("CRAIG_OUTBOX_CLAIM_LEASE_SECS", "15")]).is_ok());
+        // Shorter timeouts allow a shorter lease (the harness runs 4 s leases this way).
+        assert!(load(&[
+            ("CRAIG_OUTBOX_CLAIM_LEASE_SECS", "4"),
+            ("CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS", "1500"),
+            ("CRAIG_AMQP_CONNECT_TIMEOUT_MS", "1000"),
+        ])
+        .is_ok());
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redact("postgres://u:s3cret@127.0.0.1:5432/db"), "postgres://u:***@127.0.0.1:5432/db");
+        assert_eq!(redact("amqp://guest:guest@h:5672/%2f?heartbeat=5"), "amqp://guest:***@h:5672/%2f?heartbeat=5");
+        assert_eq!(redact("postgres://u:p@ss:w@rd@h/db"), "postgres://u:***@h/db");
+        assert_eq!(redact("postgres://postgres@127.0.0.1/db"), "postgres://postgres@127.0.0.1/db");
+        assert_eq!(redact("not a url"), "not a url");
     }
 
     #[test]

@@ -53,6 +53,20 @@ enum SessionError {
     Amqp(#[from] lapin::Error),
     #[error("consumer stream ended (channel or connection closed)")]
     StreamEnded,
+    /// `ack`/`nack` answered `Ok(false)`: the acker was already used or its channel is
+    /// poisoned, so the broker never got the settlement (#1197: an ack failure).
+    #[error("basic.{0} was not sent: the delivery's channel is closed or the acker already used")]
+    NotSettled(&'static str),
+}
+
+/// An ack or nack counts only when lapin actually sent it: `Ok(false)` is the ack failure
+/// #1197 says tears the session down, never a success.
+fn settled(op: &'static str, sent: Result<bool, lapin::Error>) -> Result<(), SessionError> {
+    match sent {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(SessionError::NotSettled(op)),
+        Err(e) => Err(SessionError::Amqp(e)),
+    }
 }
 
 /// Run consume sessions until `shutdown`. Each session error is logged and followed by a
@@ -117,24 +131,35 @@ where
         Err(e) => {
             tracing::error!(event = "subscriber.malformed_envelope", queue, error = %e, bytes = delivery.data.len(),
                 "dead-lettering malformed delivery with its raw bytes");
-            delivery.acker.nack(BasicNackOptions { requeue: false, ..Default::default() }).await?;
+            settled("nack", delivery.acker.nack(BasicNackOptions { requeue: false, ..Default::default() }).await)?;
             return Ok(());
         }
     };
     match handler(envelope.clone()).await {
-        Ok(()) => {
-            delivery.acker.ack(BasicAckOptions::default()).await?;
-        }
+        Ok(()) => settled("ack", delivery.acker.ack(BasicAckOptions::default()).await)?,
         Err(HandlerError::Transient(why)) => {
             tracing::warn!(event = "subscriber.transient_failure", queue, envelope_id = %envelope.id, error = %why);
             tokio::time::sleep(cfg.retry_delay).await;
-            delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
+            settled("nack", delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await)?;
         }
         Err(HandlerError::Permanent(why)) => {
             tracing::error!(event = "subscriber.permanent_failure", queue, envelope_id = %envelope.id, error = %why,
                 "dead-lettering to craig.dlx");
-            delivery.acker.nack(BasicNackOptions { requeue: false, ..Default::default() }).await?;
+            settled("nack", delivery.acker.nack(BasicNackOptions { requeue: false, ..Default::default() }).await)?;
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_ack_that_was_not_sent_is_a_failure() {
+        assert!(settled("ack", Ok(true)).is_ok());
+        let err = settled("ack", Ok(false)).unwrap_err();
+        assert!(matches!(err, SessionError::NotSettled("ack")), "{err}");
+        assert!(settled("nack", Err(lapin::ErrorKind::InvalidChannelState(lapin::ChannelState::Closed, "test").into())).is_err());
+    }
 }

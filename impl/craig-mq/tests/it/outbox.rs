@@ -5,6 +5,8 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use uuid::Uuid;
+
 use crate::common::*;
 
 #[tokio::test]
@@ -189,7 +191,180 @@ async fn a_malformed_outbox_row_is_released_with_its_error_and_does_not_block_ot
         .fetch_one(&env.pool)
         .await
         .unwrap();
-    assert!(err.starts_with("malformed_envelope:"), "{err}");
+    assert!(err.starts_with("malformed:"), "{err}");
     assert_eq!(env.take_all().await.len(), good.len());
+    env.finish().await;
+}
+
+/// Issue 7.1: without `mandatory`, the broker ACKs a message no queue took and the worker
+/// stamped it published — gone. Now it is `Unroutable`, the row stays pending with its
+/// reason and backs off on its own, and it arrives once the consumer queue exists.
+#[tokio::test]
+async fn an_unroutable_publish_is_a_typed_failure_and_the_row_waits_for_its_queue() {
+    let env = env("unroutable").await;
+    let (conn, ch) = env.channel().await;
+    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
+    let publisher = craig_mq::Publisher::connect(env.sandbox.amqp_url(), fast_publisher()).await.unwrap();
+    let lone = envelope();
+    match publisher.publish(&lone).await {
+        Err(craig_mq::PublishError::Unroutable { id, routing_key, reply_code, .. }) => {
+            assert_eq!((id, routing_key.as_str(), reply_code), (lone.id, EVENT, 312));
+        }
+        other => panic!("expected Unroutable, got {other:?}"),
+    }
+    assert!(publisher.is_usable(), "a returned message does not poison the channel");
+    publisher.close().await;
+
+    let ids = env.stage(3, 3).await;
+    let mut worker = env.worker(fast_outbox());
+    let first = worker.drain().await.unwrap();
+    assert_eq!((first.published, first.failed, first.broker_failed), (0, 3, 0));
+    let rows: Vec<(i32, String, bool, bool)> = sqlx::query_as(
+        "SELECT attempts, last_error, claimed_at IS NULL, next_attempt_at > now() FROM event_outbox WHERE published_at IS NULL",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 3, "nothing was stamped published");
+    for (attempts, last_error, released, backing_off) in rows {
+        assert_eq!(attempts, 1);
+        assert!(last_error.starts_with("unroutable:"), "{last_error}");
+        assert!(released && backing_off, "released at once, retried after its own backoff");
+    }
+
+    env.declare_rules_queue().await;
+    tokio::time::sleep(fast_outbox().backoff_base * 2).await;
+    let back = worker.drain().await.unwrap();
+    assert_eq!((back.published, back.failed), (3, 0));
+    let got: HashSet<String> = env.take_all().await.into_iter().collect();
+    assert_eq!(got, ids.iter().map(|u| u.to_string()).collect());
+    let _ = conn.close(200, "bye".into()).await;
+    env.finish().await;
+}
+
+/// Issue 7.2: one unpublishable row ahead of everything else used to end every drain after
+/// its first pass and back the whole worker off, 99 healthy rows per backoff step. Now one
+/// drain publishes every healthy row, and the poison row backs off alone, pending, counted.
+#[tokio::test]
+async fn a_poison_row_does_not_stall_the_drain_behind_it() {
+    let env = env("poison_row").await;
+    env.declare_rules_queue().await;
+    let poison: Uuid = sqlx::query_scalar(
+        "INSERT INTO event_outbox (event_type, envelope, created_at) \
+         VALUES ('case.referral_created', '{\"not\": \"an envelope\"}', now() - interval '1 hour') RETURNING id",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    let good = env.stage(300, 100).await;
+    // A row backoff longer than the drain, so the poison row is refused exactly once here.
+    let mut cfg = fast_outbox();
+    cfg.backoff_base = Duration::from_secs(30);
+    cfg.backoff_max = Duration::from_secs(60);
+    let mut worker = env.worker(cfg);
+    let drain = worker.drain().await.unwrap();
+    assert_eq!((drain.published, drain.failed, drain.broker_failed), (300, 1, 0), "{drain:?}");
+    assert_eq!(env.take_all().await.len(), good.len());
+
+    let (attempts, last_error, backing_off): (i32, String, bool) =
+        sqlx::query_as("SELECT attempts, last_error, next_attempt_at > now() FROM event_outbox WHERE id = $1 AND published_at IS NULL")
+            .bind(poison)
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(attempts, 1);
+    assert!(last_error.starts_with("malformed:") && backing_off, "{last_error}");
+    assert_eq!(env.pending().await, 1, "the poison row is never faked as published, never deleted");
+    // While it backs off, a drain does not touch it.
+    assert_eq!(worker.drain().await.unwrap().failed, 0);
+    env.finish().await;
+}
+
+/// Issue 7.2: a Nack is row-level. A full reject-publish queue Nacks the overflow; the
+/// drain does not count that as a broker failure, and the refused rows back off alone.
+#[tokio::test]
+async fn nacked_rows_back_off_alone_and_the_drain_is_not_a_broker_failure() {
+    use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::{AMQPValue, FieldTable};
+    let env = env("nack_drain").await;
+    let (conn, ch) = env.channel().await;
+    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongInt(2));
+    args.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
+    ch.queue_declare("full".into(), QueueDeclareOptions { durable: true, ..Default::default() }, args).await.unwrap();
+    ch.queue_bind("full".into(), "craig.events".into(), EVENT.into(), QueueBindOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    env.stage(5, 5).await;
+    let drain = env.worker(fast_outbox()).drain().await.unwrap();
+    assert_eq!((drain.published, drain.failed, drain.broker_failed), (2, 3, 0), "{drain:?}");
+    let nacked: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM event_outbox WHERE published_at IS NULL AND last_error LIKE 'nacked:%' AND next_attempt_at > now()",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(nacked, 3);
+    let _ = conn.close(200, "bye".into()).await;
+    env.finish().await;
+}
+
+/// Issue 7.2: `publish_in_tx` refuses an envelope the worker could never publish (here: a
+/// NUL in the payload, which jsonb cannot hold) with the typed envelope error; nothing is staged.
+#[tokio::test]
+async fn staging_refuses_an_unpublishable_envelope_and_stages_nothing() {
+    let env = env("refused_staging").await;
+    let mut bad = envelope();
+    bad.payload = serde_json::json!({ "subject": "a\u{0}b" });
+    let mut tx = env.pool.begin().await.unwrap();
+    let err = craig_mq::publish_in_tx(&mut tx, &bad).await.unwrap_err();
+    assert!(
+        matches!(craig_mq::refused_envelope(&err), Some(craig_mq::EnvelopeError::Nul { path }) if path == "payload.subject"),
+        "{err}"
+    );
+    let mut bad_name = envelope();
+    bad_name.event_type = "Case Created".into();
+    let err = craig_mq::publish_in_tx(&mut tx, &bad_name).await.unwrap_err();
+    assert!(matches!(craig_mq::refused_envelope(&err), Some(craig_mq::EnvelopeError::BadName { .. })), "{err}");
+    tx.commit().await.unwrap();
+    assert_eq!(env.pending().await, 0);
+    env.finish().await;
+}
+
+/// Issue 7.5: a SIGTERM's last drain is bounded even while another writer keeps the outbox
+/// full, and stops between passes: no claim is abandoned to wait out its lease.
+#[tokio::test]
+async fn the_final_drain_is_bounded_and_abandons_no_claim() {
+    let env = env("final_drain").await;
+    env.declare_rules_queue().await;
+    let mut cfg = fast_outbox();
+    cfg.batch_size = 20;
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let feeding = tokio_util::sync::CancellationToken::new();
+    let feeder = {
+        let (pool, stop) = (env.pool.clone(), feeding.clone());
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                let mut tx = pool.begin().await.unwrap();
+                for _ in 0..50 {
+                    craig_mq::publish_in_tx(&mut tx, &envelope()).await.unwrap();
+                }
+                tx.commit().await.unwrap();
+            }
+        })
+    };
+    let worker = tokio::spawn(env.worker(cfg).run(shutdown.clone()));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    shutdown.cancel();
+    // Generous: this asserts that run() returns at all while the outbox never empties.
+    tokio::time::timeout(Duration::from_secs(60), worker).await.expect("final drain bounded").unwrap();
+    feeding.cancel();
+    feeder.await.unwrap();
+    let held: i64 = sqlx::query_scalar("SELECT count(*) FROM event_outbox WHERE published_at IS NULL AND claimed_at IS NOT NULL")
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+    assert_eq!(held, 0, "a stopped worker leaves no claim behind");
     env.finish().await;
 }

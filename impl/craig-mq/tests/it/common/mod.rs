@@ -96,7 +96,7 @@ pub fn envelope() -> EventEnvelope {
 }
 
 pub fn fast_publisher() -> PublisherConfig {
-    PublisherConfig { heartbeat_secs: 2, confirm_timeout: Duration::from_secs(3) }
+    PublisherConfig { heartbeat_secs: 2, confirm_timeout: Duration::from_secs(3), connect_timeout: Duration::from_secs(3) }
 }
 
 pub fn fast_outbox() -> OutboxConfig {
