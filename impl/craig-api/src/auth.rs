@@ -162,18 +162,36 @@ where
         let key = JwtKey::from_ref(state);
         let header = parts.headers.get(axum::http::header::AUTHORIZATION).ok_or(AuthError::Missing)?;
         let value = header.to_str().map_err(|_| AuthError::Malformed)?;
-        let token = value
-            .strip_prefix("Bearer ")
-            .or_else(|| value.strip_prefix("bearer "))
-            .ok_or(AuthError::Malformed)?;
+        let token = bearer_token(value).ok_or(AuthError::Malformed)?;
         let now = chrono::Utc::now().timestamp();
         key.verify(token.trim(), now).map(Bearer)
     }
 }
 
+/// The token of an `Authorization` value: the auth scheme matched case-insensitively
+/// (RFC 7235 §2.1: `BEARER`, `bearer` and `Bearer` are one scheme), then one or more spaces.
+pub fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, rest) = value.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    let token = rest.trim_matches(' ');
+    (!token.is_empty()).then_some(token)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        for v in ["Bearer t.k.n", "bearer t.k.n", "BEARER t.k.n", "bEaReR   t.k.n"] {
+            assert_eq!(bearer_token(v), Some("t.k.n"), "{v}");
+        }
+        for v in ["Basic t.k.n", "Bearert.k.n", "Bearer ", "Bearer", "", "Token t.k.n"] {
+            assert_eq!(bearer_token(v), None, "{v:?}");
+        }
+    }
 
     fn claims(exp: i64) -> Claims {
         Claims { sub: Uuid::now_v7(), aud: vec!["craig-cases".into()], scope: "cases.admin other".into(), exp }

@@ -44,11 +44,18 @@ async fn create_referral(State(state): State<AppState>, Bearer(claims): Bearer, 
     if req.subject.trim().is_empty() || req.subject.len() > 1024 {
         return error_response(StatusCode::BAD_REQUEST, "subject must be 1..=1024 bytes and not blank");
     }
+    // PostgreSQL text cannot hold U+0000: the client's error, never a 503.
+    if req.subject.contains('\0') {
+        return error_response(StatusCode::BAD_REQUEST, "subject must not contain a NUL character (U+0000)");
+    }
     let id = req.id.unwrap_or_else(Uuid::now_v7);
     match write_referral(&state, id, &req.subject, claims.sub).await {
         Ok(envelope_id) => (StatusCode::CREATED, Json(json!({ "id": id, "envelope_id": envelope_id }))).into_response(),
         Err(sqlx::Error::Database(db)) if db.is_unique_violation() => {
             error_response(StatusCode::CONFLICT, &format!("referral {id} already exists"))
+        }
+        Err(e) if craig_mq::refused_envelope(&e).is_some() => {
+            error_response(StatusCode::BAD_REQUEST, &format!("the referral's event cannot be staged: {e}"))
         }
         Err(e) => {
             tracing::error!(event = "cases.referral_failed", referral_id = %id, error = %e);

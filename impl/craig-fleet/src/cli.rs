@@ -42,6 +42,11 @@ enum Command {
         #[arg(long, default_value = "30", value_name = "SECONDS")]
         wait: u64,
     },
+    /// Declare the whole fleet's broker topology on AMQP_URL and exit: the exchanges
+    /// craig.events and craig.dlx, the DLQ craig-security.dlq, and every consumer queue with
+    /// its bindings and DLX arguments. Idempotent; the deploy step before any node starts
+    /// (publishes are mandatory, so an event with no queue yet stays pending).
+    Topology,
 }
 
 /// Parse `args` (program name first) and run `craig-node` to completion.
@@ -52,7 +57,7 @@ where
 {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,sqlx=warn,lapin=warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,sqlx=warn,lapin=warn,lapin::returned_messages=error".into()),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -75,6 +80,14 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
     if let Some(Command::Migrate { service, wait }) = cli.command {
         node::migrate(service, &settings.database_url, Duration::from_secs(wait)).await?;
         println!("craig-node: migrations/{service} applied");
+        return Ok(());
+    }
+    if let Some(Command::Topology) = cli.command {
+        let declared = node::declare_topology(&settings.amqp_url, true).await?;
+        for spec in declared {
+            println!("craig-node: declared {} <- craig.events [{}]", spec.queue, spec.bindings.join(", "));
+        }
+        println!("craig-node: declared craig.events, craig.dlx, craig-security.dlq <- craig.dlx [dlq.#]");
         return Ok(());
     }
     let service = cli.service.context("--service is required (cases, financial, rules or security)")?;

@@ -52,7 +52,19 @@ pub fn pool(url: &str) -> anyhow::Result<PgPool> {
         .max_connections(10)
         .acquire_timeout(Duration::from_secs(5))
         .connect_lazy(url)
-        .with_context(|| format!("bad DATABASE_URL {url:?}"))
+        .with_context(|| format!("bad DATABASE_URL {:?}", craig_mq::settings::redact(url)))
+}
+
+/// An error text with `url`'s password removed, should the driver have echoed it.
+fn redact_error(text: &str, url: &str) -> String {
+    let redacted = craig_mq::settings::redact(url);
+    let mut out = text.replace(url, &redacted);
+    if let Some(pass) = url.split_once("://").and_then(|(_, r)| r.rsplit_once('@')).and_then(|(ui, _)| ui.split_once(':')).map(|(_, p)| p) {
+        if !pass.is_empty() {
+            out = out.replace(pass, "***");
+        }
+    }
+    out
 }
 
 /// Apply `service`'s migrations, retrying the connection for up to `wait`.
@@ -62,10 +74,13 @@ pub async fn migrate(service: Service, url: &str, wait: Duration) -> anyhow::Res
         match PgPoolOptions::new().max_connections(1).connect(url).await {
             Ok(p) => break p,
             Err(e) if tokio::time::Instant::now() < deadline => {
-                tracing::warn!(event = "node.migrate_waiting", error = %e);
+                tracing::warn!(event = "node.migrate_waiting", error = %redact_error(&e.to_string(), url));
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
-            Err(e) => return Err(e).with_context(|| format!("connecting to {url} to migrate {service}")),
+            Err(e) => {
+                return Err(anyhow::anyhow!("{}", redact_error(&e.to_string(), url)))
+                    .with_context(|| format!("connecting to {} to migrate {service}", craig_mq::settings::redact(url)));
+            }
         }
     };
     service.migrator().run(&pool).await.with_context(|| format!("applying migrations/{service}"))?;
@@ -73,9 +88,100 @@ pub async fn migrate(service: Service, url: &str, wait: Duration) -> anyhow::Res
     Ok(())
 }
 
+/// The whole fleet's broker topology (CONTRACT § fleet, `craig-node topology`): both
+/// exchanges, the DLQ and its binding, and every service's consumer queue with its
+/// bindings and DLX arguments (ADR-022 §D3). Idempotent. This is the deploy step before any
+/// node starts: publishes are `mandatory`, so an event whose consumer queue does not exist
+/// yet stays pending (unroutable) until it does — and once security's `#` audit queue
+/// exists, an event routes there even when its real consumer's queue is still missing.
+/// Returns the queues declared.
+pub async fn declare_topology(amqp_url: &str, with_dlx: bool) -> anyhow::Result<Vec<QueueSpec>> {
+    let conn = craig_mq::publisher::connect(amqp_url, 10, "craig-topology").await.context("connecting to AMQP_URL")?;
+    let ch = conn.create_channel().await?;
+    let mut declared = Vec::new();
+    for service in crate::service::ALL {
+        if let Some(spec) = queue_spec(service, with_dlx) {
+            craig_mq::topology::declare_consumer_queue(&ch, &spec)
+                .await
+                .with_context(|| format!("declaring {}", spec.queue))?;
+            declared.push(spec);
+        }
+    }
+    craig_mq::topology::declare_exchanges(&ch).await?;
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "declared".into())).await;
+    Ok(declared)
+}
+
+/// `service`'s consumer queue as deployed (`None` for a service that consumes nothing).
+pub fn queue_spec(service: Service, with_dlx: bool) -> Option<QueueSpec> {
+    let bindings = service.queue_bindings();
+    (!bindings.is_empty()).then(|| QueueSpec {
+        queue: consumer_queue(service.name()),
+        bindings: bindings.iter().map(|s| s.to_string()).collect(),
+        with_dlx,
+    })
+}
+
+/// A node whose consumer is not built yet still declares its queue at start (retrying
+/// until the broker answers), so its events are routable as in a deployed fleet.
+async fn declare_own_queue(amqp_url: String, spec: QueueSpec, heartbeat: u16, shutdown: CancellationToken) {
+    let mut pause = Duration::from_millis(200);
+    loop {
+        let attempt = async {
+            let conn = craig_mq::publisher::connect(&amqp_url, heartbeat, &spec.queue).await?;
+            let ch = conn.create_channel().await?;
+            craig_mq::topology::declare_consumer_queue(&ch, &spec).await?;
+            let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "declared".into())).await;
+            Ok::<_, lapin::Error>(())
+        };
+        match attempt.await {
+            Ok(()) => {
+                tracing::info!(event = "node.queue_declared", queue = %spec.queue);
+                return;
+            }
+            Err(e) => tracing::warn!(event = "node.queue_declare_failed", queue = %spec.queue, error = %e),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(pause) => {}
+        }
+        pause = (pause * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// The process's Prometheus recorder (CONTRACT § Metrics), installed once; `None` when
+/// another recorder was installed first.
+fn metrics_handle() -> Option<&'static metrics_exporter_prometheus::PrometheusHandle> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    static HANDLE: std::sync::OnceLock<Option<metrics_exporter_prometheus::PrometheusHandle>> = std::sync::OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            // Buckets around ADR-022's LISTEN/NOTIFY trigger (publish lag p95 > 5 s).
+            let lag = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+            let handle = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Full(craig_mq::metrics::OUTBOX_PUBLISH_LAG.into()), &lag)
+                .ok()?
+                .install_recorder()
+                .ok()?;
+            craig_mq::metrics::describe();
+            Some(handle)
+        })
+        .as_ref()
+}
+
+/// `GET /metrics`: Prometheus text.
+async fn render_metrics() -> axum::response::Response {
+    use axum::response::IntoResponse;
+    match metrics_handle() {
+        Some(h) => ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], h.render()).into_response(),
+        None => (axum::http::StatusCode::SERVICE_UNAVAILABLE, "no metrics recorder in this process").into_response(),
+    }
+}
+
 /// Run until `shutdown` is cancelled, then drain and return.
 pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Result<()> {
     let service = opts.service;
+    metrics_handle();
     let pool = pool(&opts.settings.database_url)?;
     let direct = opts.compat.has(Compat::PreD1).then(|| {
         std::sync::Arc::new(crate::compat::DirectPublisher::new(&opts.settings.amqp_url, opts.settings.publisher))
@@ -88,7 +194,9 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
         direct,
     };
 
-    let mut app = Router::new().route("/healthz", get(|| async { Json(json!({ "status": "ok" })) }));
+    let mut app = Router::new()
+        .route("/healthz", get(|| async { Json(json!({ "status": "ok" })) }))
+        .route("/metrics", get(render_metrics));
     if service == Service::Cases {
         app = app.merge(cases::router());
     }
@@ -112,16 +220,16 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
         OutboxWorker::new(pool.clone(), &opts.settings.amqp_url, opts.settings.publisher, opts.settings.outbox).with_mode(mode);
     tasks.spawn(worker.run(shutdown.clone()));
 
-    let bindings = service.consumes();
-    if !bindings.is_empty() {
-        let queue = consumer_queue(service.name());
+    let own_queue = queue_spec(service, !opts.compat.has(Compat::PreD3));
+    if let (Some(spec), true) = (&own_queue, service.consumes().is_empty()) {
+        let (url, hb) = (opts.settings.amqp_url.clone(), opts.settings.publisher.heartbeat_secs);
+        tasks.spawn(declare_own_queue(url, spec.clone(), hb, shutdown.clone()));
+    }
+    if let (Some(spec), false) = (own_queue, service.consumes().is_empty()) {
+        let queue = spec.queue.clone();
         let cfg = SubscriberConfig {
             amqp_url: opts.settings.amqp_url.clone(),
-            spec: QueueSpec {
-                queue: queue.clone(),
-                bindings: bindings.iter().map(|s| s.to_string()).collect(),
-                with_dlx: !opts.compat.has(Compat::PreD3),
-            },
+            spec,
             prefetch: 32,
             heartbeat_secs: opts.settings.publisher.heartbeat_secs,
             retry_delay: Duration::from_millis(500),

@@ -40,7 +40,21 @@ impl Service {
         }
     }
 
-    /// Routing keys this service's consumer queue binds on `craig.events`.
+    /// Routing keys this service's consumer queue `craig-<service>.events` binds on
+    /// `craig.events` in a deployed fleet (CONTRACT § fleet): what `craig-node topology`
+    /// declares and what each node declares for itself at start. security's wildcard audit
+    /// queue takes every event (`#`).
+    pub fn queue_bindings(self) -> &'static [&'static str] {
+        match self {
+            Service::Cases => &[],
+            Service::Financial => &["placement.activated"],
+            Service::Rules => &["case.referral_created"],
+            Service::Security => &["#"],
+        }
+    }
+
+    /// Routing keys this build's node actually CONSUMES (runs a subscriber for) — a subset
+    /// of [`queue_bindings`](Self::queue_bindings).
     pub fn consumes(self) -> &'static [&'static str] {
         match self {
             Service::Rules => &["case.referral_created"],

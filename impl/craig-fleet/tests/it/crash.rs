@@ -34,10 +34,15 @@ async fn crash_and_heal(label: &str, point: &str) -> (Vec<String>, Vec<String>, 
     let fleet = Fleet::new(label, &[Service::Cases]).await;
     fleet.declare_queue(QUEUE, EVENT).await;
     let ids = stage(&fleet, 50).await;
-    let lease = [("CRAIG_OUTBOX_CLAIM_LEASE_SECS", "2")];
+    // A 2 s lease needs timeouts that fit in it (2 × 500 ms confirm + 1 s connect).
+    let lease = [
+        ("CRAIG_OUTBOX_CLAIM_LEASE_SECS", "2"),
+        ("CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS", "500"),
+        ("CRAIG_AMQP_CONNECT_TIMEOUT_MS", "1000"),
+    ];
 
     let failpoint = format!("{point}=return(abort)");
-    let mut doomed = fleet.start(Service::Cases, &[lease[0], ("FAILPOINTS", &failpoint)], &[]).await;
+    let mut doomed = fleet.start(Service::Cases, &[lease[0], lease[1], lease[2], ("FAILPOINTS", &failpoint)], &[]).await;
     let status = doomed.wait(Duration::from_secs(20)).await;
     assert_eq!(killed_by(status), Some(libc_sigabrt()), "the crash point aborts the process: {status:?}");
 

@@ -17,8 +17,9 @@ fn referral_envelope() -> EventEnvelope {
 }
 
 /// Deliver `dup` twice, then a marker; once the marker is evaluated both copies were
-/// handled (one consumer, in order). Returns rule_evaluations rows for `dup`.
-async fn deliver_twice(label: &str, compat: &[&str]) -> i64 {
+/// handled (one consumer, in order). Returns rule_evaluations rows for `dup` and the
+/// node's `/metrics` text.
+async fn deliver_twice(label: &str, compat: &[&str]) -> (i64, String) {
     let fleet = Fleet::new(label, &[Service::Rules]).await;
     let node = fleet.start(Service::Rules, &[], compat).await;
     let pool = fleet.pool(Service::Rules).await;
@@ -54,27 +55,44 @@ async fn deliver_twice(label: &str, compat: &[&str]) -> i64 {
         .fetch_one(&pool)
         .await
         .unwrap();
+    let metrics = reqwest::get(format!("{}/metrics", node.base)).await.unwrap().text().await.unwrap();
     assert_eq!(node.stop().await.code(), Some(0));
     pool.close().await;
     fleet.finish().await;
-    rows
+    (rows, metrics)
+}
+
+/// The value of an unlabelled series in Prometheus text.
+fn series(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 #[tokio::test]
 async fn a_redelivered_envelope_runs_the_rules_handler_once() {
-    assert_eq!(deliver_twice("redelivery_inbox", &[]).await, 1);
+    let (rows, metrics) = deliver_twice("redelivery_inbox", &[]).await;
+    assert_eq!(rows, 1);
+    // The absorbed redelivery is visible, not just the absence of a duplicate.
+    assert_eq!(series(&metrics, "inbox_dedup_hits_total"), Some(1.0), "{metrics}");
+    assert_eq!(series(&metrics, "inbox_processed_total"), Some(2.0), "{metrics}");
+    assert_eq!(series(&metrics, "inbox_reprocessed_total"), Some(0.0), "{metrics}");
+    // rule.evaluated has no queue here (no deploy step): refused as unroutable, counted.
+    assert!(series(&metrics, "outbox_publish_errors_total{kind=\"unroutable\"}").is_some_and(|n| n >= 1.0), "{metrics}");
 }
 
 /// The twin: without the inbox (compat pre-d2) the same redelivery doubles the effect,
 /// which is what makes the assertion above mean something.
 #[tokio::test]
 async fn without_the_inbox_a_redelivery_runs_the_handler_twice() {
-    assert_eq!(deliver_twice("redelivery_pre_d2", &["--compat", "pre-d2"]).await, 2);
+    let (rows, metrics) = deliver_twice("redelivery_pre_d2", &["--compat", "pre-d2"]).await;
+    assert_eq!(rows, 2);
+    assert_eq!(series(&metrics, "inbox_dedup_hits_total"), Some(0.0), "{metrics}");
 }
 
 #[tokio::test]
 async fn referrals_flow_from_http_to_rule_evaluations() {
     let fleet = Fleet::new("http_to_rules", &[Service::Cases, Service::Rules]).await;
+    // The deploy step (README): rule.evaluated needs security's audit queue to be routable.
+    craig_fleet::node::declare_topology(fleet.sandbox.amqp_url(), true).await.unwrap();
     let rules = fleet.start(Service::Rules, &[], &[]).await;
     let cases = fleet.start(Service::Cases, &[], &[]).await;
     let http = reqwest::Client::new();
@@ -114,6 +132,9 @@ async fn referrals_flow_from_http_to_rule_evaluations() {
     assert_eq!(evaluated, ids, "exactly the written referrals were evaluated");
     assert_eq!(count(&cases_db, "SELECT count(*) FROM referrals").await, 20);
     assert_eq!(count(&cases_db, "SELECT count(*) FROM event_outbox WHERE published_at IS NOT NULL").await, 20);
+    let metrics = reqwest::get(format!("{}/metrics", cases.base)).await.unwrap().text().await.unwrap();
+    assert_eq!(series(&metrics, "outbox_published_total"), Some(20.0), "{metrics}");
+    assert_eq!(series(&metrics, "outbox_publish_lag_seconds_count"), Some(20.0), "{metrics}");
     // rules stages rule.evaluated for each, in the same transaction as the row.
     eventually(Duration::from_secs(10), "rules outbox drained", || {
         let rules_db = rules_db.clone();
@@ -159,4 +180,123 @@ async fn node_refuses_to_serve_without_a_jwt_secret_or_with_an_unbuilt_compat_mo
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "clap usage error");
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown compat mode \"pre-nope\""));
+}
+
+/// Issue 7.1: on a fresh vhost where cases starts before rules has ever run, nothing can
+/// route `case.referral_created`. Before `mandatory`, the broker ACKed those publishes, the
+/// rows were stamped published, and rules never saw them. Now they stay pending as
+/// unroutable, and every one is evaluated once rules starts and declares its queue.
+#[tokio::test]
+async fn events_published_before_their_consumer_queue_exists_wait_for_it() {
+    let fleet = Fleet::new("late_consumer", &[Service::Cases, Service::Rules]).await;
+    let fast = [("CRAIG_OUTBOX_BACKOFF_MAX_MS", "500"), ("CRAIG_OUTBOX_BACKOFF_BASE_MS", "100")];
+    let cases = fleet.start(Service::Cases, &fast, &[]).await;
+    let http = reqwest::Client::new();
+    let good = token("craig-cases", "");
+    for i in 0..5 {
+        let r = http
+            .post(format!("{}/v1/cases/referrals", cases.base))
+            .bearer_auth(&good)
+            .json(&json!({"subject": format!("early {i}")}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+    }
+    let cases_db = fleet.pool(Service::Cases).await;
+    eventually(Duration::from_secs(15), "all 5 refused as unroutable", || {
+        let pool = cases_db.clone();
+        async move {
+            count(&pool, "SELECT count(*) FROM event_outbox WHERE published_at IS NULL AND last_error LIKE 'unroutable:%'").await == 5
+        }
+    })
+    .await;
+
+    let rules = fleet.start(Service::Rules, &fast, &[]).await;
+    let rules_db = fleet.pool(Service::Rules).await;
+    eventually(Duration::from_secs(30), "5 evaluations after rules started", || {
+        let pool = rules_db.clone();
+        async move { count(&pool, "SELECT count(*) FROM rule_evaluations").await == 5 }
+    })
+    .await;
+    assert_eq!(count(&cases_db, "SELECT count(*) FROM event_outbox WHERE published_at IS NULL").await, 0);
+    assert_eq!(rules.stop().await.code(), Some(0));
+    assert_eq!(cases.stop().await.code(), Some(0));
+    fleet.finish().await;
+}
+
+/// `craig-node topology` declares the whole fleet, idempotently: afterwards every consumer
+/// queue exists and takes its events, security's audit queue takes every event.
+#[tokio::test]
+async fn craig_node_topology_declares_the_whole_fleet_idempotently() {
+    let fleet = Fleet::new("topology", &[]).await;
+    for _ in 0..2 {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_craig-node"))
+            .arg("topology")
+            .env("AMQP_URL", fleet.sandbox.amqp_url())
+            .output()
+            .await
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("declared craig-rules.events <- craig.events [case.referral_created]"), "{text}");
+        assert!(text.contains("declared craig-security.events <- craig.events [#]"), "{text}");
+    }
+    let publisher = Publisher::connect(fleet.sandbox.amqp_url(), Default::default()).await.unwrap();
+    publisher.publish(&referral_envelope()).await.expect("routable to rules and the audit queue");
+    let rule_evaluated = EventEnvelope::new("rule.evaluated", "rules", None, json!({})).unwrap();
+    publisher.publish(&rule_evaluated).await.expect("routable to the audit queue");
+    publisher.close().await;
+    assert_eq!(fleet.depth("craig-rules.events").await, 1);
+    assert_eq!(fleet.depth("craig-security.events").await, 2);
+    assert_eq!(fleet.depth("craig-financial.events").await, 0);
+    fleet.finish().await;
+}
+
+/// Issue 7.5: a password in DATABASE_URL never reaches a log or error line.
+#[tokio::test]
+async fn database_passwords_are_never_printed() {
+    for (args, url) in [
+        (vec!["migrate", "--service", "cases", "--wait", "1"], "postgres://craig:s3cretpw@127.0.0.1:1/cases"),
+        (vec!["migrate", "--service", "cases", "--wait", "0"], "postgres://craig:s3cretpw@127.0.0.1:notaport/cases"),
+        (vec!["--service", "cases"], "postgres://craig:s3cretpw@127.0.0.1:notaport/cases"),
+    ] {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_craig-node"))
+            .args(&args)
+            .env("DATABASE_URL", url)
+            .env("CRAIG_JWT_SECRET", "x")
+            .env("RUST_LOG", "debug")
+            .output()
+            .await
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(!out.status.success(), "{args:?} must fail: {text}");
+        assert!(!text.contains("s3cretpw"), "{args:?} printed the password: {text}");
+        assert!(text.contains("craig:***@"), "{args:?} names the (redacted) URL: {text}");
+    }
+}
+
+/// Issue 7.5: a NUL byte in a string field is the client's error (400), never a 503.
+#[tokio::test]
+async fn a_nul_in_the_subject_is_a_400() {
+    let fleet = Fleet::new("nul_subject", &[Service::Cases]).await;
+    let cases = fleet.start(Service::Cases, &[], &[]).await;
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/cases/referrals", cases.base))
+        .bearer_auth(token("craig-cases", ""))
+        .json(&json!({"subject": "a\u{0}b"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let upper = reqwest::Client::new()
+        .post(format!("{}/v1/cases/referrals", cases.base))
+        .header("authorization", format!("BEARER {}", token("craig-cases", "")))
+        .json(&json!({"subject": "fine"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(upper.status(), 201, "the bearer scheme is case-insensitive (RFC 7235)");
+    assert_eq!(cases.stop().await.code(), Some(0));
+    fleet.finish().await;
 }

@@ -42,7 +42,7 @@ impl Fleet {
             .env("AMQP_URL", self.sandbox.amqp_url())
             .env("CRAIG_JWT_SECRET", SECRET)
             .env("CRAIG_OUTBOX_POLL_MS", "100")
-            .env("RUST_LOG", "info,sqlx=warn,lapin=warn")
+            .env("RUST_LOG", "info,sqlx=warn,lapin=warn,lapin::returned_messages=error")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
