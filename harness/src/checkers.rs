@@ -279,12 +279,31 @@ pub fn effect_once(h: &History) -> Verdict {
 }
 
 /// Everything drains within the bound after faults heal; no row stays claimed past its lease.
+///
+/// The only rows excused from draining are the poison rows the harness itself wrote
+/// (`Event::Poison`), and only while the system corroborates them: each must still be
+/// pending (never stamped) and refused at least once by the worker (`attempts ≥ 1`). A
+/// poison row the worker never touched means the fault did not fire: unknown, not valid.
 pub fn liveness(h: &History) -> Verdict {
     let mut v = Verdict::new("liveness");
     let mut drained = None;
     let mut stuck = 0;
+    let poison: HashSet<Uuid> =
+        h.iter().filter_map(|e| if let Event::Poison { envelope, .. } = &e.event { Some(*envelope) } else { None }).collect();
+    let (mut poison_published, mut poison_untouched, mut poison_refusals, mut poison_seen) = (0, 0, 0, 0);
     for e in h.iter() {
         match &e.event {
+            Event::Staged { envelope, published, attempts, service, .. } if poison.contains(envelope) => {
+                poison_seen += 1;
+                poison_refusals += (*attempts).max(0) as usize;
+                if *published {
+                    poison_published += 1;
+                    v.witness(format!("{service} poison row {envelope} was stamped published: it can never have been"));
+                } else if *attempts == 0 {
+                    poison_untouched += 1;
+                    v.witness(format!("{service} poison row {envelope} was never claimed: the fault did not fire"));
+                }
+            }
             Event::Drained { after_ms, bound_ms, pending } => drained = Some((*after_ms, *bound_ms, *pending)),
             Event::Stuck { envelope, service, claimed_ms_ago } => {
                 stuck += 1;
@@ -294,6 +313,14 @@ pub fn liveness(h: &History) -> Verdict {
         }
     }
     v.count("stuck_claims", stuck);
+    if !poison.is_empty() {
+        v.count("poison_rows", poison.len());
+        v.count("poison_refusals", poison_refusals);
+        if poison_seen < poison.len() {
+            poison_published += poison.len() - poison_seen;
+            v.witness(format!("{} poison rows vanished from the outbox (deleted?)", poison.len() - poison_seen));
+        }
+    }
     match drained {
         None => {
             v.error = Some("nothing to check: the run recorded no drain measurement".into());
@@ -308,7 +335,14 @@ pub fn liveness(h: &History) -> Verdict {
             if after.is_none() {
                 v.witness(format!("{pending} outbox rows still pending {bound} ms after the faults healed"));
             }
-            v.validity = if after.is_none() || stuck > 0 { Validity::Invalid } else { Validity::Valid };
+            v.validity = if after.is_none() || stuck > 0 || poison_published > 0 {
+                Validity::Invalid
+            } else if poison_untouched > 0 {
+                v.error = Some("a poison row was never claimed: the fault did not fire".into());
+                Validity::Unknown
+            } else {
+                Validity::Valid
+            };
         }
     }
     v
@@ -456,6 +490,29 @@ mod tests {
         let v = liveness(&h);
         assert_eq!(v.validity, Validity::Invalid);
         assert!(v.witnesses[0].starts_with("12 outbox rows still pending"));
+    }
+
+    fn poisoned(published: bool, attempts: i32) -> History {
+        let mut h = History::default();
+        h.push(0, Event::Poison { envelope: id(9), service: "cases".into() });
+        h.push(0, Event::Staged { envelope: id(9), referral: None, service: "cases".into(), published, attempts });
+        h.push(100, Event::Drained { after_ms: Some(900), bound_ms: 60_000, pending: 0 });
+        h
+    }
+
+    #[test]
+    fn a_poison_row_is_excused_only_while_the_system_says_it_refused_it() {
+        let v = liveness(&poisoned(false, 3));
+        assert_eq!((v.validity, v.counts["poison_rows"], v.counts["poison_refusals"]), (Validity::Valid, 1, 3));
+        let v = liveness(&poisoned(true, 1));
+        assert_eq!(v.validity, Validity::Invalid);
+        assert!(v.witnesses[0].contains("was stamped published"), "{:?}", v.witnesses);
+        let v = liveness(&poisoned(false, 0));
+        assert_eq!(v.validity, Validity::Unknown, "never claimed: the fault did not fire");
+        let mut gone = History::default();
+        gone.push(0, Event::Poison { envelope: id(9), service: "cases".into() });
+        gone.push(100, Event::Drained { after_ms: Some(900), bound_ms: 60_000, pending: 0 });
+        assert_eq!(liveness(&gone).validity, Validity::Invalid, "a deleted poison row is a loss of evidence");
     }
 
     #[test]

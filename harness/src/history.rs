@@ -41,6 +41,9 @@ pub enum Event {
     Sample { outbox_pending: i64, published: i64, effects: i64, lag_ms: f64 },
     /// After faults healed: how long until nothing was pending (None: not within the bound).
     Drained { after_ms: Option<u64>, bound_ms: u64, pending: i64 },
+    /// A malformed outbox row the harness wrote by hand before the workload: it must stay
+    /// pending (never stamped, never deleted) and be refused by the worker.
+    Poison { envelope: Uuid, service: String },
     /// A row still claimed past its lease at the end.
     Stuck { envelope: Uuid, service: String, claimed_ms_ago: i64 },
 }

@@ -37,6 +37,7 @@ impl RunReport<'_> {
                 "inconclusive": r.inconclusive,
                 "error": r.error,
                 "duration_ms": r.duration_ms,
+                "metrics": r.metrics,
             })).collect::<Vec<_>>(),
         })
     }
@@ -101,6 +102,14 @@ impl RunReport<'_> {
                 let _ = writeln!(md, "- **{}**: expected {:?}, observed {} — {}", i.name, i.expected, i.observed.as_deref().unwrap_or("unknown"), counts.join(", "));
                 for w in &i.witnesses {
                     let _ = writeln!(md, "  - {w}");
+                }
+            }
+            if !r.metrics.is_empty() {
+                let _ = writeln!(md, "\nMetrics at the end (each replica since its last start; zero series left out):\n");
+                for (replica, series) in &r.metrics {
+                    let shown: Vec<String> =
+                        series.iter().filter(|(_, v)| **v != 0.0).map(|(k, v)| format!("{k}={v}")).collect();
+                    let _ = writeln!(md, "- {replica}: {}", if shown.is_empty() { "all zero".into() } else { shown.join(", ") });
                 }
             }
             let _ = writeln!(md);

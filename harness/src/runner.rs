@@ -70,6 +70,10 @@ pub struct ScenarioResult {
     pub duration_ms: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Each replica's `/metrics` (CONTRACT § Metrics) scraped at the end of the run, before
+    /// it stopped: counters since that replica's last start. Shows, e.g., that redeliveries
+    /// were absorbed (`inbox_dedup_hits_total`) rather than absent.
+    pub metrics: BTreeMap<String, BTreeMap<String, f64>>,
     #[serde(skip)]
     pub history: History,
 }
@@ -153,6 +157,7 @@ pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> Scenari
         inconclusive: false,
         duration_ms: 0,
         error: None,
+        metrics: BTreeMap::new(),
         history: History::default(),
     };
     match execute(s, opts, seed, &log, &mut result).await {
@@ -212,7 +217,7 @@ async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: 
         eprintln!("  backend: {} ({})", choice.kind, choice.reason);
     }
     let backend = Arc::new(Mutex::new(backend));
-    let outcome = drive(s, opts, seed, log, backend.clone()).await;
+    let outcome = drive(s, opts, seed, log, backend.clone(), &mut result.metrics).await;
     let stop = match Arc::try_unwrap(backend) {
         Ok(b) => b.into_inner().stop().await.context("stopping the backend"),
         Err(_) => Ok(()), // a task still holds it; its Drop cleans up
@@ -220,34 +225,36 @@ async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: 
     outcome.and(stop)
 }
 
-async fn drive(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, backend: Arc<Mutex<Backend>>) -> anyhow::Result<()> {
+async fn drive(
+    s: &Scenario,
+    opts: &RunOptions,
+    seed: u64,
+    log: &Log,
+    backend: Arc<Mutex<Backend>>,
+    metrics: &mut BTreeMap<String, BTreeMap<String, f64>>,
+) -> anyhow::Result<()> {
     use anyhow::Context as _;
     let ep = backend.lock().await.endpoints();
     if matches!(backend.lock().await.kind(), BackendKind::Containers) {
         anyhow::bail!("scenario runs on the containers backend need its Toxiproxy wiring, which is not built yet; use local or external");
     }
-    // Schema and topology first, so no event is published before its queue exists.
+    // Schema first. Broker topology only if the scenario deploys it (`[deploy] topology`):
+    // otherwise each node declares just its own queue at start, as in a deployment without
+    // the deploy step, and an event with no queue yet must wait (mandatory publishes).
     let mut pools: BTreeMap<String, PgPool> = BTreeMap::new();
-    for (svc, entry) in &s.fleet {
+    for svc in s.fleet.keys() {
         let url = ep.database_url(svc).context("backend has no database for a fleet service")?;
         craig_fleet::node::migrate(svc.parse()?, url, Duration::from_secs(30)).await?;
         pools.insert(
             svc.clone(),
             sqlx::postgres::PgPoolOptions::new().max_connections(3).acquire_timeout(Duration::from_secs(5)).connect_lazy(url)?,
         );
-        let service: craig_fleet::Service = svc.parse()?;
-        if !service.consumes().is_empty() {
-            let conn = craig_mq::publisher::connect(&ep.amqp_url, 5, "chaos-setup").await?;
-            let ch = conn.create_channel().await?;
-            let spec = craig_mq::topology::QueueSpec {
-                queue: craig_mq::topology::consumer_queue(svc),
-                bindings: service.consumes().iter().map(|k| k.to_string()).collect(),
-                with_dlx: !entry.get_ref().compat.iter().any(|c| c == "pre-d3"),
-            };
-            craig_mq::topology::declare_consumer_queue(&ch, &spec).await?;
-            let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "setup".into())).await;
-        }
     }
+    if s.deploy.topology {
+        deploy_topology(&opts.node_program, &ep.amqp_url).await?;
+    }
+    let cases_pool = pools.get("cases").cloned().context("fleet has no cases")?;
+    let poison = stage_poison_rows(&cases_pool, s.workload.poison_rows).await?;
 
     let (api_addr, api_task) = api::serve(FaultProxy::new(seed.rotate_left(17)), "127.0.0.1:0".parse()?).await?;
     let toxi = ToxiproxyClient::new(format!("http://{api_addr}"));
@@ -286,18 +293,25 @@ async fn drive(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, backend: A
                 ("CRAIG_OUTBOX_POLL_MS".into(), s.settings.poll_ms.to_string()),
                 ("CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS".into(), s.settings.confirm_timeout_ms.to_string()),
                 ("CRAIG_AMQP_HEARTBEAT_SECS".into(), s.settings.heartbeat_secs.to_string()),
+                ("CRAIG_AMQP_CONNECT_TIMEOUT_MS".into(), s.settings.connect_timeout_ms.to_string()),
                 ("CRAIG_OUTBOX_BACKOFF_BASE_MS".into(), "100".into()),
                 ("CRAIG_OUTBOX_BACKOFF_MAX_MS".into(), "1000".into()),
-                ("RUST_LOG".into(), "info,sqlx=warn,lapin=warn".into()),
+                ("RUST_LOG".into(), "info,sqlx=warn,lapin=warn,lapin::returned_messages=error".into()),
             ];
             let mut r = Replica::new(spec, program.clone(), &logs_dir);
-            r.start().await.with_context(|| format!("starting replica {name}"))?;
+            if entry.get_ref().start_after_ms.is_none() {
+                r.start().await.with_context(|| format!("starting replica {name}"))?;
+            }
             replicas.insert(name, Arc::new(Mutex::new(r)));
         }
     }
     let replicas: Replicas = Arc::new(replicas);
 
     log.rebase();
+    for envelope in &poison {
+        log.push(Event::Poison { envelope: *envelope, service: "cases".into() });
+    }
+    let late_starts = start_late(s, log, &replicas);
     let (stop_tx, stop_rx) = watch::channel(false);
     let (writes_tx, writes_rx) = watch::channel(0u32);
     let sampler =
@@ -321,10 +335,12 @@ async fn drive(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, backend: A
             writes_rx.clone(),
         )));
     }
-    let cases_pool = pools.get("cases").cloned().context("fleet has no cases")?;
     workload(s, seed, log, &replicas, &cases_pool, &secret, writes_tx).await;
     for t in fault_tasks {
         t.await.context("fault task panicked")??;
+    }
+    for t in late_starts {
+        t.await.context("late start panicked")??;
     }
     // Wait for crash restarts the watcher scheduled.
     wait_crash_restarts(s, &replicas).await;
@@ -340,7 +356,8 @@ async fn drive(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, backend: A
     while healed.elapsed() < bound {
         pending_total = 0;
         for pool in pools.values() {
-            pending_total += craig_mq::outbox::pending_count(pool).await.unwrap_or(1);
+            // The injected poison rows stay pending by design; every other row must drain.
+            pending_total += pending_except(pool, &poison).await.unwrap_or(1);
         }
         // Bounded: a probe that hangs must not hang the run.
         let depth = match tokio::time::timeout(Duration::from_secs(5), queue_depths(&ep.amqp_url, s)).await {
@@ -384,6 +401,12 @@ async fn drive(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, backend: A
     let _ = stop_tx.send(true);
     let _ = watcher.await;
     let _ = sampler.await;
+    for (name, r) in replicas.iter() {
+        let addr = r.lock().await.addr.clone();
+        if let Some(addr) = addr {
+            metrics.insert(name.clone(), scrape_metrics(&addr).await);
+        }
+    }
     for r in replicas.values() {
         let mut r = r.lock().await;
         if r.pid().is_some() {
@@ -396,6 +419,89 @@ async fn drive(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, backend: A
     }
     api_task.abort();
     Ok(())
+}
+
+/// The CONTRACT's series from a replica's `GET /metrics` (bounded; empty when it does not
+/// answer). Histograms keep their `_count` and `_sum`.
+async fn scrape_metrics(addr: &str) -> BTreeMap<String, f64> {
+    let wanted = ["outbox_", "inbox_", "dlq_", "idempotency_"];
+    let text = async {
+        let client = reqwest::Client::builder().timeout(Duration::from_secs(3)).build().ok()?;
+        client.get(format!("http://{addr}/metrics")).send().await.ok()?.text().await.ok()
+    }
+    .await
+    .unwrap_or_default();
+    text.lines()
+        .filter(|l| !l.starts_with('#') && wanted.iter().any(|w| l.starts_with(w)) && !l.contains("_bucket"))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            Some((series.to_owned(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// `craig-node topology` through the same program the replicas run: the deploy step.
+async fn deploy_topology(program: &NodeProgram, amqp_url: &str) -> anyhow::Result<()> {
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(&program.program)
+            .args(&program.prefix)
+            .arg("topology")
+            .env("AMQP_URL", amqp_url)
+            .env("RUST_LOG", "warn")
+            .stdin(std::process::Stdio::null())
+            .output(),
+    )
+    .await
+    .map_err(|_| anyhow::anyhow!("craig-node topology did not finish within 30 s"))??;
+    if !out.status.success() {
+        anyhow::bail!("craig-node topology failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(())
+}
+
+/// Malformed rows written straight into the outbox (by hand, or by an older replica),
+/// older than anything the workload stages. Returns their ids.
+async fn stage_poison_rows(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let id: Uuid = sqlx::query_scalar(
+            "INSERT INTO event_outbox (event_type, envelope, created_at) \
+             VALUES ('case.referral_created', $1, now() - interval '1 hour') RETURNING id",
+        )
+        .bind(json!({ "poison": i, "note": "not an envelope: written by hand" }))
+        .fetch_one(cases)
+        .await?;
+        ids.push(id);
+    }
+    Ok(ids)
+}
+
+/// Rows not yet ACKed, leaving out `except`.
+async fn pending_except(pool: &PgPool, except: &[Uuid]) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT count(*) FROM event_outbox WHERE published_at IS NULL AND id <> ALL($1)")
+        .bind(except)
+        .fetch_one(pool)
+        .await
+}
+
+/// Start the replicas of services with `start_after_ms` at that time of the run.
+fn start_late(s: &Scenario, log: &Log, replicas: &Replicas) -> Vec<tokio::task::JoinHandle<anyhow::Result<()>>> {
+    let mut tasks = Vec::new();
+    for (svc, entry) in &s.fleet {
+        let Some(ms) = entry.get_ref().start_after_ms else { continue };
+        for i in 1..=entry.get_ref().replicas {
+            let name = format!("{svc}-{i}");
+            let (r, log) = (replicas.get(&name).expect("every replica is registered").clone(), log.clone());
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep_until(log.started() + Duration::from_millis(ms)).await;
+                log.fault("start", &name, Phase::Start);
+                r.lock().await.start().await.map_err(|e| anyhow::anyhow!("starting late replica {name}: {e}"))?;
+                Ok(())
+            }));
+        }
+    }
+    tasks
 }
 
 async fn queue_depths(amqp: &str, s: &Scenario) -> anyhow::Result<u32> {
@@ -480,9 +586,13 @@ async fn inject(
         FaultKind::Toxic => "toxic",
         FaultKind::Down => "down",
         FaultKind::Crash => "crash",
+        FaultKind::QueueLimit => "queue_limit",
     };
     let label = match (&f.toxic, f.kind) {
         (Some(t), FaultKind::Toxic) => format!("{} ({} {})", f.target, t.kind.type_name(), t.stream.as_str()),
+        (_, FaultKind::QueueLimit) => {
+            format!("{} (max-length {}, reject-publish)", f.queue.as_deref().unwrap_or("?"), f.max_length.unwrap_or(0))
+        }
         _ => f.target.clone(),
     };
     let hold = Duration::from_millis(f.duration_ms.or(f.restart_after_ms).unwrap_or(0));
@@ -521,6 +631,15 @@ async fn inject(
             toxi.add_toxic(&proxy, &toxic).await?;
             tokio::time::sleep(hold).await;
             toxi.remove_toxic(&proxy, &toxic.name).await?;
+        }
+        (FaultTarget::Broker, FaultKind::QueueLimit) => {
+            let queue = f.queue.as_deref().expect("validated");
+            let policy = format!("chaos-queue-limit-{index}");
+            let pattern = format!("^{}$", queue.replace('.', "\\."));
+            let definition = json!({ "max-length": f.max_length.expect("validated"), "overflow": "reject-publish" });
+            backend.lock().await.set_policy(&policy, &pattern, &definition).await?;
+            tokio::time::sleep(hold).await;
+            backend.lock().await.clear_policy(&policy).await?;
         }
         (FaultTarget::Link { replica, to }, FaultKind::Down) => {
             let proxy = format!("{replica}->{to}");

@@ -8,22 +8,36 @@
 //!
 //! [fleet]
 //! cases = { replicas = 1 }
-//! rules = { replicas = 1, compat = ["pre-d2"] }
+//! rules = { replicas = 1, compat = ["pre-d2"], start_after_ms = 3000 }  # starts late
+//!
+//! [deploy]                  # optional; what exists before any replica starts
+//! topology = true           # run `craig-node topology` first (the README's deploy step);
+//!                           # without it each node declares only its own queue at start
 //!
 //! [settings]                # optional; worker knobs passed to every replica
-//! claim_lease_secs = 3
+//! claim_lease_secs = 4      # must be >= 2 x confirm_timeout_ms + connect_timeout_ms
 //!
 //! [workload]
 //! writes = 200              # HTTP writes through the cases replicas
 //! rate = 100                # per second
 //! rollback_share = 0.1      # extra writes the harness stages and rolls back
+//! poison_rows = 1           # malformed cases outbox rows, older than everything, written
+//!                           # by hand before the workload: they must stay pending, refused
 //!
 //! [[faults]]
-//! kind = "crash"            # crash | kill | pause | toxic | down
+//! kind = "crash"            # crash | kill | pause | toxic | down | queue_limit
 //! target = "cases-1"        # a replica, "broker", "database", or a link "cases-1->broker"
 //! failpoint = "outbox::after_publish_before_stamp"
 //! at = { failpoint_hit = 3 }  # or { after_ms = N } or { after_writes = N }
 //! restart_after_ms = 500
+//!
+//! [[faults]]                # a reject-publish length limit (a policy) on a consumer queue:
+//! kind = "queue_limit"      # the broker Nacks publishes routed to it while it is full
+//! target = "broker"
+//! queue = "craig-rules.events"
+//! max_length = 20
+//! at = { after_ms = 1000 }
+//! duration_ms = 8000
 //!
 //! [expect]
 //! no_loss = "hold"          # hold | violate
@@ -57,6 +71,8 @@ pub struct Scenario {
     pub seed: Option<u64>,
     pub fleet: BTreeMap<String, Spanned<FleetEntry>>,
     #[serde(default)]
+    pub deploy: Deploy,
+    #[serde(default)]
     pub settings: Settings,
     pub workload: Workload,
     #[serde(default)]
@@ -80,6 +96,19 @@ pub struct FleetEntry {
     pub replicas: u32,
     #[serde(default)]
     pub compat: Vec<String>,
+    /// Start this service's replicas this long after the workload begins (a late consumer).
+    #[serde(default)]
+    pub start_after_ms: Option<u64>,
+}
+
+/// What a deployment has before any replica starts. The default is the least: nothing but
+/// what each node declares for itself.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Deploy {
+    /// Run `craig-node topology` first (every exchange, consumer queue, binding, the DLQ).
+    #[serde(default)]
+    pub topology: bool,
 }
 
 fn one() -> u32 {
@@ -97,10 +126,15 @@ pub struct Settings {
     pub confirm_timeout_ms: u64,
     #[serde(default = "heartbeat")]
     pub heartbeat_secs: u64,
+    #[serde(default = "connect")]
+    pub connect_timeout_ms: u64,
 }
 
 fn lease() -> u64 {
-    3
+    4
+}
+fn connect() -> u64 {
+    1000
 }
 fn poll() -> u64 {
     100
@@ -114,7 +148,13 @@ fn heartbeat() -> u64 {
 
 impl Default for Settings {
     fn default() -> Self {
-        Self { claim_lease_secs: lease(), poll_ms: poll(), confirm_timeout_ms: confirm(), heartbeat_secs: heartbeat() }
+        Self {
+            claim_lease_secs: lease(),
+            poll_ms: poll(),
+            confirm_timeout_ms: confirm(),
+            heartbeat_secs: heartbeat(),
+            connect_timeout_ms: connect(),
+        }
     }
 }
 
@@ -125,6 +165,9 @@ pub struct Workload {
     pub rate: f64,
     #[serde(default)]
     pub rollback_share: f64,
+    /// Malformed outbox rows written by hand into cases' outbox before the workload.
+    #[serde(default)]
+    pub poison_rows: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -140,6 +183,9 @@ pub enum FaultKind {
     Toxic,
     /// A link disabled ("down") for `duration_ms`.
     Down,
+    /// A `reject-publish` length limit on `queue` (a broker policy) for `duration_ms`.
+    #[serde(rename = "queue_limit")]
+    QueueLimit,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -157,6 +203,11 @@ pub struct Fault {
     /// For `kind = "toxic"`: `{ type = "latency", stream = "downstream", attributes = {...} }`.
     #[serde(default)]
     pub toxic: Option<ToxicSpec>,
+    /// For `kind = "queue_limit"`: the consumer queue and its length limit.
+    #[serde(default)]
+    pub queue: Option<String>,
+    #[serde(default)]
+    pub max_length: Option<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -309,6 +360,21 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
     if s.settings.claim_lease_secs == 0 || s.settings.poll_ms == 0 {
         return Err(err(at("[settings]"), "claim_lease_secs and poll_ms must be positive".into()));
     }
+    // The nodes would refuse these settings at start; say so here, with the line.
+    let st = &s.settings;
+    let outbox = craig_mq::OutboxConfig {
+        poll_interval: std::time::Duration::from_millis(st.poll_ms),
+        claim_lease: std::time::Duration::from_secs(st.claim_lease_secs),
+        ..Default::default()
+    };
+    let publisher = craig_mq::PublisherConfig {
+        confirm_timeout: std::time::Duration::from_millis(st.confirm_timeout_ms),
+        connect_timeout: std::time::Duration::from_millis(st.connect_timeout_ms),
+        ..Default::default()
+    };
+    if let Err(why) = craig_mq::settings::check_protocol(&outbox, &publisher) {
+        return Err(err(at("[settings]"), format!("settings a node would refuse: {why}")));
+    }
     for f in &s.faults {
         let span = Some(f.span());
         let fault = f.get_ref();
@@ -341,7 +407,22 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         if fault.kind == FaultKind::Toxic && fault.toxic.is_none() {
             return Err(err(span, "a toxic fault needs toxic = { type = ..., stream = ..., attributes = {...} }".into()));
         }
-        if matches!(fault.kind, FaultKind::Pause | FaultKind::Toxic | FaultKind::Down) && fault.duration_ms.is_none() {
+        if fault.kind == FaultKind::QueueLimit {
+            if target != FaultTarget::Broker {
+                return Err(err(span, "a queue_limit targets \"broker\"".into()));
+            }
+            let queues: Vec<String> = s.fleet.keys().map(|svc| craig_mq::topology::consumer_queue(svc)).collect();
+            match (&fault.queue, fault.max_length) {
+                (Some(q), Some(_)) if queues.contains(q) => {}
+                (Some(q), Some(_)) => {
+                    return Err(err(key_in(f.span(), "queue"), format!("unknown queue {q:?}; this fleet's queues: {}", queues.join(", "))));
+                }
+                _ => return Err(err(span, "a queue_limit needs queue = \"craig-<service>.events\" and max_length = N".into())),
+            }
+        } else if fault.queue.is_some() || fault.max_length.is_some() {
+            return Err(err(span, "queue and max_length belong to a queue_limit fault".into()));
+        }
+        if matches!(fault.kind, FaultKind::Pause | FaultKind::Toxic | FaultKind::Down | FaultKind::QueueLimit) && fault.duration_ms.is_none() {
             return Err(err(span, "this fault needs duration_ms (when it heals)".into()));
         }
     }
@@ -439,7 +520,8 @@ effect_once = "violate"
         assert_eq!(s.parse_target("rules-1->broker"), Some(FaultTarget::Link { replica: "rules-1".into(), to: crate::backend::Target::Broker }));
         assert_eq!(*s.expect["effect_once"].get_ref(), Expect::Violate);
         assert_eq!(s.compat_summary(), "pre-d2");
-        assert_eq!(s.settings.claim_lease_secs, 3);
+        assert_eq!(s.settings.claim_lease_secs, 4);
+        assert!(!s.deploy.topology, "no deploy step unless the scenario asks for it");
     }
 
     fn rejected(text: &str) -> ScenarioError {
@@ -476,6 +558,23 @@ effect_once = "violate"
 
         let e = rejected(&GOOD.replace("writes = 10", "writes = -1"));
         assert_eq!(e.line, 9, "{e}");
+    }
+
+    #[test]
+    fn settings_a_node_would_refuse_are_rejected_here() {
+        let e = rejected(&GOOD.replace("[workload]", "[settings]\nclaim_lease_secs = 2\n\n[workload]"));
+        assert!(e.reason.contains("CRAIG_OUTBOX_CLAIM_LEASE_SECS=2s is refused"), "{e}");
+    }
+
+    #[test]
+    fn a_queue_limit_names_a_fleet_queue_and_a_length() {
+        let fault = "[[faults]]\nkind = \"queue_limit\"\ntarget = \"broker\"\nqueue = \"craig-rules.events\"\nmax_length = 5\nat = { after_ms = 1 }\nduration_ms = 10\n\n[expect]";
+        let s = parse_str(&GOOD.replace("[expect]", fault)).unwrap();
+        assert_eq!(s.faults[2].get_ref().max_length, Some(5));
+        let e = rejected(&GOOD.replace("[expect]", &fault.replace("craig-rules.events", "craig-nope.events")));
+        assert!(e.reason.contains("unknown queue \"craig-nope.events\""), "{e}");
+        let e = rejected(&GOOD.replace("[expect]", &fault.replace("max_length = 5\n", "")));
+        assert!(e.reason.contains("needs queue"), "{e}");
     }
 
     #[test]

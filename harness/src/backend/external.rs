@@ -29,6 +29,14 @@ impl ExternalBackend {
         Ok(Self { sandbox, services: services.iter().map(|s| s.to_string()).collect() })
     }
 
+    pub async fn set_policy(&self, name: &str, pattern: &str, definition: &serde_json::Value) -> Result<(), BackendError> {
+        self.sandbox.set_policy(name, pattern, definition).await.map_err(|e| BackendError::failed("setting a queue policy", e))
+    }
+
+    pub async fn clear_policy(&self, name: &str) -> Result<(), BackendError> {
+        self.sandbox.clear_policy(name).await.map_err(|e| BackendError::failed("clearing a queue policy", e))
+    }
+
     pub fn endpoints(&self) -> Endpoints {
         let amqp = self.sandbox.amqp_url().to_owned();
         let db_addr = match self.services.first() {

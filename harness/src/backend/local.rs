@@ -230,6 +230,37 @@ impl LocalBackend {
         }
     }
 
+    /// Set a queue policy on the private broker (`rabbitmqctl -n <node>`, same HOME so the
+    /// same Erlang cookie), `definition` being RabbitMQ's policy JSON.
+    pub fn set_policy(&self, name: &str, pattern: &str, definition: &serde_json::Value) -> Result<(), BackendError> {
+        self.rabbitmqctl(&["set_policy", "--apply-to", "queues", "--priority", "10", name, pattern, &definition.to_string()])
+    }
+
+    pub fn clear_policy(&self, name: &str) -> Result<(), BackendError> {
+        self.rabbitmqctl(&["clear_policy", name])
+    }
+
+    fn rabbitmqctl(&self, args: &[&str]) -> Result<(), BackendError> {
+        let server = rabbitmq_script()?;
+        let ctl = server.with_file_name("rabbitmqctl");
+        let env = |k: &str| self.rmq.env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default();
+        let out = Command::new(&ctl)
+            .args(["-n", &env("RABBITMQ_NODENAME")])
+            .args(args)
+            .env("HOME", env("HOME"))
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| BackendError::failed(format!("running {}", ctl.display()), e))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(BackendError::failed(
+                format!("rabbitmqctl {}", args.join(" ")),
+                String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            ))
+        }
+    }
+
     fn admin_url(&self) -> String {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.pg_port)
     }

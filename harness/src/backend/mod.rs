@@ -241,6 +241,28 @@ impl Backend {
         }
     }
 
+    /// Set a RabbitMQ queue policy (`definition`: the policy JSON) on the run's broker.
+    pub async fn set_policy(&mut self, name: &str, pattern: &str, definition: &serde_json::Value) -> Result<(), BackendError> {
+        match self {
+            Backend::Local(b) => b.set_policy(name, pattern, definition),
+            Backend::External(b) => b.set_policy(name, pattern, definition).await,
+            Backend::Containers(_) => Err(BackendError::Unsupported {
+                backend: "containers",
+                fault: "queue policy",
+                target: Target::Broker,
+                why: "policies on the RabbitMQ container are not wired yet; use local or external",
+            }),
+        }
+    }
+
+    pub async fn clear_policy(&mut self, name: &str) -> Result<(), BackendError> {
+        match self {
+            Backend::Local(b) => b.clear_policy(name),
+            Backend::External(b) => b.clear_policy(name).await,
+            Backend::Containers(_) => Ok(()),
+        }
+    }
+
     /// Tear everything down (databases, vhosts, processes, temp dirs, containers).
     pub async fn stop(self) -> Result<(), BackendError> {
         match self {

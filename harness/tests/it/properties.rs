@@ -69,7 +69,7 @@ fn fault() -> impl Strategy<Value = FaultGen> {
 
 fn scenario_text(writes: u32, rate: u32, rollback: f64, faults: &[FaultGen]) -> String {
     let mut t = format!(
-        "name = \"prop\"\namendment = \"property\"\n\n[fleet]\ncases = {{ replicas = 1 }}\nrules = {{ replicas = 1 }}\n\n\
+        "name = \"prop\"\namendment = \"property\"\n\n[deploy]\ntopology = true\n\n[fleet]\ncases = {{ replicas = 1 }}\nrules = {{ replicas = 1 }}\n\n\
          [workload]\nwrites = {writes}\nrate = {rate}\nrollback_share = {rollback}\n\n"
     );
     // At most one crash point per replica (FAILPOINTS arms one schedule per name).

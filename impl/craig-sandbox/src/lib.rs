@@ -128,6 +128,40 @@ impl Sandbox {
     }
 
     /// Drop the databases and the vhost and forget the sandbox.
+    /// Set (or replace) a queue policy in this sandbox's vhost: `definition` is RabbitMQ's
+    /// policy JSON (e.g. `{"max-length": 20, "overflow": "reject-publish"}`), `pattern` a
+    /// regex over queue names. Management API, else a local `rabbitmqctl`.
+    pub async fn set_policy(&self, name: &str, pattern: &str, definition: &serde_json::Value) -> Result<(), SandboxError> {
+        let m = management(&self.amqp_url)?;
+        let err = |detail: String| SandboxError::Vhost { vhost: self.vhost.clone(), detail };
+        let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().expect("reqwest client");
+        let body = serde_json::json!({"pattern": pattern, "definition": definition, "apply-to": "queues", "priority": 10});
+        let url = format!("{}/api/policies/{}/{name}", m.base, self.vhost);
+        match client.put(url).basic_auth(&m.user, Some(&m.pass)).json(&body).send().await {
+            Ok(r) if r.status().is_success() => Ok(()),
+            Ok(r) => Err(err(format!("management API answered HTTP {} to PUT /api/policies", r.status()))),
+            Err(e) if e.is_connect() => rabbitmqctl(&[
+                "set_policy", "-p", &self.vhost, "--apply-to", "queues", "--priority", "10", name, pattern, &definition.to_string(),
+            ])
+            .map_err(err),
+            Err(e) => Err(err(e.to_string())),
+        }
+    }
+
+    /// Remove a policy set by [`set_policy`](Self::set_policy) (absent is fine).
+    pub async fn clear_policy(&self, name: &str) -> Result<(), SandboxError> {
+        let m = management(&self.amqp_url)?;
+        let err = |detail: String| SandboxError::Vhost { vhost: self.vhost.clone(), detail };
+        let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().expect("reqwest client");
+        let url = format!("{}/api/policies/{}/{name}", m.base, self.vhost);
+        match client.delete(url).basic_auth(&m.user, Some(&m.pass)).send().await {
+            Ok(r) if r.status().is_success() || r.status() == reqwest::StatusCode::NOT_FOUND => Ok(()),
+            Ok(r) => Err(err(format!("management API answered HTTP {} to DELETE /api/policies", r.status()))),
+            Err(e) if e.is_connect() => rabbitmqctl(&["clear_policy", "-p", &self.vhost, name]).map_err(err),
+            Err(e) => Err(err(e.to_string())),
+        }
+    }
+
     pub async fn destroy(mut self) -> Result<(), SandboxError> {
         self.destroyed = true;
         let mut admin = admin_conn(&self.admin_url).await?;

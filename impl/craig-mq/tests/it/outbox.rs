@@ -368,3 +368,59 @@ async fn the_final_drain_is_bounded_and_abandons_no_claim() {
     assert_eq!(held, 0, "a stopped worker leaves no claim behind");
     env.finish().await;
 }
+
+/// Broker behaviour scenario `broker-nacks` relies on, pinned (RabbitMQ 3.10, classic
+/// queue). Under a `reject-publish` length limit, deliveries a crashed consumer held unacked
+/// come back to the queue and are KEPT past the limit (unacked deliveries do not count toward
+/// it). But a FIRST limit applied to a queue already over it drops the head — dead-letters
+/// it — even with `reject-publish` (max-length takes effect while overflow is still the
+/// default drop-head): that is why the scenario sets the limit before its consumer
+/// goes down, never while a backlog exists (found when an earlier schedule lost 85 events).
+#[tokio::test]
+async fn requeued_deliveries_past_a_reject_publish_limit_are_kept_but_a_late_limit_drops_the_head() {
+    use futures_util::StreamExt;
+    use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+    use lapin::types::FieldTable;
+    let env = env("requeue_past_limit").await;
+    env.declare_rules_queue().await;
+    let policy = serde_json::json!({"max-length": 2, "overflow": "reject-publish"});
+    env.sandbox.set_policy("limit", "^craig-rules\\.events$", &policy).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let (consumer_conn, ch) = env.channel().await;
+    ch.basic_qos(5, BasicQosOptions::default()).await.unwrap();
+    let mut consumer = ch.basic_consume(QUEUE.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let publisher = craig_mq::Publisher::connect(env.sandbox.amqp_url(), fast_publisher()).await.unwrap();
+    for _ in 0..5 {
+        publisher.publish(&envelope()).await.expect("one at a time, straight to the consumer");
+        consumer.next().await.unwrap().unwrap(); // held, never acked
+    }
+    publisher.publish(&envelope()).await.expect("1 ready");
+    publisher.publish(&envelope()).await.expect("2 ready");
+    assert!(matches!(publisher.publish(&envelope()).await, Err(craig_mq::PublishError::Nacked { .. })), "full");
+    // The consumer dies: its 5 deliveries come back to a queue already at its limit.
+    drop(consumer);
+    let _ = consumer_conn.close(200, "crash".into()).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (conn, ch) = env.channel().await;
+    let ready = craig_mq::topology::queue_depth(&ch, QUEUE).await.unwrap();
+    let dead = craig_mq::topology::queue_depth(&ch, craig_mq::topology::DLQ_QUEUE).await.unwrap();
+    assert_eq!((ready, dead), (7, 0), "requeued deliveries are kept past the limit");
+
+    // A FIRST limit lands on a backlog of 5 (a queue with no limit yet, so overflow is still
+    // the default drop-head when max-length takes effect): the head goes to craig.dlx.
+    env.sandbox.clear_policy("limit").await.unwrap();
+    let backlog = craig_mq::topology::QueueSpec { queue: "craig-backlog.events".into(), bindings: vec![EVENT.into()], with_dlx: true };
+    craig_mq::topology::declare_consumer_queue(&ch, &backlog).await.unwrap();
+    for _ in 0..5 {
+        publisher.publish(&envelope()).await.unwrap();
+    }
+    env.sandbox.set_policy("late", "^craig-backlog\\.events$", &policy).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let ready = craig_mq::topology::queue_depth(&ch, "craig-backlog.events").await.unwrap();
+    let dead = craig_mq::topology::queue_depth(&ch, craig_mq::topology::DLQ_QUEUE).await.unwrap();
+    assert_eq!((ready, dead), (2, 3), "a first limit applied over a backlog dead-letters the excess");
+    let _ = conn.close(200, "bye".into()).await;
+    publisher.close().await;
+    env.finish().await;
+}
