@@ -282,8 +282,9 @@ pub fn effect_once(h: &History) -> Verdict {
 ///
 /// The only rows excused from draining are the poison rows the harness itself wrote
 /// (`Event::Poison`), and only while the system corroborates them: each must still be
-/// pending (never stamped) and refused at least once by the worker (`attempts ≥ 1`). A
-/// poison row the worker never touched means the fault did not fire: unknown, not valid.
+/// pending (never stamped) and refused by the worker as malformed (`attempts ≥ 1` and
+/// `last_error` starting `malformed:`). A poison row the worker never refused as such means
+/// the fault did not fire: unknown, not valid.
 pub fn liveness(h: &History) -> Verdict {
     let mut v = Verdict::new("liveness");
     let mut drained = None;
@@ -293,15 +294,18 @@ pub fn liveness(h: &History) -> Verdict {
     let (mut poison_published, mut poison_untouched, mut poison_refusals, mut poison_seen) = (0, 0, 0, 0);
     for e in h.iter() {
         match &e.event {
-            Event::Staged { envelope, published, attempts, service, .. } if poison.contains(envelope) => {
+            Event::Staged { envelope, published, attempts, service, last_error, .. } if poison.contains(envelope) => {
                 poison_seen += 1;
                 poison_refusals += (*attempts).max(0) as usize;
+                let refused = *attempts > 0 && last_error.as_deref().is_some_and(|e| e.starts_with("malformed:"));
                 if *published {
                     poison_published += 1;
                     v.witness(format!("{service} poison row {envelope} was stamped published: it can never have been"));
-                } else if *attempts == 0 {
+                } else if !refused {
                     poison_untouched += 1;
-                    v.witness(format!("{service} poison row {envelope} was never claimed: the fault did not fire"));
+                    v.witness(format!(
+                        "{service} poison row {envelope} was never refused as malformed (attempts {attempts}, last_error {last_error:?}): the fault did not fire"
+                    ));
                 }
             }
             Event::Drained { after_ms, bound_ms, pending } => drained = Some((*after_ms, *bound_ms, *pending)),
@@ -493,9 +497,14 @@ mod tests {
     }
 
     fn poisoned(published: bool, attempts: i32) -> History {
+        poisoned_with(published, attempts, "malformed: missing field `id`")
+    }
+
+    fn poisoned_with(published: bool, attempts: i32, last_error: &str) -> History {
         let mut h = History::default();
         h.push(0, Event::Poison { envelope: id(9), service: "cases".into() });
-        h.push(0, Event::Staged { envelope: id(9), referral: None, service: "cases".into(), published, attempts });
+        let last_error = Some(last_error.to_owned());
+        h.push(0, Event::Staged { envelope: id(9), referral: None, service: "cases".into(), published, attempts, last_error });
         h.push(100, Event::Drained { after_ms: Some(900), bound_ms: 60_000, pending: 0 });
         h
     }
@@ -509,6 +518,9 @@ mod tests {
         assert!(v.witnesses[0].contains("was stamped published"), "{:?}", v.witnesses);
         let v = liveness(&poisoned(false, 0));
         assert_eq!(v.validity, Validity::Unknown, "never claimed: the fault did not fire");
+        // Attempts alone do not corroborate: a broker outage also counts attempts.
+        let v = liveness(&poisoned_with(false, 2, "connection: broker unreachable"));
+        assert_eq!(v.validity, Validity::Unknown, "not refused as malformed");
         let mut gone = History::default();
         gone.push(0, Event::Poison { envelope: id(9), service: "cases".into() });
         gone.push(100, Event::Drained { after_ms: Some(900), bound_ms: 60_000, pending: 0 });

@@ -30,7 +30,16 @@ pub enum Event {
     /// A write staged in a transaction the harness rolled back on purpose.
     RolledBack { referral: Uuid },
     /// An outbox row found at the end of the run.
-    Staged { envelope: Uuid, referral: Option<Uuid>, service: String, published: bool, attempts: i32 },
+    Staged {
+        envelope: Uuid,
+        referral: Option<Uuid>,
+        service: String,
+        published: bool,
+        attempts: i32,
+        /// The worker's last refusal reason (`malformed: …`, `nacked: …`), if any.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        last_error: Option<String>,
+    },
     /// A counted side effect (a `rule_evaluations` row), with the DB's time of it.
     Effect { envelope: Uuid, referral: Option<Uuid>, service: String },
     /// A fault began or ended.

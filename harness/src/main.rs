@@ -37,6 +37,9 @@ enum Command {
         /// Report folder (default: target/chaos/<run id>).
         #[arg(long)]
         report: Option<PathBuf>,
+        /// Also write the verdicts as JUnit XML to FILE (a test case per scenario and invariant).
+        #[arg(long, value_name = "FILE")]
+        junit: Option<PathBuf>,
     },
     /// List the scenarios found, with what each expects.
     List {
@@ -54,14 +57,14 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::List { paths } => list(&paths),
-        Command::Run { paths, seed, backend, report } => {
+        Command::Run { paths, seed, backend, report, junit } => {
             let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
             rt.block_on(async {
                 let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
                 // Dropping the run future drops its backend and replicas: servers are
                 // killed and temp dirs removed before we exit.
                 tokio::select! {
-                    code = run(paths, seed, backend, report) => code,
+                    code = run(paths, seed, backend, report, junit) => code,
                     _ = tokio::signal::ctrl_c() => {
                         eprintln!("chaos: interrupted; servers and replicas stopped, temp dirs removed");
                         ExitCode::from(130)
@@ -103,7 +106,7 @@ fn list(paths: &[PathBuf]) -> ExitCode {
     }
 }
 
-async fn run(paths: Vec<PathBuf>, seed: Option<u64>, backend: BackendKind, report: Option<PathBuf>) -> ExitCode {
+async fn run(paths: Vec<PathBuf>, seed: Option<u64>, backend: BackendKind, report: Option<PathBuf>, junit: Option<PathBuf>) -> ExitCode {
     let scenarios = match scenario::load(&paths) {
         Ok(s) => s,
         Err(e) => {
@@ -155,6 +158,13 @@ async fn run(paths: Vec<PathBuf>, seed: Option<u64>, backend: BackendKind, repor
         return ExitCode::from(3);
     }
     println!("report: {}/report.md (timeline.svg, report.json, history.jsonl beside it)", report_dir.display());
+    if let Some(path) = junit {
+        if let Err(e) = std::fs::write(&path, rep.junit()) {
+            eprintln!("chaos: writing JUnit XML to {}: {e}", path.display());
+            return ExitCode::from(3);
+        }
+        println!("junit: {}", path.display());
+    }
     let failed = results.iter().any(|r| !r.passed && !r.inconclusive);
     let inconclusive = results.iter().any(|r| r.inconclusive);
     if failed {

@@ -117,6 +117,61 @@ impl RunReport<'_> {
         md
     }
 
+    /// JUnit XML: one `<testsuite>` per scenario, one `<testcase>` per invariant (a failure's
+    /// text is its witnesses; an undecidable invariant or a run error is an `<error>`), so a
+    /// CI server shows the verdicts natively.
+    pub fn junit(&self) -> String {
+        let mut cases = String::new();
+        let (mut tests, mut failures, mut errors) = (0, 0, 0);
+        for r in self.results {
+            let secs = r.duration_ms as f64 / 1000.0;
+            let mut body = String::new();
+            let (mut t, mut f, mut e) = (0, 0, 0);
+            if let Some(err) = &r.error {
+                t += 1;
+                e += 1;
+                let _ = writeln!(body, r#"    <testcase classname="chaos.{0}" name="run" time="{secs:.3}"><error message="{1}">{1}</error></testcase>"#, xml(&r.name), xml(err));
+            }
+            for i in &r.invariants {
+                t += 1;
+                let expected = match i.expected {
+                    crate::scenario::Expect::Hold => "held",
+                    crate::scenario::Expect::Violate => "violated",
+                };
+                let name = format!("{} (expected {expected})", i.name);
+                let _ = write!(body, r#"    <testcase classname="chaos.{}" name="{}" time="{secs:.3}">"#, xml(&r.name), xml(&name));
+                match i.observed.as_deref() {
+                    Some(o) if o == expected => {}
+                    Some(o) => {
+                        f += 1;
+                        let msg = format!("expected {expected}, observed {o}");
+                        let _ = write!(body, r#"<failure message="{}">{}</failure>"#, xml(&msg), xml(&i.witnesses.join("\n")));
+                    }
+                    None => {
+                        e += 1;
+                        let why = i.error.clone().unwrap_or_else(|| "inconclusive".into());
+                        let _ = write!(body, r#"<error message="{0}">{0}</error>"#, xml(&why));
+                    }
+                }
+                body.push_str("</testcase>\n");
+            }
+            let _ = writeln!(
+                cases,
+                r#"  <testsuite name="{}" tests="{t}" failures="{f}" errors="{e}" time="{secs:.3}">"#,
+                xml(&r.name)
+            );
+            cases.push_str(&body);
+            cases.push_str("  </testsuite>\n");
+            tests += t;
+            failures += f;
+            errors += e;
+        }
+        format!(
+            "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<testsuites name=\"chaos run {}\" tests=\"{tests}\" failures=\"{failures}\" errors=\"{errors}\">\n{cases}</testsuites>\n",
+            xml(self.run_id)
+        )
+    }
+
     /// Write every file of the report into `dir`.
     pub fn write(&self, dir: &Path) -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
@@ -138,6 +193,21 @@ impl RunReport<'_> {
         }
         std::fs::write(dir.join("history.jsonl"), all)
     }
+}
+
+/// Escape text for an XML attribute or element.
+fn xml(s: &str) -> String {
+    s.chars()
+        .filter(|c| !c.is_control() || matches!(c, '\n' | '\t'))
+        .map(|c| match c {
+            '&' => "&amp;".to_owned(),
+            '<' => "&lt;".to_owned(),
+            '>' => "&gt;".to_owned(),
+            '"' => "&quot;".to_owned(),
+            '\n' => "&#10;".to_owned(),
+            c => c.to_string(),
+        })
+        .collect()
 }
 
 fn esc(s: &str) -> String {
@@ -244,4 +314,54 @@ pub fn timeline(results: &[ScenarioResult]) -> String {
     }
     svg.push_str("</svg>\n");
     svg
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::runner::InvariantResult;
+    use crate::scenario::Expect;
+
+    fn invariant(name: &str, expected: Expect, observed: Option<&str>, witnesses: &[&str]) -> InvariantResult {
+        InvariantResult {
+            name: name.into(),
+            expected,
+            observed: observed.map(str::to_owned),
+            counts: BTreeMap::new(),
+            witnesses: witnesses.iter().map(|w| w.to_string()).collect(),
+            error: observed.is_none().then(|| "nothing to check".into()),
+        }
+    }
+
+    #[test]
+    fn junit_has_a_case_per_invariant_with_witnesses_as_failure_text() {
+        let r = ScenarioResult {
+            name: "broker-kill".into(),
+            amendment: "#1128".into(),
+            compat: "-".into(),
+            seed: 1,
+            backend: "local".into(),
+            faults: vec![],
+            invariants: vec![
+                invariant("no_loss", Expect::Hold, Some("violated"), &["referral <a&b> lost"]),
+                invariant("effect_once", Expect::Violate, Some("violated"), &[]),
+                invariant("liveness", Expect::Hold, None, &[]),
+            ],
+            passed: false,
+            inconclusive: true,
+            duration_ms: 1500,
+            error: None,
+            metrics: BTreeMap::new(),
+            history: Default::default(),
+        };
+        let results = [r];
+        let rep = RunReport { run_id: "r1", seed: 1, backend: "local", command: "chaos run", results: &results };
+        let x = rep.junit();
+        assert!(x.contains(r#"<testsuites name="chaos run r1" tests="3" failures="1" errors="1">"#), "{x}");
+        assert!(x.contains(r#"name="no_loss (expected held)" time="1.500"><failure message="expected held, observed violated">referral &lt;a&amp;b&gt; lost</failure>"#), "{x}");
+        assert!(x.contains(r#"name="effect_once (expected violated)" time="1.500"></testcase>"#), "{x}");
+        assert!(x.contains(r#"<error message="nothing to check">"#), "{x}");
+    }
 }

@@ -185,6 +185,38 @@ pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> Scenari
         result.passed = !result.inconclusive
             && result.invariants.iter().all(|i| i.observed.as_deref() == Some(expected_word(i.expected)));
     }
+    // A queue limit that made the broker Nack nothing proves nothing either: the evidence is
+    // the producers' own `outbox_publish_errors_total{kind="nacked"}`.
+    if result.error.is_none() && s.faults.iter().any(|f| f.get_ref().kind == FaultKind::QueueLimit) {
+        let nacked: f64 = result
+            .metrics
+            .values()
+            .flat_map(|m| m.iter())
+            .filter(|(k, _)| k.as_str() == "outbox_publish_errors_total{kind=\"nacked\"}")
+            .map(|(_, v)| v)
+            .sum();
+        if nacked == 0.0 {
+            result.error = Some("queue_limit: no replica reports a Nacked publish (outbox_publish_errors_total{kind=\"nacked\"} = 0): the fault did not take effect".into());
+            result.inconclusive = true;
+            result.passed = false;
+        }
+    }
+    // A named crash point that never fired proves nothing: inconclusive, with the reason.
+    if result.error.is_none() {
+        let unfired: Vec<String> = s
+            .faults
+            .iter()
+            .map(|f| f.get_ref())
+            .filter(|f| f.kind == FaultKind::Crash)
+            .filter(|f| !result.faults.iter().any(|r| r.kind == "crash" && r.target.starts_with(&format!("{} at ", f.target))))
+            .map(|f| format!("crash point {} on {} never fired", f.failpoint.as_deref().unwrap_or("?"), f.target))
+            .collect();
+        if !unfired.is_empty() {
+            result.error = Some(format!("{}: the fault did not take effect", unfired.join("; ")));
+            result.inconclusive = true;
+            result.passed = false;
+        }
+    }
     result.duration_ms = run_clock.elapsed().as_millis() as u64;
     result.history = history;
     result
@@ -294,8 +326,8 @@ async fn drive(
                 ("CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS".into(), s.settings.confirm_timeout_ms.to_string()),
                 ("CRAIG_AMQP_HEARTBEAT_SECS".into(), s.settings.heartbeat_secs.to_string()),
                 ("CRAIG_AMQP_CONNECT_TIMEOUT_MS".into(), s.settings.connect_timeout_ms.to_string()),
-                ("CRAIG_OUTBOX_BACKOFF_BASE_MS".into(), "100".into()),
-                ("CRAIG_OUTBOX_BACKOFF_MAX_MS".into(), "1000".into()),
+                ("CRAIG_OUTBOX_BACKOFF_BASE_MS".into(), s.settings.backoff_base_ms.to_string()),
+                ("CRAIG_OUTBOX_BACKOFF_MAX_MS".into(), s.settings.backoff_max_ms.to_string()),
                 ("RUST_LOG".into(), "info,sqlx=warn,lapin=warn,lapin::returned_messages=error".into()),
             ];
             let mut r = Replica::new(spec, program.clone(), &logs_dir);
@@ -794,13 +826,14 @@ async fn sample(
 /// Read what the databases say happened: staged envelopes and counted side effects.
 async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyhow::Result<()> {
     for (svc, pool) in pools {
-        let rows: Vec<(Uuid, Option<Uuid>, bool, i32, i64)> = sqlx::query_as(
-            "SELECT id, aggregate_id, published_at IS NOT NULL, attempts, (EXTRACT(EPOCH FROM created_at) * 1000)::int8 FROM event_outbox",
+        let rows: Vec<(Uuid, Option<Uuid>, bool, i32, i64, Option<String>)> = sqlx::query_as(
+            "SELECT id, aggregate_id, published_at IS NOT NULL, attempts, (EXTRACT(EPOCH FROM created_at) * 1000)::int8, \
+                    last_error FROM event_outbox",
         )
         .fetch_all(pool)
         .await?;
-        for (envelope, referral, published, attempts, at) in rows {
-            log.push_at(log.rel(at), Event::Staged { envelope, referral, service: svc.clone(), published, attempts });
+        for (envelope, referral, published, attempts, at, last_error) in rows {
+            log.push_at(log.rel(at), Event::Staged { envelope, referral, service: svc.clone(), published, attempts, last_error });
         }
         if svc == "rules" {
             let rows: Vec<(Uuid, Option<Uuid>, i64)> = sqlx::query_as(

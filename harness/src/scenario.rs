@@ -128,6 +128,19 @@ pub struct Settings {
     pub heartbeat_secs: u64,
     #[serde(default = "connect")]
     pub connect_timeout_ms: u64,
+    /// Outbox backoff (worker-wide for broker failures, per row for refusals). Short by
+    /// default so scenarios heal fast; a scenario about backoff sets production's 1000/60000.
+    #[serde(default = "backoff_base")]
+    pub backoff_base_ms: u64,
+    #[serde(default = "backoff_max")]
+    pub backoff_max_ms: u64,
+}
+
+fn backoff_base() -> u64 {
+    100
+}
+fn backoff_max() -> u64 {
+    1000
 }
 
 fn lease() -> u64 {
@@ -154,6 +167,8 @@ impl Default for Settings {
             confirm_timeout_ms: confirm(),
             heartbeat_secs: heartbeat(),
             connect_timeout_ms: connect(),
+            backoff_base_ms: backoff_base(),
+            backoff_max_ms: backoff_max(),
         }
     }
 }
@@ -365,6 +380,8 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
     let outbox = craig_mq::OutboxConfig {
         poll_interval: std::time::Duration::from_millis(st.poll_ms),
         claim_lease: std::time::Duration::from_secs(st.claim_lease_secs),
+        backoff_base: std::time::Duration::from_millis(st.backoff_base_ms),
+        backoff_max: std::time::Duration::from_millis(st.backoff_max_ms),
         ..Default::default()
     };
     let publisher = craig_mq::PublisherConfig {

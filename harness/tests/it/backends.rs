@@ -87,6 +87,7 @@ async fn local_backend_survives_broker_and_database_kills_under_a_running_node()
         ("AMQP_URL".into(), ep.amqp_url.clone()),
         ("CRAIG_JWT_SECRET".into(), SECRET.into()),
         ("CRAIG_OUTBOX_POLL_MS".into(), "100".into()),
+        ("CRAIG_OUTBOX_BACKOFF_BASE_MS".into(), "100".into()),
         ("CRAIG_OUTBOX_BACKOFF_MAX_MS".into(), "500".into()),
         ("CRAIG_AMQP_HEARTBEAT_SECS".into(), "1".into()),
         ("CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS".into(), "1000".into()),

@@ -64,6 +64,17 @@ where
         .try_init();
     #[cfg(feature = "failpoints")]
     let _failpoints = craig_mq::crash::setup_from_env();
+    // A crash point asked of a build that has none would silently never fire, and a chaos
+    // run would come out green for the wrong reason.
+    #[cfg(not(feature = "failpoints"))]
+    if let Some(fp) = std::env::var_os("FAILPOINTS").filter(|v| !v.is_empty()) {
+        eprintln!(
+            "craig-node: error: FAILPOINTS={} is set, but this craig-node was built without crash points \
+             (cargo feature craig-fleet/failpoints); refusing to run a fault that can never fire",
+            fp.to_string_lossy()
+        );
+        return std::process::ExitCode::from(2);
+    }
     let cli = Cli::parse_from(args);
     let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
     match rt.block_on(real_main(cli)) {

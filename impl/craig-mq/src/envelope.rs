@@ -13,6 +13,11 @@ use uuid::Uuid;
 /// (routing key, header) and must stay well under 255 bytes.
 pub const MAX_NAME_LEN: usize = 128;
 
+/// Largest serialized envelope accepted: RabbitMQ 4's default `max_message_size` (16 MiB;
+/// 3.x allows more). A larger message makes the broker close the channel — a failure that
+/// looks broker-wide — so it is refused at staging, and a legacy row that large is malformed.
+pub const MAX_ENVELOPE_BYTES: usize = 16 * 1024 * 1024;
+
 /// One domain event. Construct with [`EventEnvelope::new`]; parse with
 /// [`EventEnvelope::from_slice`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,6 +45,8 @@ pub enum EnvelopeError {
     TooLong { field: &'static str, len: usize },
     #[error("envelope field `{field}` has characters outside [a-z0-9._-]: {value:?}")]
     BadName { field: &'static str, value: String },
+    #[error("envelope is {len} bytes serialized, larger than {MAX_ENVELOPE_BYTES} (the broker's message size limit)")]
+    TooLarge { len: usize },
     /// PostgreSQL's `jsonb` cannot hold U+0000, so such an envelope can never be staged.
     #[error("envelope payload holds a NUL character (U+0000) at {path}, which the outbox cannot store")]
     Nul { path: String },
@@ -91,7 +98,12 @@ impl EventEnvelope {
             return Err(EnvelopeError::NotUuidV7(self.id));
         }
         check_name("event_type", &self.event_type)?;
-        check_name("source_service", &self.source_service)
+        check_name("source_service", &self.source_service)?;
+        let len = serde_json::to_vec(&self.payload).map_or(0, |v| v.len());
+        if len > MAX_ENVELOPE_BYTES {
+            return Err(EnvelopeError::TooLarge { len });
+        }
+        Ok(())
     }
 }
 
@@ -218,6 +230,14 @@ mod tests {
         assert!(matches!(env.validate_storable(), Err(EnvelopeError::Nul { .. })));
         // validate() alone is about the wire shape; the payload is the producer's business.
         assert!(env.validate().is_ok());
+    }
+
+    #[test]
+    fn an_envelope_over_the_broker_message_limit_is_refused() {
+        let mut env = sample();
+        env.payload = json!({ "blob": "x".repeat(MAX_ENVELOPE_BYTES) });
+        assert!(matches!(env.validate(), Err(EnvelopeError::TooLarge { .. })));
+        assert!(matches!(EventEnvelope::from_value(serde_json::to_value(&env).unwrap()), Err(EnvelopeError::TooLarge { .. })));
     }
 
     #[test]

@@ -218,8 +218,10 @@ impl OutboxWorker {
         }
     }
 
-    /// Passes until one comes back short, meets a broker-level failure, or publishes
-    /// nothing (#1128: no throughput ceiling; a row-level refusal does not stop it).
+    /// Passes until one comes back short or meets a broker-level failure (#1128: no
+    /// throughput ceiling). Row-level refusals never stop it: each refused row leaves the
+    /// claimable set for its own backoff (which doubles), so even a full batch of refused
+    /// rows makes room for the healthy rows behind it in the next pass.
     pub async fn drain(&mut self) -> Result<DrainReport, OutboxError> {
         self.drain_until(Stop::default()).await
     }
@@ -237,7 +239,8 @@ impl OutboxWorker {
             report.failed += pass.failed;
             report.broker_failed += pass.broker_failed;
             let short = pass.claimed < self.cfg.batch_size as usize;
-            let stuck = pass.published == 0;
+            // Nothing published, nothing refused: every stamp was stale (another worker won).
+            let stuck = pass.published == 0 && pass.failed == 0;
             let late = stop.deadline.is_some_and(|d| tokio::time::Instant::now() >= d)
                 || stop.shutdown.is_some_and(CancellationToken::is_cancelled);
             if short || stuck || pass.broker_failed > 0 || late {
@@ -293,7 +296,9 @@ impl OutboxWorker {
             }
             if self.publisher.as_ref().is_some_and(|p| !p.is_usable()) {
                 if let Some(p) = self.publisher.take() {
-                    p.close().await;
+                    // Off the claim's path: the stamp and release below must not wait on a
+                    // dead peer's close.
+                    tokio::spawn(p.close());
                 }
             }
         }

@@ -93,7 +93,9 @@ impl PublishError {
             PublishError::Unroutable { .. } => "unroutable",
             PublishError::ConfirmTimeout { .. } => "confirm_timeout",
             PublishError::Connection(_) => "connection",
-            PublishError::NotConfirmed { .. } => "not_confirmed",
+            // A channel without confirms is a broken channel, as far as the CONTRACT's
+            // `outbox_publish_errors_total{kind}` labels go.
+            PublishError::NotConfirmed { .. } => "connection",
         }
     }
 }
@@ -150,7 +152,23 @@ impl Publisher {
         Self::connect_with(amqp_url, cfg, false).await
     }
 
+    /// The whole set-up (handshake, channel, exchange declarations, `confirm.select`) is
+    /// bounded by `connect_timeout`, which the claim lease budgets for
+    /// ([`PublisherConfig::worst_case_publish`]).
     async fn connect_with(amqp_url: &str, cfg: PublisherConfig, confirms: bool) -> Result<Self, PublishError> {
+        match tokio::time::timeout(cfg.connect_timeout, Self::set_up(amqp_url, cfg, confirms)).await {
+            Ok(res) => res,
+            Err(_) => Err(PublishError::Connection(
+                lapin::ErrorKind::IOError(std::sync::Arc::new(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("AMQP connection set-up not finished within {:?}", cfg.connect_timeout),
+                )))
+                .into(),
+            )),
+        }
+    }
+
+    async fn set_up(amqp_url: &str, cfg: PublisherConfig, confirms: bool) -> Result<Self, PublishError> {
         let conn = connect_within(amqp_url, cfg.heartbeat_secs, "craig-publisher", cfg.connect_timeout).await?;
         let channel = conn.create_channel().await?;
         // Idempotent: a fresh broker or vhost must not turn every publish into a 404.
@@ -221,38 +239,56 @@ impl Publisher {
                 }
             }
         }
+        // Confirms first, verdicts after: lapin hands a returned message to whichever confirm
+        // completes next (and settles a multiple-ack in no fixed order), not necessarily to
+        // its own publish. So every return of the batch is collected and matched to its row by
+        // `message_id` (the envelope id); only an ACK whose envelope came back from no return
+        // is a success.
         let deadline = Instant::now() + timeout;
-        let mut out = Vec::with_capacity(envelopes.len());
+        let mut confirmed: Vec<Result<Confirmation, PublishError>> = Vec::with_capacity(envelopes.len());
         for (env, p) in envelopes.iter().zip(pending) {
-            let confirm = match p {
-                Ok(c) => c,
-                Err(e) => {
-                    out.push(Err(e));
-                    continue;
-                }
-            };
-            let res = match timeout_at(deadline, confirm).await {
-                Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+            confirmed.push(match p {
+                Ok(confirm) => match timeout_at(deadline, confirm).await {
+                    Ok(Ok(c)) => Ok(c),
+                    Ok(Err(e)) => Err(self.poison(e)),
+                    Err(_) => {
+                        self.poisoned.store(true, Ordering::Relaxed);
+                        Err(PublishError::ConfirmTimeout { id: env.id, after: timeout })
+                    }
+                },
+                Err(e) => Err(e),
+            });
+        }
+        let mut returned: std::collections::HashMap<String, (u16, String)> = std::collections::HashMap::new();
+        for c in confirmed.iter().flatten() {
+            if let Confirmation::Ack(Some(r)) | Confirmation::Nack(Some(r)) = c {
+                let id = r.delivery.properties.message_id().as_ref().map(|s| s.to_string()).unwrap_or_default();
+                returned.insert(id, (r.reply_code, r.reply_text.to_string()));
+            }
+        }
+        envelopes
+            .iter()
+            .zip(confirmed)
+            .map(|(env, c)| {
+                let c = c?;
                 // The broker ACKs a returned message too: no queue took it, so it is NOT
                 // published (ADR-022 #1128: published_at means "a queue has it").
-                Ok(Ok(Confirmation::Ack(Some(returned)))) => Err(PublishError::Unroutable {
-                    id: env.id,
-                    routing_key: env.event_type.clone(),
-                    reply_code: returned.reply_code,
-                    reply_text: returned.reply_text.to_string(),
-                }),
-                Ok(Ok(Confirmation::Nack(_))) => Err(PublishError::Nacked { id: env.id }),
-                Ok(Ok(Confirmation::NotRequested)) if !self.confirms => Ok(()),
-                Ok(Ok(Confirmation::NotRequested)) => Err(PublishError::NotConfirmed { id: env.id }),
-                Ok(Err(e)) => Err(self.poison(e)),
-                Err(_) => {
-                    self.poisoned.store(true, Ordering::Relaxed);
-                    Err(PublishError::ConfirmTimeout { id: env.id, after: timeout })
+                if let Some((reply_code, reply_text)) = returned.get(&env.id.to_string()) {
+                    return Err(PublishError::Unroutable {
+                        id: env.id,
+                        routing_key: env.event_type.clone(),
+                        reply_code: *reply_code,
+                        reply_text: reply_text.clone(),
+                    });
                 }
-            };
-            out.push(res);
-        }
-        out
+                match c {
+                    Confirmation::Ack(_) => Ok(()),
+                    Confirmation::Nack(_) => Err(PublishError::Nacked { id: env.id }),
+                    Confirmation::NotRequested if !self.confirms => Ok(()),
+                    Confirmation::NotRequested => Err(PublishError::NotConfirmed { id: env.id }),
+                }
+            })
+            .collect()
     }
 
     fn poison(&self, e: lapin::Error) -> PublishError {

@@ -22,7 +22,7 @@
 //!
 //! Settings that would silently switch the protocol off are rejected with the value and the
 //! rule ([`SettingsError::Unsafe`]): a zero lease, poll interval, backoff base or confirm
-//! timeout, and a lease shorter than `2 × confirm timeout + connect timeout` — the longest a
+//! timeout, a backoff cap below the base, and a lease shorter than `2 × confirm timeout + connect timeout` — the longest a
 //! claimed batch can legitimately stay in flight, so a shorter lease lets a second worker
 //! re-claim rows whose publish is still running.
 
@@ -141,19 +141,17 @@ impl ServiceSettings {
 }
 
 /// `url` with any password replaced by `***` (`postgres://u:***@host/db`), for every log
-/// and error line that names a DATABASE_URL or AMQP_URL. A value that is not URL-shaped
-/// keeps nothing after its scheme's `//` up to the last `@`.
+/// and error line that names a DATABASE_URL or AMQP_URL.
 pub fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    match authority.rsplit_once('@') {
-        Some((userinfo, host)) => {
+    // Up to the LAST '@': a password may hold '/', '?', '#' or '@' (unencoded, in a URL that
+    // is malformed for exactly that reason); hiding too much beats printing a secret.
+    match rest.rsplit_once('@') {
+        Some((userinfo, host)) if userinfo.contains(':') => {
             let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-            let hidden = if userinfo.contains(':') { ":***" } else { "" };
-            format!("{scheme}://{user}{hidden}@{host}{tail}")
+            format!("{scheme}://{user}:***@{host}")
         }
-        None => url.to_owned(),
+        _ => url.to_owned(),
     }
 }
 
@@ -173,6 +171,11 @@ pub fn check_protocol(outbox: &OutboxConfig, publisher: &PublisherConfig) -> Res
     if outbox.backoff_base.is_zero() {
         return unsafe_("CRAIG_OUTBOX_BACKOFF_BASE_MS", "0".into(),
             "a zero backoff base retries a failing broker or a refused row without pause");
+    }
+    if outbox.backoff_max < outbox.backoff_base {
+        return unsafe_("CRAIG_OUTBOX_BACKOFF_MAX_MS", ms(outbox.backoff_max), &format!(
+            "the backoff cap must be at least the backoff base ({}); a smaller cap retries without pause",
+            ms(outbox.backoff_base)));
     }
     if publisher.confirm_timeout.is_zero() {
         return unsafe_("CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS", "0".into(),
@@ -258,10 +261,10 @@ mod tests {
 
     #[test]
     fn settings_that_disable_the_protocol_are_refused_with_value_and_rule() {
-        for name in ["CRAIG_OUTBOX_CLAIM_LEASE_SECS", "CRAIG_OUTBOX_POLL_MS", "CRAIG_OUTBOX_BACKOFF_BASE_MS", "CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS"] {
+        for name in ["CRAIG_OUTBOX_CLAIM_LEASE_SECS", "CRAIG_OUTBOX_POLL_MS", "CRAIG_OUTBOX_BACKOFF_BASE_MS", "CRAIG_OUTBOX_BACKOFF_MAX_MS", "CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS"] {
             let err = load(&[(name, "0")]).unwrap_err();
             assert!(matches!(&err, SettingsError::Unsafe { name: n, .. } if *n == name), "{name}: {err}");
-            assert!(err.to_string().starts_with(&format!("{name}=0 is refused: ")), "{err}");
+            assert!(err.to_string().starts_with(&format!("{name}=0")) && err.to_string().contains(" is refused: "), "{err}");
         }
         // 2 × 5 s + 5 s = 15 s: a 14 s lease could expire under its own publish.
         let err = load(&[("CRAIG_OUTBOX_CLAIM_LEASE_SECS", "14")]).unwrap_err();
@@ -282,6 +285,8 @@ mod tests {
         assert_eq!(redact("postgres://u:s3cret@127.0.0.1:5432/db"), "postgres://u:***@127.0.0.1:5432/db");
         assert_eq!(redact("amqp://guest:guest@h:5672/%2f?heartbeat=5"), "amqp://guest:***@h:5672/%2f?heartbeat=5");
         assert_eq!(redact("postgres://u:p@ss:w@rd@h/db"), "postgres://u:***@h/db");
+        assert_eq!(redact("postgres://u:pa/ss@h/db"), "postgres://u:***@h/db");
+        assert_eq!(redact("postgres://u:pa?ss#x@h:notaport/db"), "postgres://u:***@h:notaport/db");
         assert_eq!(redact("postgres://postgres@127.0.0.1/db"), "postgres://postgres@127.0.0.1/db");
         assert_eq!(redact("not a url"), "not a url");
     }

@@ -23,11 +23,11 @@ pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
-    #[error("postgres at {url}: {source}")]
+    #[error("postgres at {}: {source}", craig_mq::settings::redact(url))]
     Postgres { url: String, source: sqlx::Error },
     #[error("RabbitMQ vhost {vhost}: {detail}")]
     Vhost { vhost: String, detail: String },
-    #[error("bad URL {url:?}: {why}")]
+    #[error("bad URL {:?}: {why}", craig_mq::settings::redact(url))]
     BadUrl { url: String, why: &'static str },
 }
 

@@ -141,19 +141,9 @@ async fn broker_refusing_then_closing_leaves_rows_pending_until_it_returns() {
 
 #[tokio::test]
 async fn a_broker_nack_is_typed_and_keeps_the_row_pending() {
-    use lapin::options::{QueueBindOptions, QueueDeclareOptions};
-    use lapin::types::{AMQPValue, FieldTable};
     let env = env("broker_nack").await;
-    let (conn, ch) = env.channel().await;
-    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
     // A full queue with reject-publish overflow makes the broker NACK routed publishes.
-    let mut args = FieldTable::default();
-    args.insert("x-max-length".into(), AMQPValue::LongInt(1));
-    args.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
-    ch.queue_declare("full".into(), QueueDeclareOptions { durable: true, ..Default::default() }, args).await.unwrap();
-    ch.queue_bind("full".into(), "craig.events".into(), EVENT.into(), QueueBindOptions::default(), FieldTable::default())
-        .await
-        .unwrap();
+    let conn = env.declare_full_queue(1).await;
 
     let publisher = craig_mq::Publisher::connect(env.sandbox.amqp_url(), fast_publisher()).await.unwrap();
     publisher.publish(&envelope()).await.expect("first fits");
@@ -284,18 +274,8 @@ async fn a_poison_row_does_not_stall_the_drain_behind_it() {
 /// drain does not count that as a broker failure, and the refused rows back off alone.
 #[tokio::test]
 async fn nacked_rows_back_off_alone_and_the_drain_is_not_a_broker_failure() {
-    use lapin::options::{QueueBindOptions, QueueDeclareOptions};
-    use lapin::types::{AMQPValue, FieldTable};
     let env = env("nack_drain").await;
-    let (conn, ch) = env.channel().await;
-    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
-    let mut args = FieldTable::default();
-    args.insert("x-max-length".into(), AMQPValue::LongInt(2));
-    args.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
-    ch.queue_declare("full".into(), QueueDeclareOptions { durable: true, ..Default::default() }, args).await.unwrap();
-    ch.queue_bind("full".into(), "craig.events".into(), EVENT.into(), QueueBindOptions::default(), FieldTable::default())
-        .await
-        .unwrap();
+    let conn = env.declare_full_queue(2).await;
     env.stage(5, 5).await;
     let drain = env.worker(fast_outbox()).drain().await.unwrap();
     assert_eq!((drain.published, drain.failed, drain.broker_failed), (2, 3, 0), "{drain:?}");
@@ -422,5 +402,31 @@ async fn requeued_deliveries_past_a_reject_publish_limit_are_kept_but_a_late_lim
     assert_eq!((ready, dead), (2, 3), "a first limit applied over a backlog dead-letters the excess");
     let _ = conn.close(200, "bye".into()).await;
     publisher.close().await;
+    env.finish().await;
+}
+
+/// Audit finding: lapin hands a returned message to whichever confirm completes next, so in a
+/// pipelined batch mixing routable and unroutable envelopes a return must be matched to its
+/// row by message id. Otherwise an unroutable row is "ACKed" (stamped, lost) and a routable
+/// one reported unroutable.
+#[tokio::test]
+async fn in_a_mixed_batch_exactly_the_unroutable_envelopes_are_unroutable() {
+    let env = env("mixed_batch").await;
+    env.declare_rules_queue().await;
+    let publisher = craig_mq::Publisher::connect(env.sandbox.amqp_url(), fast_publisher()).await.unwrap();
+    let batch: Vec<craig_mq::EventEnvelope> = (0..40)
+        .map(|i| if i % 3 == 0 { craig_mq::EventEnvelope::new("nobody.listens", "cases", None, serde_json::json!({})).unwrap() } else { envelope() })
+        .collect();
+    let results = publisher.publish_batch(&batch).await;
+    for (i, (env, res)) in batch.iter().zip(&results).enumerate() {
+        match (i % 3 == 0, res) {
+            (true, Err(craig_mq::PublishError::Unroutable { id, .. })) => assert_eq!(*id, env.id),
+            (false, Ok(())) => {}
+            (unroutable, other) => panic!("envelope {i} (unroutable: {unroutable}) got {other:?}"),
+        }
+    }
+    publisher.close().await;
+    let routed: HashSet<String> = batch.iter().enumerate().filter(|(i, _)| i % 3 != 0).map(|(_, e)| e.id.to_string()).collect();
+    assert_eq!(env.take_all().await.into_iter().collect::<HashSet<_>>(), routed);
     env.finish().await;
 }

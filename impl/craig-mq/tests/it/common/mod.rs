@@ -49,6 +49,24 @@ impl Env {
         let _ = conn.close(200, "bye".into()).await;
     }
 
+    /// Queue `full`, bound to EVENT, holding at most `max` ready messages with
+    /// `reject-publish` overflow: past that the broker Nacks what is routed to it. The
+    /// connection is returned so the caller closes it when done.
+    pub async fn declare_full_queue(&self, max: i32) -> lapin::Connection {
+        use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+        use lapin::types::{AMQPValue, FieldTable};
+        let (conn, ch) = self.channel().await;
+        topology::declare_exchanges(&ch).await.expect("exchanges");
+        let mut args = FieldTable::default();
+        args.insert("x-max-length".into(), AMQPValue::LongInt(max));
+        args.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
+        ch.queue_declare("full".into(), QueueDeclareOptions { durable: true, ..Default::default() }, args).await.expect("declare");
+        ch.queue_bind("full".into(), "craig.events".into(), EVENT.into(), QueueBindOptions::default(), FieldTable::default())
+            .await
+            .expect("bind");
+        conn
+    }
+
     pub async fn depth(&self) -> u32 {
         let (conn, ch) = self.channel().await;
         let n = topology::queue_depth(&ch, QUEUE).await.expect("passive declare");
