@@ -84,17 +84,17 @@ pub fn check_all(h: &History) -> Vec<Verdict> {
 struct Effects {
     /// referral → (first effect time)
     by_referral: HashMap<Uuid, u64>,
-    /// envelope → effect times in order
-    by_envelope: BTreeMap<Uuid, Vec<u64>>,
+    /// envelope → (effect time, replica that ran it) in order
+    by_envelope: BTreeMap<Uuid, Vec<(u64, Option<String>)>>,
     total: usize,
 }
 
 fn effects(h: &History) -> Effects {
     let mut e = Effects { by_referral: HashMap::new(), by_envelope: BTreeMap::new(), total: 0 };
     for entry in h.iter() {
-        if let Event::Effect { envelope, referral, .. } = &entry.event {
+        if let Event::Effect { envelope, referral, replica, .. } = &entry.event {
             e.total += 1;
-            e.by_envelope.entry(*envelope).or_default().push(entry.t_ms);
+            e.by_envelope.entry(*envelope).or_default().push((entry.t_ms, replica.clone()));
             if let Some(r) = referral {
                 e.by_referral.entry(*r).or_insert(entry.t_ms);
             }
@@ -206,58 +206,137 @@ pub fn no_phantom(h: &History) -> Verdict {
     v
 }
 
-/// Each envelope's effect at most once — except a re-execution inside the documented #1180
-/// window (a consumer crash, or a fault of the consumer's database, between the first and
-/// the second run), which is counted as `crash_window_reexecutions` and attributed to that
-/// fault, never silently allowed.
+/// How long after an effect's transaction began its `processed_at` stamp is due: the
+/// handler commits and the inbox stamps within milliseconds, so a fault starting later than
+/// this cannot have come between the two. It narrows the window; it never excuses alone.
+pub const STAMP_DUE_MS: u64 = 2_000;
+
+/// Re-executions one fault can excuse per consumer replica: a subscriber runs one handler
+/// at a time, so at most one envelope of a replica can sit between handler and stamp.
+pub const HANDLER_CONCURRENCY: usize = 1;
+
+/// What can open the #1180 window of an execution on replica R: R crashing, the database
+/// killed or paused, or R's own database link cut — while the stamp was due.
+#[derive(Debug)]
+enum Opener {
+    Crash { replica: String },
+    Database,
+    Link { replica: String },
+}
+
+struct WindowFault {
+    opener: Opener,
+    from: u64,
+    to: u64,
+    label: String,
+}
+
+impl WindowFault {
+    /// Whether this fault could have stopped the stamp of an execution at `t1` on `replica`.
+    fn opens(&self, t1: u64, replica: Option<&str>) -> bool {
+        let applies = match &self.opener {
+            Opener::Database => true,
+            Opener::Crash { replica: r } | Opener::Link { replica: r } => replica == Some(r.as_str()),
+        };
+        applies && self.from <= t1 + STAMP_DUE_MS && self.to >= t1
+    }
+}
+
+fn window_faults(h: &History) -> Vec<WindowFault> {
+    let mut out: Vec<WindowFault> = Vec::new();
+    let mut open: HashMap<(String, String), usize> = HashMap::new();
+    for e in h.iter() {
+        match &e.event {
+            Event::Crash { replica, how, .. } => out.push(WindowFault {
+                opener: Opener::Crash { replica: replica.clone() },
+                from: e.t_ms,
+                to: e.t_ms,
+                label: format!("crash {replica} ({how}) @{}ms", e.t_ms),
+            }),
+            Event::Fault { kind, target, phase } => {
+                // A toxic's label is "<replica>->database (<type> <stream>)".
+                let link = target.split(" (").next().unwrap_or(target);
+                let opener = match (kind.as_str(), link) {
+                    ("kill" | "pause", "database") => Opener::Database,
+                    ("down" | "toxic", l) => match l.strip_suffix("->database") {
+                        Some(r) => Opener::Link { replica: r.to_owned() },
+                        None => continue,
+                    },
+                    _ => continue,
+                };
+                let key = (kind.clone(), target.clone());
+                match phase {
+                    Phase::Start => {
+                        open.insert(key, out.len());
+                        out.push(WindowFault { opener, from: e.t_ms, to: u64::MAX, label: format!("{kind} {target} @{}ms", e.t_ms) });
+                    }
+                    Phase::End => {
+                        if let Some(i) = open.remove(&key) {
+                            out[i].to = e.t_ms;
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Each envelope's effect at most once — except a re-execution inside exactly the documented
+/// #1180 window, counted as `crash_window_reexecutions` and attributed, never silently
+/// allowed. A re-execution is excused only when ALL hold:
+/// - a fault could have stopped the FIRST execution's stamp: a crash of the replica that ran
+///   it, a kill/pause of the database, or a cut of that replica's own database link, in force
+///   within [`STAMP_DUE_MS`] after the first execution (and before the second);
+/// - that fault has not already excused [`HANDLER_CONCURRENCY`] re-executions of that replica;
+/// - the system corroborates it: the inbox reported reprocessing that envelope
+///   (`Event::Reprocessed`, from `inbox.reprocessed`). Timing alone never excuses.
 pub fn effect_once(h: &History) -> Verdict {
     let mut v = Verdict::new("effect_once");
     let fx = effects(h);
-    // What can open the #1180 window (handler committed, stamp not): a consumer process
-    // crash, or its database failing between the two commits — the whole server, or the
-    // consumer's own link to it.
-    let consumers: HashSet<&str> = h
-        .iter()
-        .filter_map(|e| match &e.event {
-            Event::Effect { service, .. } => Some(service.as_str()),
-            _ => None,
-        })
-        .collect();
-    let consumer_db_fault = |target: &str| {
-        target == "database"
-            || target.split_once("->database").is_some_and(|(replica, _)| {
-                replica.rsplit_once('-').is_some_and(|(svc, _)| consumers.contains(svc))
-            })
-    };
-    let crashes: Vec<(u64, String)> = h
-        .iter()
-        .filter_map(|e| match &e.event {
-            Event::Crash { replica, consumer: true, how } => Some((e.t_ms, format!("crash {replica} ({how}) @{}ms", e.t_ms))),
-            Event::Fault { kind, target, phase: Phase::Start } if consumer_db_fault(target) => {
-                Some((e.t_ms, format!("{kind} {target} @{}ms", e.t_ms)))
-            }
-            _ => None,
-        })
-        .collect();
+    let faults = window_faults(h);
+    let mut reprocessed: HashMap<Uuid, usize> = HashMap::new();
+    for e in h.iter() {
+        if let Event::Reprocessed { envelope, .. } = &e.event {
+            *reprocessed.entry(*envelope).or_default() += 1;
+        }
+    }
+    let mut used: HashMap<(usize, Option<String>), usize> = HashMap::new();
     let (mut duplicated, mut attributed, mut unattributed) = (0, 0, 0);
-    for (envelope, times) in &fx.by_envelope {
-        if times.len() < 2 {
+    for (envelope, runs) in &fx.by_envelope {
+        if runs.len() < 2 {
             continue;
         }
         duplicated += 1;
-        for pair in times.windows(2) {
-            let (t1, t2) = (pair[0], pair[1]);
-            match crashes.iter().find(|(tc, _)| *tc >= t1 && *tc <= t2) {
-                Some((_, crash)) => {
+        for pair in runs.windows(2) {
+            let ((t1, r1), (t2, _)) = (&pair[0], &pair[1]);
+            let on = r1.as_deref().unwrap_or("an unnamed replica");
+            let candidates: Vec<usize> =
+                (0..faults.len()).filter(|&i| faults[i].opens(*t1, r1.as_deref()) && faults[i].from <= *t2).collect();
+            let free = candidates.iter().copied().find(|&i| used.get(&(i, r1.clone())).copied().unwrap_or(0) < HANDLER_CONCURRENCY);
+            let corroborated = reprocessed.get(envelope).copied().unwrap_or(0) > 0;
+            match (free, corroborated) {
+                (Some(i), true) => {
+                    *used.entry((i, r1.clone())).or_default() += 1;
+                    *reprocessed.get_mut(envelope).expect("counted above") -= 1;
                     attributed += 1;
-                    v.witness(format!("envelope {envelope} re-ran @{t2}ms after {crash} (#1180 window)"));
-                }
-                None => {
-                    unattributed += 1;
                     v.witness(format!(
-                        "envelope {envelope} took effect @{t1}ms and again @{t2}ms with no consumer crash between; {}",
-                        h.fault_near(t2)
+                        "envelope {envelope} ran on {on} @{t1}ms and again @{t2}ms after {}; the inbox reported the reprocess (#1180 window)",
+                        faults[i].label
                     ));
+                }
+                (free, corroborated) => {
+                    unattributed += 1;
+                    let why = if candidates.is_empty() {
+                        format!("no crash of {on}, database kill/pause or cut of its database link within {STAMP_DUE_MS} ms after the first run")
+                    } else if free.is_none() {
+                        format!("the only fault in its window ({}) already excused {HANDLER_CONCURRENCY} re-execution(s) of {on}", faults[candidates[0]].label)
+                    } else {
+                        debug_assert!(!corroborated);
+                        "the inbox reported no reprocess of it (not a re-run of an unstamped envelope)".to_owned()
+                    };
+                    v.witness(format!("envelope {envelope} took effect on {on} @{t1}ms and again @{t2}ms: {why}; {}", h.fault_near(*t2)));
                 }
             }
         }
@@ -366,7 +445,7 @@ mod tests {
     }
 
     fn effect(h: &mut History, t: u64, env: u128, referral: u128) {
-        h.push(t, Event::Effect { envelope: id(env), referral: Some(id(referral)), service: "rules".into() });
+        h.push(t, Event::Effect { envelope: id(env), referral: Some(id(referral)), service: "rules".into(), replica: Some("rules-1".into()) });
     }
 
     #[test]
@@ -428,56 +507,106 @@ mod tests {
         assert!(all.contains("was failed") && all.contains("was rolled back") && all.contains("was never attempted"), "{all}");
     }
 
+    fn effect_on(h: &mut History, t: u64, env: u128, replica: &str) {
+        let replica = Some(replica.to_owned());
+        h.push(t, Event::Effect { envelope: id(env), referral: Some(id(env)), service: "rules".into(), replica });
+    }
+
+    fn crash(h: &mut History, t: u64, replica: &str) {
+        h.push(t, Event::Crash { replica: replica.into(), consumer: replica.starts_with("rules"), how: "SIGABRT".into() });
+    }
+
+    fn reprocessed(h: &mut History, t: u64, env: u128, replica: &str) {
+        h.push(t, Event::Reprocessed { envelope: id(env), replica: replica.into() });
+    }
+
     #[test]
-    fn effect_once_attributes_crash_window_reexecutions_and_flags_the_rest() {
+    fn a_crash_of_the_first_runs_replica_in_its_window_excuses_one_corroborated_rerun() {
         let mut h = History::default();
-        effect(&mut h, 10, 101, 1);
-        h.push(15, Event::Crash { replica: "rules-1".into(), consumer: true, how: "SIGABRT".into() });
-        effect(&mut h, 20, 101, 1); // re-run after the consumer crash: attributed
-        effect(&mut h, 30, 102, 2);
-        effect(&mut h, 31, 102, 2); // duplicate with no crash between: a violation
-        h.push(25, Event::Crash { replica: "cases-1".into(), consumer: false, how: "SIGABRT".into() });
+        effect_on(&mut h, 10, 101, "rules-1");
+        crash(&mut h, 15, "rules-1");
+        reprocessed(&mut h, 900, 101, "rules-1");
+        effect_on(&mut h, 900, 101, "rules-1");
+        h.sort();
+        let v = effect_once(&h);
+        assert_eq!((v.validity, v.counts["crash_window_reexecutions"]), (Validity::Valid, 1), "{:?}", v.witnesses);
+        assert!(v.witnesses[0].contains("after crash rules-1 (SIGABRT) @15ms; the inbox reported the reprocess"), "{:?}", v.witnesses);
+    }
+
+    /// Issue 8.1: a duplicate beside an UNRELATED replica's crash is a violation.
+    #[test]
+    fn a_duplicate_beside_an_unrelated_replicas_crash_is_a_violation() {
+        let mut h = History::default();
+        effect_on(&mut h, 10, 101, "rules-1");
+        crash(&mut h, 12, "rules-2");
+        crash(&mut h, 13, "cases-1");
+        reprocessed(&mut h, 40, 101, "rules-2");
+        effect_on(&mut h, 40, 101, "rules-2");
+        h.sort();
+        let v = effect_once(&h);
+        assert_eq!((v.validity, v.counts["unattributed"]), (Validity::Invalid, 1), "{:?}", v.witnesses);
+        assert!(v.witnesses[0].contains("no crash of rules-1, database kill/pause or cut of its database link"), "{:?}", v.witnesses);
+    }
+
+    /// Issue 8.1: one crash of a sequential handler excuses ONE re-execution, not two.
+    #[test]
+    fn two_duplicates_excused_by_one_crash_of_a_sequential_handler_is_a_violation() {
+        let mut h = History::default();
+        effect_on(&mut h, 10, 101, "rules-1");
+        effect_on(&mut h, 11, 102, "rules-1");
+        crash(&mut h, 12, "rules-1");
+        for env in [101, 102] {
+            reprocessed(&mut h, 50, env, "rules-1");
+            effect_on(&mut h, 50, env, "rules-1");
+        }
+        h.sort();
+        let v = effect_once(&h);
+        assert_eq!((v.validity, v.counts["crash_window_reexecutions"], v.counts["unattributed"]), (Validity::Invalid, 1, 1));
+        assert!(v.witnesses.iter().any(|w| w.contains("already excused 1 re-execution(s) of rules-1")), "{:?}", v.witnesses);
+    }
+
+    #[test]
+    fn timing_alone_never_excuses_and_a_late_fault_is_outside_the_window() {
+        // The right crash, but the inbox never said it re-ran an unstamped envelope.
+        let mut h = History::default();
+        effect_on(&mut h, 10, 101, "rules-1");
+        crash(&mut h, 15, "rules-1");
+        effect_on(&mut h, 40, 101, "rules-1");
         h.sort();
         let v = effect_once(&h);
         assert_eq!(v.validity, Validity::Invalid);
-        assert_eq!(
-            (v.counts["duplicated"], v.counts["crash_window_reexecutions"], v.counts["unattributed"]),
-            (2, 1, 1)
-        );
-        assert!(v.witnesses.iter().any(|w| w.contains("after crash rules-1 (SIGABRT) @15ms (#1180 window)")), "{:?}", v.witnesses);
-        assert!(
-            v.witnesses.iter().any(|w| w.contains("no consumer crash between; last fault before it: crash cases-1")),
-            "{:?}",
-            v.witnesses
-        );
+        assert!(v.witnesses[0].contains("the inbox reported no reprocess"), "{:?}", v.witnesses);
+        // Corroborated, but the crash came long after the stamp was due.
+        let mut h = History::default();
+        effect_on(&mut h, 10, 101, "rules-1");
+        crash(&mut h, 10 + STAMP_DUE_MS + 1, "rules-1");
+        reprocessed(&mut h, 9_000, 101, "rules-1");
+        effect_on(&mut h, 9_000, 101, "rules-1");
+        h.sort();
+        assert_eq!(effect_once(&h).validity, Validity::Invalid);
     }
 
     #[test]
-    fn a_consumer_database_fault_opens_the_window_a_producer_one_does_not() {
+    fn the_consumers_database_opens_the_window_a_producers_link_does_not() {
         let mut h = History::default();
-        effect(&mut h, 10, 101, 1);
+        effect_on(&mut h, 10, 101, "rules-1");
         h.push(12, Event::Fault { kind: "kill".into(), target: "database".into(), phase: Phase::Start });
-        effect(&mut h, 20, 101, 1);
-        effect(&mut h, 30, 102, 2);
-        h.push(32, Event::Fault { kind: "down".into(), target: "cases-1->database".into(), phase: Phase::Start });
-        effect(&mut h, 40, 102, 2);
-        effect(&mut h, 50, 103, 3);
-        h.push(52, Event::Fault { kind: "down".into(), target: "rules-1->database".into(), phase: Phase::Start });
-        effect(&mut h, 60, 103, 3);
+        h.push(900, Event::Fault { kind: "kill".into(), target: "database".into(), phase: Phase::End });
+        effect_on(&mut h, 1_000, 101, "rules-1");
+        effect_on(&mut h, 2_000, 102, "rules-1");
+        h.push(2_010, Event::Fault { kind: "down".into(), target: "cases-1->database".into(), phase: Phase::Start });
+        effect_on(&mut h, 3_000, 102, "rules-1");
+        effect_on(&mut h, 4_000, 103, "rules-1");
+        h.push(4_010, Event::Fault { kind: "toxic".into(), target: "rules-1->database (timeout downstream)".into(), phase: Phase::Start });
+        effect_on(&mut h, 5_000, 103, "rules-1");
+        for env in [101, 102, 103] {
+            reprocessed(&mut h, 5_500, env, "rules-1");
+        }
         h.sort();
         let v = effect_once(&h);
         assert_eq!((v.counts["crash_window_reexecutions"], v.counts["unattributed"]), (2, 1), "{:?}", v.witnesses);
-        assert!(v.witnesses.iter().any(|w| w.contains("after kill database @12ms (#1180 window)")), "{:?}", v.witnesses);
-    }
-
-    #[test]
-    fn effect_once_holds_with_only_attributed_reexecutions() {
-        let mut h = History::default();
-        effect(&mut h, 10, 101, 1);
-        h.push(15, Event::Crash { replica: "rules-1".into(), consumer: true, how: "SIGKILL".into() });
-        effect(&mut h, 20, 101, 1);
-        let v = effect_once(&h);
-        assert_eq!((v.validity, v.counts["crash_window_reexecutions"]), (Validity::Valid, 1));
+        assert!(v.witnesses.iter().any(|w| w.contains("after kill database @12ms")), "{:?}", v.witnesses);
+        assert!(v.witnesses.iter().any(|w| w.contains("after toxic rules-1->database (timeout downstream) @4010ms")), "{:?}", v.witnesses);
     }
 
     #[test]
@@ -583,8 +712,8 @@ mod tests {
                 prop_assert!(v.witnesses.len() <= MAX_WITNESSES);
             }
 
-            /// effect_once: every duplicate run is either attributed to a consumer crash
-            /// between the two runs or counted as a violation — never dropped.
+            /// effect_once: every duplicate run is either attributed to a corroborated crash of
+            /// the first run's replica in its window, or counted as a violation — never dropped.
             #[test]
             fn effect_once_accounts_for_every_rerun(runs in proptest::collection::vec((1usize..4, any::<bool>()), 1..30)) {
                 let mut h = History::default();
@@ -597,10 +726,11 @@ mod tests {
                             if *crash_between {
                                 t += 1;
                                 h.push(t, Event::Crash { replica: "rules-1".into(), consumer: true, how: "SIGKILL".into() });
+                                h.push(t, Event::Reprocessed { envelope: id(env as u128), replica: "rules-1".into() });
                             }
                         }
                         t += 1;
-                        effect(&mut h, t, env as u128, env as u128);
+                        effect_on(&mut h, t, env as u128, "rules-1");
                     }
                 }
                 let v = effect_once(&h);

@@ -40,8 +40,18 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         last_error: Option<String>,
     },
-    /// A counted side effect (a `rule_evaluations` row), with the DB's time of it.
-    Effect { envelope: Uuid, referral: Option<Uuid>, service: String },
+    /// A counted side effect (a `rule_evaluations` row): the DB's time of it converted to the
+    /// run's clock, and the replica that ran it (when it said).
+    Effect {
+        envelope: Uuid,
+        referral: Option<Uuid>,
+        service: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        replica: Option<String>,
+    },
+    /// The inbox of `replica` reported re-running an envelope it had recorded but never
+    /// stamped (`inbox.reprocessed`, the #1180 window): the system's own corroboration.
+    Reprocessed { envelope: Uuid, replica: String },
     /// A fault began or ended.
     Fault { kind: String, target: String, phase: Phase },
     /// A replica process died (crash point, kill). `consumer` is true for consuming services.

@@ -94,16 +94,24 @@ pub fn scenario_seed(run_seed: u64, s: &Scenario) -> u64 {
 #[derive(Clone)]
 struct Log {
     origin: Arc<std::sync::Mutex<(Instant, i64)>>,
+    /// Database clock minus harness wall clock, ms, measured at [`Log::rebase`]: every DB
+    /// timestamp is converted with it ([`Log::rel_db`]), so the checkers compare one clock.
+    db_offset_ms: Arc<std::sync::atomic::AtomicI64>,
     history: Arc<std::sync::Mutex<History>>,
     faults: Arc<std::sync::Mutex<Vec<FaultRecord>>>,
+    /// Things that went wrong outside the schedule (a replica exiting on its own, a restart
+    /// that failed): each makes the scenario inconclusive, with the reason.
+    findings: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Log {
     fn new() -> Self {
         Self {
             origin: Arc::new(std::sync::Mutex::new((Instant::now(), chrono::Utc::now().timestamp_millis()))),
+            db_offset_ms: Arc::default(),
             history: Arc::default(),
             faults: Arc::default(),
+            findings: Arc::default(),
         }
     }
     fn rebase(&self) {
@@ -122,15 +130,35 @@ impl Log {
     fn push_at(&self, t: u64, event: Event) {
         self.history.lock().unwrap().push(t, event);
     }
+    fn finding(&self, what: String) {
+        self.findings.lock().unwrap().push(format!("{what} @{}ms", self.now()));
+    }
     fn fault(&self, kind: &str, target: &str, phase: Phase) {
         if phase == Phase::Start {
             self.faults.lock().unwrap().push(FaultRecord { kind: kind.into(), target: target.into(), at_ms: self.now() });
         }
         self.push(Event::Fault { kind: kind.into(), target: target.into(), phase });
     }
-    /// A DB timestamp (epoch ms) as run time (clamped at 0).
+    /// A harness wall-clock time (epoch ms) as run time (clamped at 0).
     fn rel(&self, epoch_ms: i64) -> u64 {
         (epoch_ms - self.origin.lock().unwrap().1).max(0) as u64
+    }
+    /// A database timestamp (epoch ms, the DB's clock) as run time.
+    fn rel_db(&self, db_epoch_ms: i64) -> u64 {
+        self.rel(db_epoch_ms - self.db_offset_ms.load(std::sync::atomic::Ordering::Relaxed))
+    }
+    /// Measure the database clock against ours (midpoint of one bounded round trip).
+    async fn measure_db_clock(&self, pool: &PgPool) {
+        let before = chrono::Utc::now().timestamp_millis();
+        let db = tokio::time::timeout(
+            Duration::from_secs(5),
+            sqlx::query_scalar::<_, i64>("SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::int8").fetch_one(pool),
+        )
+        .await;
+        let after = chrono::Utc::now().timestamp_millis();
+        if let Ok(Ok(db)) = db {
+            self.db_offset_ms.store(db - (before + after) / 2, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 }
 
@@ -184,6 +212,12 @@ pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> Scenari
         result.inconclusive = result.invariants.iter().any(|i| i.observed.is_none());
         result.passed = !result.inconclusive
             && result.invariants.iter().all(|i| i.observed.as_deref() == Some(expected_word(i.expected)));
+    }
+    let findings = log.findings.lock().unwrap().clone();
+    if result.error.is_none() && !findings.is_empty() {
+        result.error = Some(findings.join("; "));
+        result.inconclusive = true;
+        result.passed = false;
     }
     // A queue limit that made the broker Nack nothing proves nothing either: the evidence is
     // the producers' own `outbox_publish_errors_total{kind="nacked"}`.
@@ -321,6 +355,7 @@ async fn drive(
                 ("DATABASE_URL".into(), db_url),
                 ("AMQP_URL".into(), amqp_url),
                 ("CRAIG_JWT_SECRET".into(), secret.clone()),
+                ("CRAIG_REPLICA".into(), name.clone()),
                 ("CRAIG_OUTBOX_CLAIM_LEASE_SECS".into(), s.settings.claim_lease_secs.to_string()),
                 ("CRAIG_OUTBOX_POLL_MS".into(), s.settings.poll_ms.to_string()),
                 ("CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS".into(), s.settings.confirm_timeout_ms.to_string()),
@@ -340,6 +375,7 @@ async fn drive(
     let replicas: Replicas = Arc::new(replicas);
 
     log.rebase();
+    log.measure_db_clock(&cases_pool).await;
     for envelope in &poison {
         log.push(Event::Poison { envelope: *envelope, service: "cases".into() });
     }
@@ -446,6 +482,7 @@ async fn drive(
         }
     }
     collect(log, &pools).await?;
+    collect_reprocessed(log, &logs_dir);
     for p in pools.values() {
         p.close().await;
     }
@@ -571,6 +608,9 @@ async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, mut stop: wat
             let service = name.rsplit_once('-').map(|(s, _)| s).unwrap_or(name);
             log.push(Event::Crash { replica: name.clone(), consumer: consumes(service), how: describe(status) });
             let fault = s.faults.iter().map(|f| f.get_ref()).find(|f| f.kind == FaultKind::Crash && &f.target == name);
+            if fault.is_none() {
+                log.finding(format!("replica {name} exited ({}) with no fault targeting it; not restarted", describe(status)));
+            }
             if let Some(f) = fault {
                 log.fault("crash", &format!("{name} at {}", f.failpoint.as_deref().unwrap_or("?")), Phase::Start);
                 if let Some(ms) = f.restart_after_ms {
@@ -581,6 +621,7 @@ async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, mut stop: wat
                         r.spec.failpoints = None; // fire once
                         if let Err(e) = r.start().await {
                             tracing::error!(event = "chaos.restart_failed", replica = %name, error = %e);
+                            log.finding(format!("restarting {name} after its crash failed: {e}"));
                         }
                         log.fault("crash", &format!("{name} restarted"), Phase::End);
                     });
@@ -833,20 +874,47 @@ async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyhow::Result<
         .fetch_all(pool)
         .await?;
         for (envelope, referral, published, attempts, at, last_error) in rows {
-            log.push_at(log.rel(at), Event::Staged { envelope, referral, service: svc.clone(), published, attempts, last_error });
+            log.push_at(log.rel_db(at), Event::Staged { envelope, referral, service: svc.clone(), published, attempts, last_error });
         }
         if svc == "rules" {
-            let rows: Vec<(Uuid, Option<Uuid>, i64)> = sqlx::query_as(
-                "SELECT envelope_id, referral_id, (EXTRACT(EPOCH FROM evaluated_at) * 1000)::int8 FROM rule_evaluations",
+            let rows: Vec<(Uuid, Option<Uuid>, i64, Option<String>)> = sqlx::query_as(
+                "SELECT envelope_id, referral_id, (EXTRACT(EPOCH FROM evaluated_at) * 1000)::int8, replica FROM rule_evaluations",
             )
             .fetch_all(pool)
             .await?;
-            for (envelope, referral, at) in rows {
-                log.push_at(log.rel(at), Event::Effect { envelope, referral, service: "rules".into() });
+            for (envelope, referral, at, replica) in rows {
+                log.push_at(log.rel_db(at), Event::Effect { envelope, referral, service: "rules".into(), replica });
             }
         }
     }
     Ok(())
+}
+
+/// Every `inbox.reprocessed` a replica logged (its log holds all its incarnations): the
+/// inbox's own word that a re-execution was of an envelope recorded but never stamped.
+fn collect_reprocessed(log: &Log, logs_dir: &Path) {
+    let Ok(dir) = std::fs::read_dir(logs_dir) else { return };
+    for entry in dir.flatten() {
+        let path = entry.path();
+        let Some(replica) = path.file_stem().and_then(|s| s.to_str()).map(str::to_owned) else { continue };
+        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        for line in text.lines().filter(|l| l.contains("event=\"inbox.reprocessed\"")) {
+            let Some(envelope) = line
+                .split_once("envelope_id=")
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .and_then(|id| id.parse::<Uuid>().ok())
+            else {
+                continue;
+            };
+            let at = line
+                .split_whitespace()
+                .next()
+                .and_then(|ts| chrono::DateTime::parse_from_rfc3339(ts).ok())
+                .map(|ts| log.rel(ts.timestamp_millis()))
+                .unwrap_or_else(|| log.now());
+            log.push_at(at, Event::Reprocessed { envelope, replica: replica.clone() });
+        }
+    }
 }
 
 /// The folder for this scenario's own files inside the report.

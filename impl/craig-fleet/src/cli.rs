@@ -14,7 +14,8 @@ use tokio_util::sync::CancellationToken;
 /// Run one ADR-022 reference service: its HTTP routes, outbox worker and consumers.
 ///
 /// Reads DATABASE_URL (the service's own database), AMQP_URL and CRAIG_JWT_SECRET, plus the
-/// CRAIG_* worker settings documented in craig-mq's `settings` module. SIGTERM or Ctrl-C
+/// CRAIG_* worker settings documented in craig-mq's `settings` module. CRAIG_REPLICA, if set,
+/// names this replica in the effects it records (the chaos harness sets it). SIGTERM or Ctrl-C
 /// stops intake, drains the outbox once more and exits 0.
 #[derive(Parser)]
 #[command(name = "craig-node", version, args_conflicts_with_subcommands = true)]

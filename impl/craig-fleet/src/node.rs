@@ -235,12 +235,15 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
             retry_delay: Duration::from_millis(500),
             reconnect_delay: Duration::from_secs(1),
         };
-        let use_inbox = !opts.compat.has(Compat::PreD2);
+        let consumer = std::sync::Arc::new(rules::Consumer {
+            queue,
+            use_inbox: !opts.compat.has(Compat::PreD2),
+            replica: std::env::var("CRAIG_REPLICA").ok().filter(|r| !r.is_empty()),
+        });
         let pool = pool.clone();
         let handler = move |env| {
-            let pool = pool.clone();
-            let queue = queue.clone();
-            async move { rules::on_referral_created(&pool, &queue, env, use_inbox).await }
+            let (pool, consumer) = (pool.clone(), consumer.clone());
+            async move { rules::on_referral_created(&pool, &consumer, env).await }
         };
         tasks.spawn(run_subscriber(cfg, handler, shutdown.clone()));
     }

@@ -13,12 +13,21 @@ use uuid::Uuid;
 
 pub const RULE_EVALUATED: &str = "rule.evaluated";
 
-/// Handle one delivery on `queue`; `use_inbox = false` is compat `pre-d2`.
-pub async fn on_referral_created(pool: &PgPool, queue: &str, envelope: EventEnvelope, use_inbox: bool) -> Result<(), HandlerError> {
-    if !use_inbox {
-        return evaluate(pool, envelope).await.map_err(classify);
+/// Who runs the handler: `replica` (from `CRAIG_REPLICA`) is recorded with each evaluation.
+#[derive(Debug, Clone)]
+pub struct Consumer {
+    pub queue: String,
+    pub use_inbox: bool,
+    pub replica: Option<String>,
+}
+
+/// Handle one delivery; `use_inbox = false` is compat `pre-d2`.
+pub async fn on_referral_created(pool: &PgPool, c: &Consumer, envelope: EventEnvelope) -> Result<(), HandlerError> {
+    let replica = c.replica.as_deref();
+    if !c.use_inbox {
+        return evaluate(pool, envelope, replica).await.map_err(classify);
     }
-    match handle_idempotently(pool, &envelope, queue, |env| evaluate(pool, env)).await {
+    match handle_idempotently(pool, &envelope, &c.queue, |env| evaluate(pool, env, replica)).await {
         Ok(_) => Ok(()),
         Err(InboxError::Db(e)) | Err(InboxError::Handler { source: EvalError::Db(e), .. }) => Err(classify_db(e)),
         Err(InboxError::Handler { source: EvalError::Payload(why), .. }) => Err(HandlerError::Permanent(why)),
@@ -49,7 +58,7 @@ fn classify_db(e: sqlx::Error) -> HandlerError {
     }
 }
 
-async fn evaluate(pool: &PgPool, envelope: EventEnvelope) -> Result<(), EvalError> {
+async fn evaluate(pool: &PgPool, envelope: EventEnvelope, replica: Option<&str>) -> Result<(), EvalError> {
     let referral_id = envelope
         .payload
         .get("referral_id")
@@ -66,11 +75,12 @@ async fn evaluate(pool: &PgPool, envelope: EventEnvelope) -> Result<(), EvalErro
     )
     .expect("static event type and service name are valid");
     let mut tx = pool.begin().await?;
-    sqlx::query("INSERT INTO rule_evaluations (envelope_id, referral_id, rule, outcome) VALUES ($1, $2, $3, $4)")
+    sqlx::query("INSERT INTO rule_evaluations (envelope_id, referral_id, rule, outcome, replica) VALUES ($1, $2, $3, $4, $5)")
         .bind(envelope.id)
         .bind(referral_id)
         .bind("referral-basic")
         .bind(outcome)
+        .bind(replica)
         .execute(&mut *tx)
         .await?;
     publish_in_tx(&mut tx, &evaluated).await?;
