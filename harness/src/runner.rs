@@ -310,7 +310,7 @@ async fn drive(
     let mut pools: BTreeMap<String, PgPool> = BTreeMap::new();
     for svc in s.fleet.keys() {
         let url = ep.database_url(svc).context("backend has no database for a fleet service")?;
-        craig_fleet::node::migrate(svc.parse()?, url, Duration::from_secs(30)).await?;
+        bounded(Duration::from_secs(90), "applying migrations", craig_fleet::node::migrate(svc.parse()?, url, Duration::from_secs(30))).await?;
         pools.insert(
             svc.clone(),
             sqlx::postgres::PgPoolOptions::new().max_connections(3).acquire_timeout(Duration::from_secs(5)).connect_lazy(url)?,
@@ -425,7 +425,7 @@ async fn drive(
         pending_total = 0;
         for pool in pools.values() {
             // The injected poison rows stay pending by design; every other row must drain.
-            pending_total += pending_except(pool, &poison).await.unwrap_or(1);
+            pending_total += bounded(PROBE, "pending count", pending_except(pool, &poison)).await.unwrap_or(1);
         }
         // Bounded: a probe that hangs must not hang the run.
         let depth = match tokio::time::timeout(Duration::from_secs(5), queue_depths(&ep.amqp_url, s)).await {
@@ -433,7 +433,9 @@ async fn drive(
             _ => 1,
         };
         let effects = match pools.get("rules") {
-            Some(p) => sqlx::query_scalar::<_, i64>("SELECT count(*) FROM rule_evaluations").fetch_one(p).await.unwrap_or(-1),
+            Some(p) => bounded(PROBE, "effect count", sqlx::query_scalar::<_, i64>("SELECT count(*) FROM rule_evaluations").fetch_one(p))
+                .await
+                .unwrap_or(-1),
             None => 0,
         };
         if pending_total == 0 && depth == 0 {
@@ -453,14 +455,17 @@ async fn drive(
     }
     log.push(Event::Drained { after_ms: drained_after, bound_ms: s.liveness_bound_ms, pending: pending_total });
     for (svc, pool) in &pools {
-        let stuck: Vec<(Uuid, f64)> = sqlx::query_as(
-            "SELECT id, EXTRACT(EPOCH FROM (now() - claimed_at)) * 1000 FROM event_outbox \
-             WHERE published_at IS NULL AND claimed_at < now() - make_interval(secs => $1)",
+        let stuck: Vec<(Uuid, f64)> = bounded(
+            COLLECT,
+            "reading claims past their lease",
+            sqlx::query_as(
+                "SELECT id, EXTRACT(EPOCH FROM (now() - claimed_at)) * 1000 FROM event_outbox \
+                 WHERE published_at IS NULL AND claimed_at < now() - make_interval(secs => $1)",
+            )
+            .bind(s.settings.claim_lease_secs as f64)
+            .fetch_all(pool),
         )
-        .bind(s.settings.claim_lease_secs as f64)
-        .fetch_all(pool)
-        .await
-        .unwrap_or_default();
+        .await?;
         for (envelope, ago) in stuck {
             log.push(Event::Stuck { envelope, service: svc.clone(), claimed_ms_ago: ago as i64 });
         }
@@ -534,16 +539,38 @@ async fn deploy_topology(program: &NodeProgram, amqp_url: &str) -> anyhow::Resul
 async fn stage_poison_rows(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> {
     let mut ids = Vec::new();
     for i in 0..n {
-        let id: Uuid = sqlx::query_scalar(
-            "INSERT INTO event_outbox (event_type, envelope, created_at) \
-             VALUES ('case.referral_created', $1, now() - interval '1 hour') RETURNING id",
+        let id: Uuid = bounded(
+            COLLECT,
+            "writing a poison row",
+            sqlx::query_scalar(
+                "INSERT INTO event_outbox (event_type, envelope, created_at) \
+                 VALUES ('case.referral_created', $1, now() - interval '1 hour') RETURNING id",
+            )
+            .bind(json!({ "poison": i, "note": "not an envelope: written by hand" }))
+            .fetch_one(cases),
         )
-        .bind(json!({ "poison": i, "note": "not an envelope: written by hand" }))
-        .fetch_one(cases)
         .await?;
         ids.push(id);
     }
     Ok(ids)
+}
+
+/// Bound on one poll of the sampler or the drain loop (a miss is "not quiet", not a hang).
+const PROBE: Duration = Duration::from_secs(3);
+/// Bound on a read whose result the verdict needs (its miss is an error of the run).
+const COLLECT: Duration = Duration::from_secs(30);
+
+/// Every database call of the runner, sampler and collector is bounded: a paused or
+/// black-holed database must not hang a run.
+async fn bounded<T, E: Into<anyhow::Error>>(
+    limit: Duration,
+    what: &str,
+    call: impl std::future::Future<Output = Result<T, E>>,
+) -> anyhow::Result<T> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(r) => r.map_err(Into::into),
+        Err(_) => Err(anyhow::anyhow!("{what}: no answer within {limit:?}")),
+    }
 }
 
 /// Rows not yet ACKed, leaving out `except`.
@@ -748,7 +775,8 @@ async fn workload(s: &Scenario, seed: u64, log: &Log, replicas: &Replicas, cases
     for i in 0..s.workload.writes {
         tokio::time::sleep_until(began + gap * i).await;
         if rng.random_bool(s.workload.rollback_share) {
-            rolled_back_write(log, cases).await;
+            // Bounded: a paused database must not stall the workload's schedule.
+            let _ = tokio::time::timeout(PROBE, rolled_back_write(log, cases)).await;
         }
         let subject: String = fake::faker::name::en::Name().fake_with_rng(&mut rng);
         let r = cases_replicas[i as usize % cases_replicas.len()].clone();
@@ -826,12 +854,16 @@ async fn sample(
     loop {
         let (mut pending, mut published, mut effects, mut lag, mut lag_n) = (0i64, 0i64, 0i64, 0f64, 0);
         for (svc, pool) in &pools {
-            let row: Option<(i64, i64, Option<f64>)> = sqlx::query_as(
-                "SELECT count(*) FILTER (WHERE published_at IS NULL), count(published_at), \
-                 (avg(EXTRACT(EPOCH FROM (published_at - created_at))) FILTER (WHERE published_at > now() - interval '1 second'))::float8 * 1000 \
-                 FROM event_outbox",
+            let row: Option<(i64, i64, Option<f64>)> = bounded(
+                PROBE,
+                "sampling the outbox",
+                sqlx::query_as(
+                    "SELECT count(*) FILTER (WHERE published_at IS NULL), count(published_at), \
+                     (avg(EXTRACT(EPOCH FROM (published_at - created_at))) FILTER (WHERE published_at > now() - interval '1 second'))::float8 * 1000 \
+                     FROM event_outbox",
+                )
+                .fetch_optional(pool),
             )
-            .fetch_optional(pool)
             .await
             .ok()
             .flatten();
@@ -844,7 +876,9 @@ async fn sample(
                 }
             }
             if svc == "rules" {
-                effects += sqlx::query_scalar::<_, i64>("SELECT count(*) FROM rule_evaluations").fetch_one(pool).await.unwrap_or(0);
+                effects += bounded(PROBE, "effect count", sqlx::query_scalar::<_, i64>("SELECT count(*) FROM rule_evaluations").fetch_one(pool))
+                    .await
+                    .unwrap_or(0);
             }
         }
         let lag_ms = if lag_n > 0 { lag / lag_n as f64 } else { 0.0 };
@@ -867,20 +901,28 @@ async fn sample(
 /// Read what the databases say happened: staged envelopes and counted side effects.
 async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyhow::Result<()> {
     for (svc, pool) in pools {
-        let rows: Vec<(Uuid, Option<Uuid>, bool, i32, i64, Option<String>)> = sqlx::query_as(
-            "SELECT id, aggregate_id, published_at IS NOT NULL, attempts, (EXTRACT(EPOCH FROM created_at) * 1000)::int8, \
-                    last_error FROM event_outbox",
+        let rows: Vec<(Uuid, Option<Uuid>, bool, i32, i64, Option<String>)> = bounded(
+            COLLECT,
+            "reading the outbox",
+            sqlx::query_as(
+                "SELECT id, aggregate_id, published_at IS NOT NULL, attempts, (EXTRACT(EPOCH FROM created_at) * 1000)::int8, \
+                        last_error FROM event_outbox",
+            )
+            .fetch_all(pool),
         )
-        .fetch_all(pool)
         .await?;
         for (envelope, referral, published, attempts, at, last_error) in rows {
             log.push_at(log.rel_db(at), Event::Staged { envelope, referral, service: svc.clone(), published, attempts, last_error });
         }
         if svc == "rules" {
-            let rows: Vec<(Uuid, Option<Uuid>, i64, Option<String>)> = sqlx::query_as(
-                "SELECT envelope_id, referral_id, (EXTRACT(EPOCH FROM evaluated_at) * 1000)::int8, replica FROM rule_evaluations",
+            let rows: Vec<(Uuid, Option<Uuid>, i64, Option<String>)> = bounded(
+                COLLECT,
+                "reading rule_evaluations",
+                sqlx::query_as(
+                    "SELECT envelope_id, referral_id, (EXTRACT(EPOCH FROM evaluated_at) * 1000)::int8, replica FROM rule_evaluations",
+                )
+                .fetch_all(pool),
             )
-            .fetch_all(pool)
             .await?;
             for (envelope, referral, at, replica) in rows {
                 log.push_at(log.rel_db(at), Event::Effect { envelope, referral, service: "rules".into(), replica });
