@@ -40,6 +40,10 @@ enum Command {
         /// Also write the verdicts as JUnit XML to FILE (a test case per scenario and invariant).
         #[arg(long, value_name = "FILE")]
         junit: Option<PathBuf>,
+        /// Run every scenario under N seeds derived from --seed (the first is --seed itself)
+        /// and report per scenario how many held, with each failing seed's reproduce command.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000))]
+        seeds: Option<u32>,
     },
     /// List the scenarios found, with what each expects.
     List {
@@ -57,14 +61,14 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::List { paths } => list(&paths),
-        Command::Run { paths, seed, backend, report, junit } => {
+        Command::Run { paths, seed, backend, report, junit, seeds } => {
             let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
             rt.block_on(async {
                 let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
                 // Dropping the run future drops its backend and replicas: servers are
                 // killed and temp dirs removed before we exit.
                 tokio::select! {
-                    code = run(paths, seed, backend, report, junit) => code,
+                    code = run(paths, seed, backend, report, junit, seeds.unwrap_or(1)) => code,
                     _ = tokio::signal::ctrl_c() => {
                         eprintln!("chaos: interrupted; servers and replicas stopped, temp dirs removed");
                         ExitCode::from(130)
@@ -106,7 +110,40 @@ fn list(paths: &[PathBuf]) -> ExitCode {
     }
 }
 
-async fn run(paths: Vec<PathBuf>, seed: Option<u64>, backend: BackendKind, report: Option<PathBuf>, junit: Option<PathBuf>) -> ExitCode {
+/// The k-th run seed of a `--seeds` run; the 0th is the run seed itself.
+/// Per scenario: how many seeds met the expectations, and each other seed's reproduce command.
+fn seeds_summary(
+    scenarios: &[craig_chaos::scenario::Scenario],
+    results: &[craig_chaos::runner::ScenarioResult],
+    per_seed: &[(u64, usize)],
+    backend: BackendKind,
+    seed: u64,
+) -> String {
+    use std::fmt::Write as _;
+    let mut out = format!("seeds: {} derived from --seed {seed}\n\n", per_seed.len());
+    for (i, s) in scenarios.iter().enumerate() {
+        let runs: Vec<(u64, &craig_chaos::runner::ScenarioResult)> =
+            per_seed.iter().map(|(rs, first)| (*rs, &results[first + i])).collect();
+        let met = runs.iter().filter(|(_, r)| r.passed).count();
+        let secs: f64 = runs.iter().map(|(_, r)| r.duration_ms as f64 / 1000.0).sum();
+        let _ = writeln!(out, "{:<28} {met}/{} seeds met  ({secs:.0} s)", s.name, runs.len());
+        for (rs, r) in runs.iter().filter(|(_, r)| !r.passed) {
+            let word = if r.inconclusive { "inconclusive" } else { "NOT met" };
+            let _ = writeln!(
+                out,
+                "    {word} under --seed {rs}: cargo run --release -p craig-chaos -- run {} --seed {rs} --backend {backend}",
+                s.path.display()
+            );
+        }
+    }
+    out
+}
+
+fn derived_seed(seed: u64, k: u32) -> u64 {
+    seed ^ u64::from(k).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+async fn run(paths: Vec<PathBuf>, seed: Option<u64>, backend: BackendKind, report: Option<PathBuf>, junit: Option<PathBuf>, seeds: u32) -> ExitCode {
     let scenarios = match scenario::load(&paths) {
         Ok(s) => s,
         Err(e) => {
@@ -125,8 +162,9 @@ async fn run(paths: Vec<PathBuf>, seed: Option<u64>, backend: BackendKind, repor
     let report_dir = report.unwrap_or_else(|| PathBuf::from("target/chaos").join(&run_id));
     let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
     let command = format!(
-        "cargo run --release -p craig-chaos -- run {}--seed {seed} --backend {backend}",
-        if shown.is_empty() { String::new() } else { format!("{} ", shown.join(" ")) }
+        "cargo run --release -p craig-chaos -- run {}--seed {seed}{} --backend {backend}",
+        if shown.is_empty() { String::new() } else { format!("{} ", shown.join(" ")) },
+        if seeds > 1 { format!(" --seeds {seeds}") } else { String::new() }
     );
     // Progress lines go to stderr either way; on a terminal they come every 2 s per scenario.
     let progress = std::io::stderr().is_terminal() || std::env::var_os("CI").is_some() || std::env::var_os("CHAOS_PROGRESS").is_some();
@@ -139,26 +177,68 @@ async fn run(paths: Vec<PathBuf>, seed: Option<u64>, backend: BackendKind, repor
             return ExitCode::from(3);
         }
     };
-    let opts = RunOptions { backend, node_program, report_dir: report_dir.clone(), progress };
+    // With --seeds N each run seed gets its own complete report folder (seed-<seed>/).
+    let run_seeds: Vec<u64> = (0..seeds).map(|k| derived_seed(seed, k)).collect();
     let mut results = Vec::new();
-    for (i, s) in scenarios.iter().enumerate() {
-        let sseed = scenario_seed(seed, s);
-        eprintln!("[{}/{}] {} ({}, compat {}) seed {sseed}", i + 1, scenarios.len(), s.name, s.amendment, s.compat_summary());
-        let r = run_scenario(s, &opts, sseed).await;
-        let word = if r.passed { "met" } else if r.inconclusive { "INCONCLUSIVE" } else { "NOT MET" };
-        eprintln!("[{}/{}] {} — {word} in {:.1} s{}", i + 1, scenarios.len(), s.name, r.duration_ms as f64 / 1000.0,
-            r.error.as_deref().map(|e| format!(": {e}")).unwrap_or_default());
-        results.push(r);
+    let mut per_seed: Vec<(u64, usize)> = Vec::new(); // (run seed, index of its first result)
+    for (k, &run_seed) in run_seeds.iter().enumerate() {
+        let dir = if seeds > 1 { report_dir.join(format!("seed-{run_seed}")) } else { report_dir.clone() };
+        let opts = RunOptions { backend, node_program: node_program.clone(), report_dir: dir.clone(), progress };
+        per_seed.push((run_seed, results.len()));
+        if seeds > 1 {
+            eprintln!("== seed {}/{seeds}: --seed {run_seed}", k + 1);
+        }
+        for (i, s) in scenarios.iter().enumerate() {
+            let sseed = scenario_seed(run_seed, s);
+            eprintln!("[{}/{}] {} ({}, compat {}) seed {sseed}", i + 1, scenarios.len(), s.name, s.amendment, s.compat_summary());
+            let r = run_scenario(s, &opts, sseed).await;
+            let word = if r.passed { "met" } else if r.inconclusive { "INCONCLUSIVE" } else { "NOT MET" };
+            eprintln!("[{}/{}] {} — {word} in {:.1} s{}", i + 1, scenarios.len(), s.name, r.duration_ms as f64 / 1000.0,
+                r.error.as_deref().map(|e| format!(": {e}")).unwrap_or_default());
+            results.push(r);
+        }
+        if seeds > 1 {
+            let slice = &results[per_seed[k].1..];
+            let backend_used = slice.iter().map(|r| r.backend.as_str()).find(|b| !b.is_empty()).unwrap_or(backend.name()).to_owned();
+            let seed_command = command.replace(&format!("--seed {seed}"), &format!("--seed {run_seed}"));
+            let rep = RunReport { run_id: &run_id, seed: run_seed, backend: &backend_used, command: &seed_command, results: slice };
+            if let Err(e) = rep.write(&dir) {
+                eprintln!("chaos: writing the report to {}: {e}", dir.display());
+                return ExitCode::from(3);
+            }
+        }
     }
     let backend_used = results.iter().map(|r| r.backend.as_str()).find(|b| !b.is_empty()).unwrap_or(backend.name()).to_owned();
-    let rep = RunReport { run_id: &run_id, seed, backend: &backend_used, command: &command, results: &results };
-    println!("\n{}", rep.table());
-    if let Err(e) = rep.write(&report_dir) {
-        eprintln!("chaos: writing the report to {}: {e}", report_dir.display());
-        return ExitCode::from(3);
+    if seeds > 1 {
+        let summary = seeds_summary(&scenarios, &results, &per_seed, backend, seed);
+        println!("\n{summary}");
+        if let Err(e) = std::fs::create_dir_all(&report_dir).and_then(|()| std::fs::write(report_dir.join("seeds.md"), &summary)) {
+            eprintln!("chaos: writing the seeds summary to {}: {e}", report_dir.display());
+            return ExitCode::from(3);
+        }
+        println!("report: {}/seeds.md (each seed's full report in seed-<seed>/)", report_dir.display());
+    } else {
+        let rep = RunReport { run_id: &run_id, seed, backend: &backend_used, command: &command, results: &results };
+        println!("\n{}", rep.table());
+        if let Err(e) = rep.write(&report_dir) {
+            eprintln!("chaos: writing the report to {}: {e}", report_dir.display());
+            return ExitCode::from(3);
+        }
+        println!("report: {}/report.md (timeline.svg, report.json, history.jsonl beside it)", report_dir.display());
     }
-    println!("report: {}/report.md (timeline.svg, report.json, history.jsonl beside it)", report_dir.display());
     if let Some(path) = junit {
+        // One suite per scenario and seed when there are several seeds.
+        let named: Vec<_> = results
+            .iter()
+            .map(|r| {
+                let mut r = r.clone();
+                if seeds > 1 {
+                    r.name = format!("{} (seed {})", r.name, r.seed);
+                }
+                r
+            })
+            .collect();
+        let rep = RunReport { run_id: &run_id, seed, backend: &backend_used, command: &command, results: &named };
         if let Err(e) = std::fs::write(&path, rep.junit()) {
             eprintln!("chaos: writing JUnit XML to {}: {e}", path.display());
             return ExitCode::from(3);
