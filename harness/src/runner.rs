@@ -214,14 +214,12 @@ pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> Scenari
             && result.invariants.iter().all(|i| i.observed.as_deref() == Some(expected_word(i.expected)));
     }
     let findings = log.findings.lock().unwrap().clone();
-    if result.error.is_none() && !findings.is_empty() {
-        result.error = Some(findings.join("; "));
-        result.inconclusive = true;
-        result.passed = false;
+    if !findings.is_empty() {
+        inconclusive(&mut result, findings.join("; "));
     }
     // A queue limit that made the broker Nack nothing proves nothing either: the evidence is
     // the producers' own `outbox_publish_errors_total{kind="nacked"}`.
-    if result.error.is_none() && s.faults.iter().any(|f| f.get_ref().kind == FaultKind::QueueLimit) {
+    if s.faults.iter().any(|f| f.get_ref().kind == FaultKind::QueueLimit) {
         let nacked: f64 = result
             .metrics
             .values()
@@ -230,30 +228,37 @@ pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> Scenari
             .map(|(_, v)| v)
             .sum();
         if nacked == 0.0 {
-            result.error = Some("queue_limit: no replica reports a Nacked publish (outbox_publish_errors_total{kind=\"nacked\"} = 0): the fault did not take effect".into());
-            result.inconclusive = true;
-            result.passed = false;
+            inconclusive(
+                &mut result,
+                "queue_limit: no replica reports a Nacked publish (outbox_publish_errors_total{kind=\"nacked\"} = 0): the fault did not take effect".into(),
+            );
         }
     }
     // A named crash point that never fired proves nothing: inconclusive, with the reason.
-    if result.error.is_none() {
-        let unfired: Vec<String> = s
-            .faults
-            .iter()
-            .map(|f| f.get_ref())
-            .filter(|f| f.kind == FaultKind::Crash)
-            .filter(|f| !result.faults.iter().any(|r| r.kind == "crash" && r.target.starts_with(&format!("{} at ", f.target))))
-            .map(|f| format!("crash point {} on {} never fired", f.failpoint.as_deref().unwrap_or("?"), f.target))
-            .collect();
-        if !unfired.is_empty() {
-            result.error = Some(format!("{}: the fault did not take effect", unfired.join("; ")));
-            result.inconclusive = true;
-            result.passed = false;
-        }
+    let unfired: Vec<String> = s
+        .faults
+        .iter()
+        .map(|f| f.get_ref())
+        .filter(|f| f.kind == FaultKind::Crash)
+        .filter(|f| !result.faults.iter().any(|r| r.kind == "crash" && r.target.starts_with(&format!("{} at ", f.target))))
+        .map(|f| format!("crash point {} on {} never fired", f.failpoint.as_deref().unwrap_or("?"), f.target))
+        .collect();
+    if !unfired.is_empty() {
+        inconclusive(&mut result, format!("{}: the fault did not take effect", unfired.join("; ")));
     }
     result.duration_ms = run_clock.elapsed().as_millis() as u64;
     result.history = history;
     result
+}
+
+/// Mark the result inconclusive for `why`, unless an earlier reason already did (the first
+/// reason found is the one reported).
+fn inconclusive(result: &mut ScenarioResult, why: String) {
+    if result.error.is_none() {
+        result.error = Some(why);
+        result.inconclusive = true;
+        result.passed = false;
+    }
 }
 
 fn expected_word(e: Expect) -> &'static str {
