@@ -53,6 +53,8 @@ enum SessionError {
     Amqp(#[from] lapin::Error),
     #[error("consumer stream ended (channel or connection closed)")]
     StreamEnded,
+    #[error("consume set-up (channel, queue, qos, consume) not finished within {0:?}")]
+    SetUpTimeout(Duration),
     /// `ack`/`nack` answered `Ok(false)`: the acker was already used or its channel is
     /// poisoned, so the broker never got the settlement (#1197: an ack failure).
     #[error("basic.{0} was not sent: the delivery's channel is closed or the acker already used")]
@@ -68,6 +70,9 @@ fn settled(op: &'static str, sent: Result<bool, lapin::Error>) -> Result<(), Ses
         Err(e) => Err(SessionError::Amqp(e)),
     }
 }
+
+/// Bound on a session's set-up after the handshake.
+const SET_UP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Run consume sessions until `shutdown`. Each session error is logged and followed by a
 /// reconnect; the function returns only on shutdown.
@@ -96,16 +101,38 @@ where
 {
     let queue = cfg.spec.queue.as_str();
     let conn = connect(&cfg.amqp_url, cfg.heartbeat_secs, queue).await?;
-    let ch = conn.create_channel().await?;
-    topology::declare_consumer_queue(&ch, &cfg.spec).await?;
-    ch.basic_qos(cfg.prefetch, BasicQosOptions::default()).await?;
-    let mut consumer =
-        ch.basic_consume(queue.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
+    // The set-up is bounded like the handshake: a broker that accepts the connection and
+    // then stops answering (mid-boot, killed) must end the session, not park it.
+    let set_up = async {
+        let ch = conn.create_channel().await?;
+        topology::declare_consumer_queue(&ch, &cfg.spec).await?;
+        ch.basic_qos(cfg.prefetch, BasicQosOptions::default()).await?;
+        let consumer =
+            ch.basic_consume(queue.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
+        Ok::<_, lapin::Error>((ch, consumer))
+    };
+    let (ch, mut consumer) = match tokio::time::timeout(SET_UP_TIMEOUT, set_up).await {
+        Ok(r) => r?,
+        Err(_) => {
+            let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "set-up timed out".into())).await;
+            return Err(SessionError::SetUpTimeout(SET_UP_TIMEOUT));
+        }
+    };
     tracing::info!(event = "subscriber.started", queue);
+    let mut liveness = tokio::time::interval(Duration::from_secs(1));
     let result = loop {
         let next = tokio::select! {
             _ = shutdown.cancelled() => break Ok(()),
             next = consumer.next() => next,
+            // A consumer stream is expected to end when its connection fails; this check
+            // does not rely on it (a session that silently stopped delivering would strand
+            // the queue behind it).
+            _ = liveness.tick() => {
+                if conn.status().connected() && ch.status().connected() {
+                    continue;
+                }
+                break Err(SessionError::StreamEnded);
+            }
         };
         let delivery = match next {
             Some(Ok(d)) => d,
