@@ -94,10 +94,17 @@ fn list(paths: &[PathBuf]) -> ExitCode {
                 let expect: Vec<String> = s
                     .expect
                     .iter()
-                    .map(|(k, v)| format!("{k}={}", match v.get_ref() {
-                        scenario::Expect::Hold => "hold",
-                        scenario::Expect::Violate => "violate",
-                    }))
+                    .map(|(k, v)| {
+                        let v = v.get_ref();
+                        let word = match v.expect {
+                            scenario::Expect::Hold => "hold",
+                            scenario::Expect::Violate => "violate",
+                        };
+                        match &v.cause {
+                            Some(c) => format!("{k}={word}({c})"),
+                            None => format!("{k}={word}"),
+                        }
+                    })
                     .collect();
                 println!("{:<32} {:<8} compat {:<10} {}", s.name, s.amendment, s.compat_summary(), expect.join(" "));
             }
@@ -195,6 +202,18 @@ async fn run(paths: Vec<PathBuf>, seed: Option<u64>, backend: BackendKind, repor
             let word = if r.passed { "met" } else if r.inconclusive { "INCONCLUSIVE" } else { "NOT MET" };
             eprintln!("[{}/{}] {} — {word} in {:.1} s{}", i + 1, scenarios.len(), s.name, r.duration_ms as f64 / 1000.0,
                 r.error.as_deref().map(|e| format!(": {e}")).unwrap_or_default());
+            // A CI log is often all a reader has: say why, not only that.
+            for inv in r.invariants.iter().filter(|inv| !inv.met()) {
+                let counts: Vec<String> = inv.counts.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                eprintln!("      {} expected {:?}, observed {}: {}", inv.name, inv.expected,
+                    inv.observed.as_deref().unwrap_or("undecided"), counts.join(", "));
+                for w in inv.witnesses.iter().take(5) {
+                    eprintln!("        - {w}");
+                }
+                if inv.witnesses.len() > 5 {
+                    eprintln!("        … {} more in the report", inv.witnesses.len() - 5);
+                }
+            }
             results.push(r);
         }
         if seeds > 1 {
