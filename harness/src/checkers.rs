@@ -34,11 +34,67 @@ pub struct Verdict {
     pub counts: BTreeMap<String, u64>,
     pub witnesses: Vec<String>,
     pub error: Option<String>,
+    /// Violations found (all of them; `witnesses` shows the first [`MAX_WITNESSES`]).
+    #[serde(default)]
+    pub violations: u64,
+    /// How many violations point at each cause: `replica:<name>` and `compat:<mode>` (or
+    /// `compat:current`) of the replica that did the harm at that time — the one that
+    /// stamped a lost event, or ran a duplicate. A twin's `{ violate = "<cause>" }` needs
+    /// every violation to point at its cause.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub culprits: BTreeMap<String, u64>,
+}
+
+/// The cause tags of harm done by `replica` while it ran `compat` (None: never started).
+pub fn culprit_tags(replica: &str, compat: Option<&[String]>) -> Vec<String> {
+    let mut tags = vec![format!("replica:{replica}")];
+    match compat {
+        Some([]) => tags.push("compat:current".into()),
+        Some(modes) => tags.extend(modes.iter().map(|m| format!("compat:{m}"))),
+        None => tags.push("compat:unknown".into()),
+    }
+    tags
+}
+
+/// "cases-1 (compat pre-1128)" for witness texts.
+fn running(replica: &str, compat: Option<&[String]>) -> String {
+    match compat {
+        Some([]) => format!("{replica} (current)"),
+        Some(modes) => format!("{replica} (compat {})", modes.join(",")),
+        None => replica.to_owned(),
+    }
 }
 
 impl Verdict {
     fn new(name: &str) -> Self {
-        Self { name: name.into(), validity: Validity::Valid, counts: BTreeMap::new(), witnesses: vec![], error: None }
+        Self {
+            name: name.into(),
+            validity: Validity::Valid,
+            counts: BTreeMap::new(),
+            witnesses: vec![],
+            error: None,
+            violations: 0,
+            culprits: BTreeMap::new(),
+        }
+    }
+
+    /// A verdict that could not be reached.
+    pub fn undecided(name: &str, error: impl Into<String>) -> Self {
+        Self { error: Some(error.into()), validity: Validity::Unknown, ..Self::new(name) }
+    }
+
+    /// Count one violation against every cause in `tags` (each at most once).
+    fn blame(&mut self, tags: impl IntoIterator<Item = String>) {
+        self.violations += 1;
+        let tags: std::collections::BTreeSet<String> = tags.into_iter().collect();
+        for t in tags {
+            *self.culprits.entry(t).or_default() += 1;
+        }
+    }
+
+    /// Whether every violation points at `cause` (and there was at least one).
+    pub fn all_point_at(&self, cause: &str) -> bool {
+        self.violations > 0 && self.culprits.get(cause).copied().unwrap_or(0) == self.violations
     }
 
     fn count(&mut self, key: &str, n: usize) {
@@ -53,6 +109,9 @@ impl Verdict {
 }
 
 pub const INVARIANTS: &[&str] = &["no_loss", "no_phantom", "effect_once", "liveness"];
+/// Checkers that blame every violation on a replica and its compat mode
+/// ([`Verdict::culprits`]), so a scenario can name the cause it must be violated for.
+pub const ATTRIBUTING: &[&str] = &["no_loss", "effect_once"];
 
 /// Run one checker by name (None: no such checker).
 pub fn check(name: &str, h: &History) -> Option<Verdict> {
@@ -108,6 +167,19 @@ fn effects(h: &History) -> Effects {
 pub fn no_loss(h: &History) -> Verdict {
     let mut v = Verdict::new("no_loss");
     let fx = effects(h);
+    // referral → its envelopes; envelope → who stamped it published, with the behaviour
+    // that replica ran then.
+    let mut envelopes: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
+    let mut stamps: HashMap<Uuid, Vec<(u64, &str, &[String])>> = HashMap::new();
+    for e in h.iter() {
+        match &e.event {
+            Event::Staged { envelope, referral: Some(r), .. } => envelopes.entry(*r).or_default().push(*envelope),
+            Event::Stamped { envelope, replica, compat } => {
+                stamps.entry(*envelope).or_default().push((e.t_ms, replica.as_str(), compat.as_slice()))
+            }
+            _ => {}
+        }
+    }
     let (mut attempted, mut acknowledged, mut ok, mut lost, mut recovered, mut unknown, mut failed) = (0, 0, 0, 0, 0, 0, 0);
     for entry in h.iter() {
         let Event::Write { referral, outcome, replica, .. } = &entry.event else { continue };
@@ -120,8 +192,21 @@ pub fn no_loss(h: &History) -> Verdict {
                     ok += 1;
                 } else {
                     lost += 1;
+                    // Blame whoever stamped its event published (it vouched for a delivery
+                    // that never happened); with no stamp, the replica that acknowledged it.
+                    let stamped: Vec<&(u64, &str, &[String])> =
+                        envelopes.get(referral).into_iter().flatten().filter_map(|env| stamps.get(env)).flatten().collect();
+                    let by = if stamped.is_empty() {
+                        let compat = h.compat_at(replica, entry.t_ms);
+                        v.blame(culprit_tags(replica, compat));
+                        format!("its event was never stamped published ({} acknowledged it)", running(replica, compat))
+                    } else {
+                        v.blame(stamped.iter().flat_map(|(_, r, c)| culprit_tags(r, Some(c))));
+                        let who: Vec<String> = stamped.iter().map(|(t, r, c)| format!("{} @{t}ms", running(r, Some(c)))).collect();
+                        format!("its event was stamped published by {}", who.join(", "))
+                    };
                     v.witness(format!(
-                        "referral {referral} acknowledged by {replica} @{}ms never took effect; {}",
+                        "referral {referral} acknowledged by {replica} @{}ms never took effect: {by}; {}",
                         entry.t_ms,
                         h.fault_near(entry.t_ms)
                     ));
@@ -328,6 +413,14 @@ pub fn effect_once(h: &History) -> Verdict {
                 }
                 (free, corroborated) => {
                     unattributed += 1;
+                    let second = &pair[1];
+                    let mut tags = Vec::new();
+                    for (r, t) in [(r1, *t1), (&second.1, second.0)] {
+                        if let Some(r) = r.as_deref() {
+                            tags.extend(culprit_tags(r, h.compat_at(r, t)));
+                        }
+                    }
+                    v.blame(tags);
                     let why = if candidates.is_empty() {
                         format!("no crash of {on}, database kill/pause or cut of its database link within {STAMP_DUE_MS} ms after the first run")
                     } else if free.is_none() {
@@ -336,7 +429,15 @@ pub fn effect_once(h: &History) -> Verdict {
                         debug_assert!(!corroborated);
                         "the inbox reported no reprocess of it (not a re-run of an unstamped envelope)".to_owned()
                     };
-                    v.witness(format!("envelope {envelope} took effect on {on} @{t1}ms and again @{t2}ms: {why}; {}", h.fault_near(*t2)));
+                    let again = match second.1.as_deref() {
+                        Some(r) => format!("again on {} @{t2}ms", running(r, h.compat_at(r, *t2))),
+                        None => format!("again @{t2}ms"),
+                    };
+                    let first = match r1.as_deref() {
+                        Some(r) => running(r, h.compat_at(r, *t1)),
+                        None => on.to_owned(),
+                    };
+                    v.witness(format!("envelope {envelope} took effect on {first} @{t1}ms and {again}: {why}; {}", h.fault_near(*t2)));
                 }
             }
         }
@@ -446,6 +547,89 @@ mod tests {
 
     fn effect(h: &mut History, t: u64, env: u128, referral: u128) {
         h.push(t, Event::Effect { envelope: id(env), referral: Some(id(referral)), service: "rules".into(), replica: Some("rules-1".into()) });
+    }
+
+    fn started(h: &mut History, t: u64, replica: &str, compat: &[&str]) {
+        h.push(t, Event::Started { replica: replica.into(), compat: compat.iter().map(|c| c.to_string()).collect() });
+    }
+
+    fn staged(h: &mut History, env: u128, referral: u128) {
+        h.push(0, Event::Staged { envelope: id(env), referral: Some(id(referral)), service: "cases".into(), published: true, attempts: 1, last_error: None });
+    }
+
+    fn stamped(h: &mut History, t: u64, env: u128, replica: &str, compat: &[&str]) {
+        h.push(t, Event::Stamped { envelope: id(env), replica: replica.into(), compat: compat.iter().map(|c| c.to_string()).collect() });
+    }
+
+    /// A rolling upgrade: cases-1 runs pre-1128 until 1000 ms, then current. Each loss is
+    /// blamed on whoever stamped it with the behaviour it ran then, and a loss nobody
+    /// stamped on the replica that acknowledged the write.
+    #[test]
+    fn no_loss_blames_each_loss_on_the_stamping_replica_and_its_compat_at_the_time() {
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", &["pre-1128"]);
+        started(&mut h, 0, "cases-2", &["pre-1128"]);
+        started(&mut h, 1000, "cases-1", &[]);
+        write(&mut h, 100, 1, Outcome::Ok); // stamped by old cases-2, lost
+        staged(&mut h, 11, 1);
+        stamped(&mut h, 300, 11, "cases-2", &["pre-1128"]);
+        write(&mut h, 200, 2, Outcome::Ok); // stamped by old cases-1, lost
+        staged(&mut h, 12, 2);
+        stamped(&mut h, 400, 12, "cases-1", &["pre-1128"]);
+        write(&mut h, 300, 3, Outcome::Ok); // delivered
+        staged(&mut h, 13, 3);
+        effect(&mut h, 500, 13, 3);
+        let v = no_loss(&h);
+        assert_eq!((v.validity, v.violations), (Validity::Invalid, 2));
+        assert!(v.all_point_at("compat:pre-1128"), "{:?}", v.culprits);
+        assert_eq!((v.culprits["replica:cases-1"], v.culprits["replica:cases-2"]), (1, 1));
+        assert!(v.witnesses[0].contains("stamped published by cases-2 (compat pre-1128) @300ms"), "{}", v.witnesses[0]);
+
+        // After the upgrade, cases-1 (current) stamps an event that never arrives: a loss of
+        // current behaviour, so the violations no longer all point at pre-1128.
+        write(&mut h, 1500, 4, Outcome::Ok);
+        staged(&mut h, 14, 4);
+        stamped(&mut h, 1600, 14, "cases-1", &[]);
+        h.sort();
+        let v = no_loss(&h);
+        assert_eq!(v.violations, 3);
+        assert!(!v.all_point_at("compat:pre-1128"));
+        assert_eq!(v.culprits["compat:current"], 1);
+
+        // Never stamped: the replica that acknowledged it, with its compat at the time.
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", &["pre-d1"]);
+        write(&mut h, 100, 1, Outcome::Ok);
+        let v = no_loss(&h);
+        assert!(v.all_point_at("compat:pre-d1") && v.all_point_at("replica:cases-1"), "{:?}", v.culprits);
+        assert!(v.witnesses[0].contains("never stamped published (cases-1 (compat pre-d1) acknowledged it)"), "{}", v.witnesses[0]);
+    }
+
+    /// A mixed consumer fleet: a duplicate involving the pre-d2 replica points at pre-d2; one
+    /// between two current runs does not, and the twin's cause check then fails.
+    #[test]
+    fn effect_once_blames_both_runs_of_a_duplicate() {
+        let run = |h: &mut History, t: u64, env: u128, replica: &str| {
+            h.push(t, Event::Effect { envelope: id(env), referral: Some(id(env)), service: "rules".into(), replica: Some(replica.into()) });
+        };
+        let mut h = History::default();
+        started(&mut h, 0, "rules-1", &["pre-d2"]);
+        started(&mut h, 0, "rules-2", &[]);
+        run(&mut h, 100, 1, "rules-2");
+        run(&mut h, 900, 1, "rules-1");
+        run(&mut h, 200, 2, "rules-1");
+        run(&mut h, 950, 2, "rules-2");
+        h.sort();
+        let v = effect_once(&h);
+        assert_eq!((v.validity, v.violations), (Validity::Invalid, 2));
+        assert!(v.all_point_at("compat:pre-d2"), "{:?}", v.culprits);
+        assert!(v.witnesses.iter().any(|w| w.contains("on rules-2 (current) @100ms and again on rules-1 (compat pre-d2) @900ms")), "{:?}", v.witnesses);
+        run(&mut h, 300, 3, "rules-2");
+        run(&mut h, 990, 3, "rules-2");
+        h.sort();
+        let v = effect_once(&h);
+        assert_eq!(v.violations, 3);
+        assert!(!v.all_point_at("compat:pre-d2"), "{:?}", v.culprits);
     }
 
     #[test]

@@ -52,6 +52,13 @@ pub enum Event {
     /// The inbox of `replica` reported re-running an envelope it had recorded but never
     /// stamped (`inbox.reprocessed`, the #1180 window): the system's own corroboration.
     Reprocessed { envelope: Uuid, replica: String },
+    /// A replica (re)started running `compat` (empty: current behaviour). Every start is
+    /// recorded — first start, late start, restart after a crash or kill, upgrade — so the
+    /// checkers know which behaviour ran an execution at its time.
+    Started { replica: String, compat: Vec<String> },
+    /// A replica's outbox stamped `envelope` published (its `outbox.stamped` log line),
+    /// while running `compat`: who to blame when a stamped event never arrives.
+    Stamped { envelope: Uuid, replica: String, compat: Vec<String> },
     /// A fault began or ended.
     Fault { kind: String, target: String, phase: Phase },
     /// A replica process died (crash point, kill). `consumer` is true for consuming services.
@@ -101,6 +108,20 @@ impl History {
         self.entries.iter()
     }
 
+    /// The compat modes `replica` ran at time `t` (its last start at or before `t`; its
+    /// first start when `t` precedes them all). None: the replica was never started.
+    pub fn compat_at(&self, replica: &str, t: u64) -> Option<&[String]> {
+        let mut found: Option<&[String]> = None;
+        for e in &self.entries {
+            if let Event::Started { replica: r, compat } = &e.event {
+                if r == replica && (e.t_ms <= t || found.is_none()) {
+                    found = Some(compat);
+                }
+            }
+        }
+        found
+    }
+
     pub fn to_jsonl(&self) -> String {
         let mut out = String::new();
         for e in &self.entries {
@@ -147,6 +168,22 @@ impl History {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compat_at_is_the_behaviour_of_the_last_start() {
+        let mut h = History::default();
+        let start = |h: &mut History, t, c: &[&str]| {
+            h.push(t, Event::Started { replica: "cases-1".into(), compat: c.iter().map(|s| s.to_string()).collect() })
+        };
+        start(&mut h, 0, &["pre-1128"]);
+        start(&mut h, 1500, &[]);
+        start(&mut h, 4000, &["pre-1128"]);
+        let at = |t| h.compat_at("cases-1", t).map(|c| c.join(","));
+        assert_eq!((at(0), at(1499), at(1500), at(3999), at(9000)), (
+            Some("pre-1128".into()), Some("pre-1128".into()), Some(String::new()), Some(String::new()), Some("pre-1128".into())
+        ));
+        assert_eq!(h.compat_at("cases-2", 10), None);
+    }
 
     #[test]
     fn jsonl_round_trip_is_flat_and_typed() {

@@ -107,7 +107,9 @@ impl Replica {
         self.starts += 1;
         let mut log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(|e| self.err("opening log", e))?;
         use std::io::Write as _;
-        let _ = writeln!(log, "--- start {} of {} ---", self.starts, self.name());
+        let compat = if self.spec.compat.is_empty() { "-".to_owned() } else { self.spec.compat.join(",") };
+        // The collector reads which behaviour each incarnation ran from this line.
+        let _ = writeln!(log, "--- start {} of {} (compat {compat}) ---", self.starts, self.name());
         let mut cmd = Command::new(&self.program.program);
         cmd.args(&self.program.prefix)
             .args(["--service", &self.spec.service, "--http", "127.0.0.1:0"]);

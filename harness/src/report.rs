@@ -51,18 +51,20 @@ impl RunReport<'_> {
                 continue;
             }
             for i in &r.invariants {
-                let expected = match i.expected {
-                    crate::scenario::Expect::Hold => "hold",
-                    crate::scenario::Expect::Violate => "violate",
+                let expected = match (i.expected, &i.cause) {
+                    (crate::scenario::Expect::Hold, _) => "hold".to_owned(),
+                    (crate::scenario::Expect::Violate, None) => "violate".to_owned(),
+                    (crate::scenario::Expect::Violate, Some(c)) => format!("violate by {c}"),
                 };
                 let observed = i.observed.clone().unwrap_or_else(|| "unknown".into());
-                let verdict = match (observed.as_str(), expected) {
-                    ("held", "hold") => "ok".to_owned(),
-                    ("violated", "violate") => "ok (violated, as expected)".to_owned(),
-                    ("unknown", _) => format!("INCONCLUSIVE: {}", i.error.clone().unwrap_or_default()),
-                    _ => "FAILED".to_owned(),
+                let verdict = if i.met() {
+                    if i.expected == crate::scenario::Expect::Violate { "ok (violated, as expected)".to_owned() } else { "ok".to_owned() }
+                } else if i.observed.is_none() {
+                    format!("INCONCLUSIVE: {}", i.error.clone().unwrap_or_default())
+                } else {
+                    "FAILED".to_owned()
                 };
-                rows.push([r.name.clone(), r.amendment.clone(), r.compat.clone(), i.name.clone(), expected.into(), observed, verdict]);
+                rows.push([r.name.clone(), r.amendment.clone(), r.compat.clone(), i.name.clone(), expected, observed, verdict]);
             }
         }
         let widths: Vec<usize> = (0..7).map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0)).collect();
@@ -99,7 +101,12 @@ impl RunReport<'_> {
             }
             for i in &r.invariants {
                 let counts: Vec<String> = i.counts.iter().map(|(k, v)| format!("{k}={v}")).collect();
-                let _ = writeln!(md, "- **{}**: expected {:?}, observed {} — {}", i.name, i.expected, i.observed.as_deref().unwrap_or("unknown"), counts.join(", "));
+                let because = i.cause.as_deref().map(|c| format!(" by {c}")).unwrap_or_default();
+                let _ = writeln!(md, "- **{}**: expected {:?}{because}, observed {} — {}", i.name, i.expected, i.observed.as_deref().unwrap_or("unknown"), counts.join(", "));
+                if !i.culprits.is_empty() {
+                    let who: Vec<String> = i.culprits.iter().map(|(k, v)| format!("{k} {v}")).collect();
+                    let _ = writeln!(md, "  - {} violation(s), by culprit: {}", i.violations, who.join(", "));
+                }
                 for w in &i.witnesses {
                     let _ = writeln!(md, "  - {w}");
                 }
@@ -144,7 +151,10 @@ impl RunReport<'_> {
                     Some(o) if o == expected => {}
                     Some(o) => {
                         f += 1;
-                        let msg = format!("expected {expected}, observed {o}");
+                        let because = i.cause.as_deref().map(|c| format!(" by {c}")).unwrap_or_default();
+                        let who: Vec<String> = i.culprits.iter().map(|(k, v)| format!("{k} {v}")).collect();
+                        let by = if who.is_empty() { String::new() } else { format!("; culprits: {}", who.join(", ")) };
+                        let msg = format!("expected {expected}{because}, observed {o}{by}");
                         let _ = write!(body, r#"<failure message="{}">{}</failure>"#, xml(&msg), xml(&i.witnesses.join("\n")));
                     }
                     None => {
@@ -331,6 +341,9 @@ mod tests {
             observed: observed.map(str::to_owned),
             counts: BTreeMap::new(),
             witnesses: witnesses.iter().map(|w| w.to_string()).collect(),
+            cause: None,
+            violations: 0,
+            culprits: BTreeMap::new(),
             error: observed.is_none().then(|| "nothing to check".into()),
         }
     }

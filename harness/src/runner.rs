@@ -25,7 +25,7 @@ use crate::checkers::{self, Validity, Verdict};
 use crate::history::{Event, History, Outcome, Phase};
 use crate::process::{NodeProgram, Replica, ReplicaSpec, describe};
 use crate::proxy::{FaultProxy, Toxic, ToxiproxyClient, api};
-use crate::scenario::{Expect, Fault, FaultKind, FaultTarget, Scenario, Trigger};
+use crate::scenario::{Expect, Expectation, Fault, FaultKind, FaultTarget, Scenario, Trigger};
 
 pub struct RunOptions {
     pub backend: BackendKind,
@@ -47,12 +47,26 @@ pub struct FaultRecord {
 pub struct InvariantResult {
     pub name: String,
     pub expected: Expect,
+    /// The cause every violation must point at (`{ violate = "<cause>" }`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cause: Option<String>,
     /// "held" | "violated"; absent when the checker could not decide.
     pub observed: Option<String>,
     pub counts: BTreeMap<String, u64>,
     pub witnesses: Vec<String>,
+    /// Violations found, and how many point at each replica and compat mode.
+    pub violations: u64,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub culprits: BTreeMap<String, u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+}
+
+impl InvariantResult {
+    /// Observed as expected.
+    pub fn met(&self) -> bool {
+        self.observed.as_deref() == Some(expected_word(self.expected))
+    }
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -200,18 +214,11 @@ pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> Scenari
     result.faults = log.faults.lock().unwrap().clone();
     if result.error.is_none() {
         for (name, expect) in &s.expect {
-            let v = checkers::check(name, &history).unwrap_or_else(|| Verdict {
-                name: name.clone(),
-                validity: Validity::Unknown,
-                counts: BTreeMap::new(),
-                witnesses: vec![],
-                error: Some("no such checker".into()),
-            });
-            result.invariants.push(invariant_result(v, *expect.get_ref()));
+            let v = checkers::check(name, &history).unwrap_or_else(|| Verdict::undecided(name, "no such checker"));
+            result.invariants.push(invariant_result(v, expect.get_ref()));
         }
         result.inconclusive = result.invariants.iter().any(|i| i.observed.is_none());
-        result.passed = !result.inconclusive
-            && result.invariants.iter().all(|i| i.observed.as_deref() == Some(expected_word(i.expected)));
+        result.passed = !result.inconclusive && result.invariants.iter().all(InvariantResult::met);
     }
     let findings = log.findings.lock().unwrap().clone();
     if !findings.is_empty() {
@@ -268,13 +275,30 @@ fn expected_word(e: Expect) -> &'static str {
     }
 }
 
-fn invariant_result(v: Verdict, expected: Expect) -> InvariantResult {
+/// What [`InvariantResult::observed`] says of a violation that does not all point at the
+/// expected cause: red, but not (only) for the documented reason.
+pub const OTHER_CAUSE: &str = "violated, not only by its cause";
+
+fn invariant_result(v: Verdict, expected: &Expectation) -> InvariantResult {
     let observed = match v.validity {
         Validity::Valid => Some("held".to_owned()),
-        Validity::Invalid => Some("violated".to_owned()),
+        Validity::Invalid => match &expected.cause {
+            Some(cause) if !v.all_point_at(cause) => Some(OTHER_CAUSE.to_owned()),
+            _ => Some("violated".to_owned()),
+        },
         Validity::Unknown => None,
     };
-    InvariantResult { name: v.name, expected, observed, counts: v.counts, witnesses: v.witnesses, error: v.error }
+    InvariantResult {
+        name: v.name,
+        expected: expected.expect,
+        cause: expected.cause.clone(),
+        observed,
+        counts: v.counts,
+        witnesses: v.witnesses,
+        violations: v.violations,
+        culprits: v.culprits,
+        error: v.error,
+    }
 }
 
 async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: &mut ScenarioResult) -> anyhow::Result<()> {
@@ -336,14 +360,14 @@ async fn drive(
 
     let mut replicas = BTreeMap::new();
     for (svc, entry) in &s.fleet {
-        for i in 1..=entry.get_ref().replicas {
+        for i in 1..=entry.get_ref().count() {
             let name = format!("{svc}-{i}");
             let db = toxi.create_proxy(&format!("{name}->database"), "127.0.0.1:0", &ep.database_addr).await?;
             let mq = toxi.create_proxy(&format!("{name}->broker"), "127.0.0.1:0", &ep.broker_addr).await?;
             let db_url = ep.database_url(svc).unwrap().replacen(&ep.database_addr, &db.listen, 1);
             let amqp_url = ep.amqp_url.replacen(&ep.broker_addr, &mq.listen, 1);
             let mut spec = ReplicaSpec::new(svc.clone(), i);
-            spec.compat = entry.get_ref().compat.clone();
+            spec.compat = entry.get_ref().compat_of(i);
             let fps: Vec<String> = s
                 .faults
                 .iter()
@@ -368,7 +392,8 @@ async fn drive(
                 ("CRAIG_AMQP_CONNECT_TIMEOUT_MS".into(), s.settings.connect_timeout_ms.to_string()),
                 ("CRAIG_OUTBOX_BACKOFF_BASE_MS".into(), s.settings.backoff_base_ms.to_string()),
                 ("CRAIG_OUTBOX_BACKOFF_MAX_MS".into(), s.settings.backoff_max_ms.to_string()),
-                ("RUST_LOG".into(), "info,sqlx=warn,lapin=warn,lapin::returned_messages=error".into()),
+                // `craig_mq::outbox=debug` for `outbox.stamped`: who stamped what.
+                ("RUST_LOG".into(), "info,craig_mq::outbox=debug,sqlx=warn,lapin=warn,lapin::returned_messages=error".into()),
             ];
             let mut r = Replica::new(spec, program.clone(), &logs_dir);
             if entry.get_ref().start_after_ms.is_none() {
@@ -381,6 +406,12 @@ async fn drive(
 
     log.rebase();
     log.measure_db_clock(&cases_pool).await;
+    for (name, r) in replicas.iter() {
+        let r = r.lock().await;
+        if r.pid().is_some() {
+            log.push_at(0, Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
+        }
+    }
     for envelope in &poison {
         log.push(Event::Poison { envelope: *envelope, service: "cases".into() });
     }
@@ -492,7 +523,7 @@ async fn drive(
         }
     }
     collect(log, &pools).await?;
-    collect_reprocessed(log, &logs_dir);
+    collect_logs(log, &logs_dir);
     for p in pools.values() {
         p.close().await;
     }
@@ -591,13 +622,15 @@ fn start_late(s: &Scenario, log: &Log, replicas: &Replicas) -> Vec<tokio::task::
     let mut tasks = Vec::new();
     for (svc, entry) in &s.fleet {
         let Some(ms) = entry.get_ref().start_after_ms else { continue };
-        for i in 1..=entry.get_ref().replicas {
+        for i in 1..=entry.get_ref().count() {
             let name = format!("{svc}-{i}");
             let (r, log) = (replicas.get(&name).expect("every replica is registered").clone(), log.clone());
             tasks.push(tokio::spawn(async move {
                 tokio::time::sleep_until(log.started() + Duration::from_millis(ms)).await;
                 log.fault("start", &name, Phase::Start);
-                r.lock().await.start().await.map_err(|e| anyhow::anyhow!("starting late replica {name}: {e}"))?;
+                let mut r = r.lock().await;
+                log.push(Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
+                r.start().await.map_err(|e| anyhow::anyhow!("starting late replica {name}: {e}"))?;
                 Ok(())
             }));
         }
@@ -651,6 +684,7 @@ async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, mut stop: wat
                         tokio::time::sleep(Duration::from_millis(ms)).await;
                         let mut r = r.lock().await;
                         r.spec.failpoints = None; // fire once
+                        log.push(Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
                         if let Err(e) = r.start().await {
                             tracing::error!(event = "chaos.restart_failed", replica = %name, error = %e);
                             log.finding(format!("restarting {name} after its crash failed: {e}"));
@@ -685,15 +719,12 @@ async fn inject(
         }
         Trigger::FailpointHit(_) => unreachable!("crash faults are armed, not injected"),
     }
-    let kind = match f.kind {
-        FaultKind::Kill => "kill",
-        FaultKind::Pause => "pause",
-        FaultKind::Toxic => "toxic",
-        FaultKind::Down => "down",
-        FaultKind::Crash => "crash",
-        FaultKind::QueueLimit => "queue_limit",
-    };
+    let kind = f.kind.name();
     let label = match (&f.toxic, f.kind) {
+        (_, FaultKind::Upgrade | FaultKind::Downgrade) => {
+            let to = f.compat.as_deref().filter(|c| !c.is_empty()).map(|c| c.join(",")).unwrap_or_else(|| "current".into());
+            format!("{} to {to}", f.target)
+        }
         (Some(t), FaultKind::Toxic) => format!("{} ({} {})", f.target, t.kind.type_name(), t.stream.as_str()),
         (_, FaultKind::QueueLimit) => {
             format!("{} (max-length {}, reject-publish)", f.queue.as_deref().unwrap_or("?"), f.max_length.unwrap_or(0))
@@ -721,7 +752,20 @@ async fn inject(
             let status = r.lock().await.kill().await?;
             log.push(Event::Crash { replica: name.clone(), consumer: consumes(service), how: describe(status) });
             tokio::time::sleep(hold).await;
-            r.lock().await.start().await?;
+            let mut r = r.lock().await;
+            log.push(Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
+            r.start().await?;
+        }
+        (FaultTarget::Replica(name), FaultKind::Upgrade | FaultKind::Downgrade) => {
+            // Graceful: SIGTERM, the node's bounded drain, exit; then the other behaviour.
+            let r = replicas.get(name).expect("validated").clone();
+            let mut r = r.lock().await;
+            if r.pid().is_some() {
+                r.stop(Duration::from_secs(15)).await?;
+            }
+            r.spec.compat = f.compat.clone().unwrap_or_default();
+            log.push(Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
+            r.start().await?;
         }
         (FaultTarget::Replica(name), FaultKind::Pause) => {
             let r = replicas.get(name).expect("validated").clone();
@@ -784,11 +828,23 @@ async fn workload(s: &Scenario, seed: u64, log: &Log, replicas: &Replicas, cases
             let _ = tokio::time::timeout(PROBE, rolled_back_write(log, cases)).await;
         }
         let subject: String = fake::faker::name::en::Name().fake_with_rng(&mut rng);
-        let r = cases_replicas[i as usize % cases_replicas.len()].clone();
-        let addr = r.lock().await.addr.clone();
+        // Round robin, like a load balancer: a replica that is down or being restarted
+        // (its lock held by a fault) is skipped for the next one that is up.
+        let n = cases_replicas.len();
+        let mut pick = (i as usize % n, None);
+        for k in 0..n {
+            let j = (i as usize + k) % n;
+            if let Ok(r) = cases_replicas[j].try_lock() {
+                if let Some(addr) = r.addr.clone() {
+                    pick = (j, Some(addr));
+                    break;
+                }
+            }
+        }
+        let (j, addr) = pick;
         let permit = inflight.clone().acquire_owned().await.expect("semaphore open");
         let (http, token, log, completed, done) = (http.clone(), token.clone(), log.clone(), completed.clone(), done.clone());
-        let replica_name = format!("cases-{}", i as usize % cases_replicas.len() + 1);
+        let replica_name = format!("cases-{}", j + 1);
         tasks.spawn(async move {
             let referral = Uuid::now_v7();
             let t = log.now();
@@ -937,34 +993,114 @@ async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyhow::Result<
     Ok(())
 }
 
-/// Every `inbox.reprocessed` a replica logged (its log holds all its incarnations): the
-/// inbox's own word that a re-execution was of an envelope recorded but never stamped.
-fn collect_reprocessed(log: &Log, logs_dir: &Path) {
+/// What the replicas' own logs say (each log holds all incarnations of its replica, each
+/// after a `--- start N of R (compat M) ---` line):
+/// - every `inbox.reprocessed`: the inbox's own word that a re-execution was of an envelope
+///   recorded but never stamped;
+/// - every `outbox.stamped`: which replica, running which compat modes, stamped an
+///   envelope published.
+fn collect_logs(log: &Log, logs_dir: &Path) {
     let Ok(dir) = std::fs::read_dir(logs_dir) else { return };
     for entry in dir.flatten() {
         let path = entry.path();
         let Some(replica) = path.file_stem().and_then(|s| s.to_str()).map(str::to_owned) else { continue };
         let Ok(text) = std::fs::read_to_string(&path) else { continue };
-        for line in text.lines().filter(|l| l.contains("event=\"inbox.reprocessed\"")) {
-            let Some(envelope) = line
-                .split_once("envelope_id=")
-                .and_then(|(_, rest)| rest.split_whitespace().next())
-                .and_then(|id| id.parse::<Uuid>().ok())
-            else {
-                continue;
-            };
-            let at = line
-                .split_whitespace()
-                .next()
-                .and_then(|ts| chrono::DateTime::parse_from_rfc3339(ts).ok())
-                .map(|ts| log.rel(ts.timestamp_millis()))
-                .unwrap_or_else(|| log.now());
-            log.push_at(at, Event::Reprocessed { envelope, replica: replica.clone() });
+        for (at, event) in parse_replica_log(&replica, &text, |epoch_ms| log.rel(epoch_ms)) {
+            log.push_at(at.unwrap_or_else(|| log.now()), event);
         }
     }
+}
+
+/// The events one replica log reports, with their times (`rel` converts the log's epoch ms
+/// to run time; None when a line has no readable timestamp).
+fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> u64) -> Vec<(Option<u64>, Event)> {
+    let mut out = Vec::new();
+    let mut compat: Vec<String> = Vec::new();
+    for line in text.lines() {
+        if let Some(modes) = line.strip_prefix("--- start ").and_then(|l| l.split_once("(compat ")).map(|(_, m)| m) {
+            let modes = modes.trim_end_matches(" ---").trim_end_matches(')');
+            compat = if modes == "-" { vec![] } else { modes.split(',').map(str::to_owned).collect() };
+            continue;
+        }
+        let reprocessed = line.contains("event=\"inbox.reprocessed\"");
+        let stamped = line.contains("event=\"outbox.stamped\"");
+        if !reprocessed && !stamped {
+            continue;
+        }
+        let Some(envelope) = line
+            .split_once("envelope_id=")
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .and_then(|id| id.parse::<Uuid>().ok())
+        else {
+            continue;
+        };
+        let at = line
+            .split_whitespace()
+            .next()
+            .and_then(|ts| chrono::DateTime::parse_from_rfc3339(ts).ok())
+            .map(|ts| rel(ts.timestamp_millis()));
+        let event = if reprocessed {
+            Event::Reprocessed { envelope, replica: replica.to_owned() }
+        } else {
+            Event::Stamped { envelope, replica: replica.to_owned(), compat: compat.clone() }
+        };
+        out.push((at, event));
+    }
+    out
 }
 
 /// The folder for this scenario's own files inside the report.
 pub fn scenario_dir(report: &Path, name: &str) -> PathBuf {
     report.join("scenarios").join(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replica_logs_say_who_stamped_what_under_which_compat() {
+        let env = Uuid::from_u128(7);
+        let text = format!(
+            "--- start 1 of cases-1 (compat pre-1128) ---\n\
+             2026-11-30T16:00:00.100000Z DEBUG craig_mq::outbox: event=\"outbox.stamped\" envelope_id={env}\n\
+             --- start 2 of cases-1 (compat -) ---\n\
+             2026-11-30T16:00:01.000000Z DEBUG craig_mq::outbox: event=\"outbox.stamped\" envelope_id={env}\n\
+             2026-11-30T16:00:01.500000Z  WARN craig_mq::inbox: event=\"inbox.reprocessed\" envelope_id={env} source=x\n\
+             not a line of interest envelope_id={env}\n"
+        );
+        let origin = chrono::DateTime::parse_from_rfc3339("2026-11-30T16:00:00Z").unwrap().timestamp_millis();
+        let events = parse_replica_log("cases-1", &text, |ms| (ms - origin) as u64);
+        assert_eq!(
+            events,
+            vec![
+                (Some(100), Event::Stamped { envelope: env, replica: "cases-1".into(), compat: vec!["pre-1128".into()] }),
+                (Some(1000), Event::Stamped { envelope: env, replica: "cases-1".into(), compat: vec![] }),
+                (Some(1500), Event::Reprocessed { envelope: env, replica: "cases-1".into() }),
+            ]
+        );
+    }
+
+    fn violated_by(culprits: &[(&str, u64)], violations: u64) -> Verdict {
+        let mut v = Verdict::undecided("no_loss", "x");
+        v.error = None;
+        v.validity = Validity::Invalid;
+        v.violations = violations;
+        v.culprits = culprits.iter().map(|(k, n)| (k.to_string(), *n)).collect();
+        v
+    }
+
+    /// A twin is met only when every violation points at its documented cause.
+    #[test]
+    fn a_twin_violated_for_another_cause_is_not_met() {
+        let twin = Expectation { expect: Expect::Violate, cause: Some("compat:pre-1128".into()) };
+        let r = invariant_result(violated_by(&[("compat:pre-1128", 3), ("replica:cases-1", 3)], 3), &twin);
+        assert!(r.met(), "{r:?}");
+        let r = invariant_result(violated_by(&[("compat:pre-1128", 2), ("compat:current", 1)], 3), &twin);
+        assert_eq!(r.observed.as_deref(), Some(OTHER_CAUSE));
+        assert!(!r.met());
+        // Without a cause, any violation meets a "violate".
+        let any = Expectation { expect: Expect::Violate, cause: None };
+        assert!(invariant_result(violated_by(&[("compat:current", 1)], 1), &any).met());
+    }
 }

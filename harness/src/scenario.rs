@@ -9,6 +9,8 @@
 //! [fleet]
 //! cases = { replicas = 1 }
 //! rules = { replicas = 1, compat = ["pre-d2"], start_after_ms = 3000 }  # starts late
+//! # a mixed fleet: one table per replica ({} = current behaviour)
+//! # cases = { replicas = [ { compat = ["pre-1128"] }, {} ] }
 //!
 //! [deploy]                  # optional; what exists before any replica starts
 //! topology = true           # run `craig-node topology` first (the README's deploy step);
@@ -25,7 +27,7 @@
 //!                           # by hand before the workload: they must stay pending, refused
 //!
 //! [[faults]]
-//! kind = "crash"            # crash | kill | pause | toxic | down | queue_limit
+//! kind = "crash"            # crash | kill | pause | toxic | down | queue_limit | upgrade | downgrade
 //! target = "cases-1"        # a replica, "broker", "database", or a link "cases-1->broker"
 //! failpoint = "outbox::after_publish_before_stamp"
 //! at = { failpoint_hit = 3 }  # or { after_ms = N } or { after_writes = N }
@@ -39,8 +41,15 @@
 //! at = { after_ms = 1000 }
 //! duration_ms = 8000
 //!
+//! [[faults]]                # one step of a rolling upgrade: SIGTERM (the node drains),
+//! kind = "upgrade"          # then start again on `compat` (default: current behaviour);
+//! target = "cases-1"        # "downgrade" names the older modes
+//! at = { after_writes = 100 }
+//!
 //! [expect]
 //! no_loss = "hold"          # hold | violate
+//! effect_once = { violate = "compat:pre-d2" }  # violated, and every witness points at
+//!                                              # that cause (or "replica:<name>")
 //! ```
 
 use std::collections::BTreeMap;
@@ -77,7 +86,7 @@ pub struct Scenario {
     pub workload: Workload,
     #[serde(default)]
     pub faults: Vec<Spanned<Fault>>,
-    pub expect: BTreeMap<String, Spanned<Expect>>,
+    pub expect: BTreeMap<String, Spanned<Expectation>>,
     /// How long everything may take to drain after the faults heal.
     #[serde(default = "default_bound")]
     pub liveness_bound_ms: u64,
@@ -92,13 +101,56 @@ fn default_bound() -> u64 {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FleetEntry {
-    #[serde(default = "one")]
-    pub replicas: u32,
+    /// A count (`replicas = 2`, every replica on the service's `compat`), or one table per
+    /// replica (`replicas = [ { compat = ["pre-1128"] }, {} ]`): a mixed fleet, where
+    /// `{}` is a replica on current behaviour.
+    #[serde(default)]
+    pub replicas: Replicas,
+    /// Compat modes of every replica of the service (with a count only).
     #[serde(default)]
     pub compat: Vec<String>,
     /// Start this service's replicas this long after the workload begins (a late consumer).
     #[serde(default)]
     pub start_after_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Replicas {
+    Count(u32),
+    Each(Vec<ReplicaEntry>),
+}
+
+impl Default for Replicas {
+    fn default() -> Self {
+        Replicas::Count(1)
+    }
+}
+
+/// One replica of a mixed fleet.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaEntry {
+    #[serde(default)]
+    pub compat: Vec<String>,
+}
+
+impl FleetEntry {
+    /// How many replicas the service runs.
+    pub fn count(&self) -> u32 {
+        match &self.replicas {
+            Replicas::Count(n) => *n,
+            Replicas::Each(list) => list.len() as u32,
+        }
+    }
+
+    /// The compat modes replica `index` (1-based) starts with.
+    pub fn compat_of(&self, index: u32) -> Vec<String> {
+        match &self.replicas {
+            Replicas::Count(_) => self.compat.clone(),
+            Replicas::Each(list) => list.get(index as usize - 1).map(|r| r.compat.clone()).unwrap_or_default(),
+        }
+    }
 }
 
 /// What a deployment has before any replica starts. The default is the least: nothing but
@@ -109,10 +161,6 @@ pub struct Deploy {
     /// Run `craig-node topology` first (every exchange, consumer queue, binding, the DLQ).
     #[serde(default)]
     pub topology: bool,
-}
-
-fn one() -> u32 {
-    1
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -201,6 +249,27 @@ pub enum FaultKind {
     /// A `reject-publish` length limit on `queue` (a broker policy) for `duration_ms`.
     #[serde(rename = "queue_limit")]
     QueueLimit,
+    /// Stop a replica gracefully (SIGTERM, its drain) and start it again on `compat`
+    /// (default: current behaviour): one step of a rolling upgrade.
+    Upgrade,
+    /// Like `upgrade`, onto an older behaviour: `compat` names at least one mode.
+    Downgrade,
+}
+
+impl FaultKind {
+    /// The word scenario files and reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultKind::Crash => "crash",
+            FaultKind::Kill => "kill",
+            FaultKind::Pause => "pause",
+            FaultKind::Toxic => "toxic",
+            FaultKind::Down => "down",
+            FaultKind::QueueLimit => "queue_limit",
+            FaultKind::Upgrade => "upgrade",
+            FaultKind::Downgrade => "downgrade",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -223,6 +292,9 @@ pub struct Fault {
     pub queue: Option<String>,
     #[serde(default)]
     pub max_length: Option<u32>,
+    /// For `kind = "upgrade"` / `"downgrade"`: the compat modes the replica restarts with.
+    #[serde(default)]
+    pub compat: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -255,6 +327,44 @@ pub enum Expect {
     Violate,
 }
 
+/// What one invariant is expected to do: `"hold"`, `"violate"`, or
+/// `{ violate = "compat:pre-1128" }`: violated, and every witness must point at that cause
+/// (a compat mode the replica ran at the time, `compat:<mode>`, or a replica,
+/// `replica:<name>`). A twin is red for its documented reason, not for any reason.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "toml::Value")]
+pub struct Expectation {
+    pub expect: Expect,
+    pub cause: Option<String>,
+}
+
+impl TryFrom<toml::Value> for Expectation {
+    type Error = String;
+    fn try_from(v: toml::Value) -> Result<Self, String> {
+        const SHAPE: &str = "expected \"hold\", \"violate\" or { violate = \"compat:<mode>\" | \"replica:<name>\" }";
+        match v {
+            toml::Value::String(w) => match w.as_str() {
+                "hold" => Ok(Self { expect: Expect::Hold, cause: None }),
+                "violate" => Ok(Self { expect: Expect::Violate, cause: None }),
+                other => Err(format!("unknown expectation {other:?}; {SHAPE}")),
+            },
+            toml::Value::Table(t) => match (t.len(), t.get("violate")) {
+                (1, Some(toml::Value::String(cause))) => {
+                    let ok = cause.strip_prefix("compat:").is_some_and(|m| m.parse::<craig_fleet::Compat>().is_ok())
+                        || cause.strip_prefix("replica:").is_some_and(|r| !r.is_empty());
+                    if ok {
+                        Ok(Self { expect: Expect::Violate, cause: Some(cause.clone()) })
+                    } else {
+                        Err(format!("unknown cause {cause:?}; {SHAPE}"))
+                    }
+                }
+                _ => Err(SHAPE.into()),
+            },
+            _ => Err(SHAPE.into()),
+        }
+    }
+}
+
 /// Invariants this build can check (CONTRACT names the rest; they arrive with their issues).
 pub const CHECKABLE: &[&str] = crate::checkers::INVARIANTS;
 const CONTRACT_INVARIANTS: &[&str] = &[
@@ -284,7 +394,7 @@ impl Scenario {
     pub fn replica_names(&self) -> Vec<String> {
         self.fleet
             .iter()
-            .flat_map(|(svc, e)| (1..=e.get_ref().replicas).map(move |i| format!("{svc}-{i}")))
+            .flat_map(|(svc, e)| (1..=e.get_ref().count()).map(move |i| format!("{svc}-{i}")))
             .collect()
     }
 
@@ -308,9 +418,18 @@ impl Scenario {
         }
     }
 
-    /// Compat modes named by the fleet, for the report (`"-"` when none).
+    /// Compat modes named by the fleet or an upgrade/downgrade, for the report (`"-"` when
+    /// none).
     pub fn compat_summary(&self) -> String {
-        let mut modes: Vec<String> = self.fleet.values().flat_map(|e| e.get_ref().compat.clone()).collect();
+        let mut modes: Vec<String> = self
+            .fleet
+            .values()
+            .flat_map(|e| {
+                let e = e.get_ref();
+                (1..=e.count()).flat_map(|i| e.compat_of(i)).collect::<Vec<_>>()
+            })
+            .chain(self.faults.iter().flat_map(|f| f.get_ref().compat.clone().unwrap_or_default()))
+            .collect();
         modes.sort();
         modes.dedup();
         if modes.is_empty() { "-".into() } else { modes.join(",") }
@@ -356,10 +475,16 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
             return Err(err(Some(entry.span()), format!("unknown service {svc:?}; expected one of {}", SERVICES.join(", "))));
         }
         let e = entry.get_ref();
-        if e.replicas == 0 || e.replicas > 8 {
-            return Err(err(Some(entry.span()), format!("{svc}: replicas must be 1..=8, not {}", e.replicas)));
+        if e.count() == 0 || e.count() > 8 {
+            return Err(err(Some(entry.span()), format!("{svc}: replicas must be 1..=8, not {}", e.count())));
         }
-        for mode in &e.compat {
+        if matches!(e.replicas, Replicas::Each(_)) && !e.compat.is_empty() {
+            return Err(err(
+                Some(entry.span()),
+                format!("{svc}: give compat per replica (replicas = [ {{ compat = [...] }}, {{}} ]) or for the service, not both"),
+            ));
+        }
+        for mode in (1..=e.count()).flat_map(|i| e.compat_of(i)) {
             if let Err(why) = mode.parse::<craig_fleet::Compat>() {
                 return Err(err(Some(entry.span()), format!("{svc}: {why}")));
             }
@@ -409,6 +534,20 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
                 }
             }
             (FaultKind::Crash, _) => return Err(err(span, "a crash targets a replica".into())),
+            (FaultKind::Upgrade | FaultKind::Downgrade, FaultTarget::Replica(_)) => {
+                let modes = fault.compat.clone().unwrap_or_default();
+                if fault.kind == FaultKind::Downgrade && modes.is_empty() {
+                    return Err(err(span, "a downgrade names the older behaviour: compat = [\"pre-1128\"]".into()));
+                }
+                for mode in &modes {
+                    if let Err(why) = mode.parse::<craig_fleet::Compat>() {
+                        return Err(err(key_in(f.span(), "compat"), why.to_string()));
+                    }
+                }
+            }
+            (FaultKind::Upgrade | FaultKind::Downgrade, _) => {
+                return Err(err(span, "upgrade and downgrade target a replica like \"cases-1\"".into()));
+            }
             (FaultKind::Kill | FaultKind::Pause, FaultTarget::Link { .. }) => {
                 return Err(err(span, "kill and pause target a replica, the broker or the database, not a link".into()));
             }
@@ -417,6 +556,9 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
                 return Err(err(span, "toxic and down target a link like \"cases-1->broker\"".into()));
             }
             _ => {}
+        }
+        if fault.compat.is_some() && !matches!(fault.kind, FaultKind::Upgrade | FaultKind::Downgrade) {
+            return Err(err(key_in(f.span(), "compat"), "compat belongs to an upgrade or downgrade fault".into()));
         }
         if fault.kind != FaultKind::Crash && matches!(fault.at, Trigger::FailpointHit(_)) {
             return Err(err(span, "failpoint_hit triggers only a crash".into()));
@@ -447,6 +589,17 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         return Err(err(at("[expect]"), "expect names at least one invariant".into()));
     }
     for (name, e) in &s.expect {
+        if e.get_ref().cause.is_some() && !crate::checkers::ATTRIBUTING.contains(&name.as_str()) {
+            return Err(err(
+                Some(e.span()),
+                format!("{name} does not attribute its violations; a cause can be named for {}", crate::checkers::ATTRIBUTING.join(", ")),
+            ));
+        }
+        if let Some(replica) = e.get_ref().cause.as_deref().and_then(|c| c.strip_prefix("replica:")) {
+            if !s.replica_names().iter().any(|n| n == replica) {
+                return Err(err(Some(e.span()), format!("cause names replica {replica:?}; replicas here: {}", s.replica_names().join(", "))));
+            }
+        }
         if !CONTRACT_INVARIANTS.contains(&name.as_str()) {
             return Err(err(Some(e.span()), format!("unknown invariant {name:?}; known: {}", CONTRACT_INVARIANTS.join(", "))));
         }
@@ -535,7 +688,7 @@ effect_once = "violate"
         assert_eq!(s.faults.len(), 2);
         assert_eq!(s.faults[0].get_ref().at, Trigger::FailpointHit(2));
         assert_eq!(s.parse_target("rules-1->broker"), Some(FaultTarget::Link { replica: "rules-1".into(), to: crate::backend::Target::Broker }));
-        assert_eq!(*s.expect["effect_once"].get_ref(), Expect::Violate);
+        assert_eq!(s.expect["effect_once"].get_ref().expect, Expect::Violate);
         assert_eq!(s.compat_summary(), "pre-d2");
         assert_eq!(s.settings.claim_lease_secs, 4);
         assert!(!s.deploy.topology, "no deploy step unless the scenario asks for it");
@@ -556,7 +709,7 @@ effect_once = "violate"
     fn bad_values_are_rejected_with_line_and_reason() {
         let e = rejected(&GOOD.replace(r#"no_loss = "hold""#, r#"no_loss = "maybe""#));
         assert_eq!(e.line, 26, "{e}");
-        assert!(e.reason.contains("unknown variant `maybe`"), "{e}");
+        assert!(e.reason.contains("unknown expectation \"maybe\""), "{e}");
 
         let e = rejected(&GOOD.replace(r#"target = "cases-2""#, r#"target = "cases-9""#));
         assert_eq!(e.line, 14, "{e}");
@@ -592,6 +745,63 @@ effect_once = "violate"
         assert!(e.reason.contains("unknown queue \"craig-nope.events\""), "{e}");
         let e = rejected(&GOOD.replace("[expect]", &fault.replace("max_length = 5\n", "")));
         assert!(e.reason.contains("needs queue"), "{e}");
+    }
+
+    #[test]
+    fn a_mixed_fleet_gives_each_replica_its_compat() {
+        let s = parse_str(&GOOD.replace("cases = { replicas = 2 }", r#"cases = { replicas = [ { compat = ["pre-1128"] }, {} ] }"#)).unwrap();
+        let cases = s.fleet["cases"].get_ref();
+        assert_eq!(cases.count(), 2);
+        assert_eq!((cases.compat_of(1), cases.compat_of(2)), (vec!["pre-1128".to_owned()], vec![]));
+        assert_eq!(s.compat_summary(), "pre-1128,pre-d2");
+        let short = parse_str(GOOD).unwrap();
+        assert_eq!(short.fleet["rules"].get_ref().compat_of(1), ["pre-d2"], "the short form stays");
+
+        let e = rejected(&GOOD.replace("cases = { replicas = 2 }", r#"cases = { replicas = [ {}, {} ], compat = ["pre-d1"] }"#));
+        assert_eq!(e.line, 5, "{e}");
+        assert!(e.reason.contains("per replica") && e.reason.contains("not both"), "{e}");
+        let e = rejected(&GOOD.replace("cases = { replicas = 2 }", r#"cases = { replicas = [ { compat = ["pre-nope"] }, {} ] }"#));
+        assert!(e.reason.contains("unknown compat mode \"pre-nope\""), "{e}");
+    }
+
+    #[test]
+    fn upgrades_and_downgrades_target_a_replica_with_valid_modes() {
+        let up = "[[faults]]\nkind = \"upgrade\"\ntarget = \"cases-1\"\nat = { after_writes = 5 }\n\n[expect]";
+        let s = parse_str(&GOOD.replace("[expect]", up)).unwrap();
+        assert_eq!((s.faults[2].get_ref().kind, s.faults[2].get_ref().compat.clone()), (FaultKind::Upgrade, None));
+        let down = up.replace("\"upgrade\"", "\"downgrade\"");
+        let e = rejected(&GOOD.replace("[expect]", &down));
+        assert!(e.reason.contains("a downgrade names the older behaviour"), "{e}");
+        let s = parse_str(&GOOD.replace("[expect]", &down.replace("at = ", "compat = [\"pre-1128\"]\nat = "))).unwrap();
+        assert_eq!(s.faults[2].get_ref().compat.as_deref(), Some(&["pre-1128".to_owned()][..]));
+        assert_eq!(s.compat_summary(), "pre-1128,pre-d2", "a downgrade's modes count as the scenario's");
+        let e = rejected(&GOOD.replace("[expect]", &up.replace("cases-1", "broker")));
+        assert!(e.reason.contains("target a replica"), "{e}");
+        let e = rejected(&GOOD.replace("[expect]", &up.replace("at = ", "compat = [\"pre-x\"]\nat = ")));
+        assert!(e.reason.contains("unknown compat mode"), "{e}");
+        let e = rejected(&GOOD.replace("duration_ms = 500", "duration_ms = 500\ncompat = []"));
+        assert!(e.reason.contains("compat belongs to an upgrade or downgrade"), "{e}");
+    }
+
+    #[test]
+    fn a_twin_may_name_the_cause_its_violations_must_point_at() {
+        let s = parse_str(&GOOD.replace(r#"effect_once = "violate""#, r#"effect_once = { violate = "compat:pre-d2" }"#)).unwrap();
+        let e = s.expect["effect_once"].get_ref();
+        assert_eq!((e.expect, e.cause.as_deref()), (Expect::Violate, Some("compat:pre-d2")));
+        let s = parse_str(&GOOD.replace(r#"effect_once = "violate""#, r#"effect_once = { violate = "replica:rules-1" }"#)).unwrap();
+        assert_eq!(s.expect["effect_once"].get_ref().cause.as_deref(), Some("replica:rules-1"));
+        for (bad, why) in [
+            (r#"{ violate = "compat:pre-nope" }"#, "unknown cause \"compat:pre-nope\""),
+            (r#"{ violate = "weather" }"#, "unknown cause"),
+            (r#"{ hold = "compat:pre-d2" }"#, "expected \"hold\", \"violate\""),
+            (r#"{ violate = "replica:rules-9" }"#, "cause names replica \"rules-9\""),
+        ] {
+            let e = rejected(&GOOD.replace(r#"effect_once = "violate""#, &format!("effect_once = {bad}")));
+            assert_eq!(e.line, 27, "{e}");
+            assert!(e.reason.contains(why), "{bad}: {e}");
+        }
+        let e = rejected(&GOOD.replace(r#"effect_once = "violate""#, "liveness = { violate = \"compat:pre-d2\" }"));
+        assert!(e.reason.contains("liveness does not attribute its violations"), "{e}");
     }
 
     #[test]

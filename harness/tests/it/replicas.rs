@@ -130,7 +130,7 @@ async fn a_paused_replica_holds_requests_until_resumed_and_restarts_keep_one_log
     assert_eq!(status.code(), Some(0));
 
     let log = std::fs::read_to_string(node.log_path()).unwrap();
-    assert!(log.contains("--- start 1 of cases-1 ---") && log.contains("--- start 2 of cases-1 ---"), "{log}");
+    assert!(log.contains("--- start 1 of cases-1 (compat -) ---") && log.contains("--- start 2 of cases-1 (compat -) ---"), "{log}");
     assert_eq!(log.matches("node.started").count(), 2, "{log}");
     rig.pool.close().await;
     rig.sandbox.destroy().await.unwrap();

@@ -312,6 +312,11 @@ impl OutboxWorker {
                 m::publish_lag((now - c.created_at).to_std().unwrap_or_default());
             }
             m::published(fenced.applied.len());
+            for id in &fenced.applied {
+                // Per row, at debug: which replica stamped what (the harness attributes
+                // each loss to the replica, and its compat mode, that stamped it).
+                tracing::debug!(event = "outbox.stamped", envelope_id = %id);
+            }
             report.published = fenced.applied.len();
             report.stale += fenced.stale.len();
             if !fenced.stale.is_empty() {
@@ -370,6 +375,7 @@ impl OutboxWorker {
         if self.publisher.as_ref().is_none_or(|p| !p.is_usable()) {
             self.publisher = Publisher::connect_unconfirmed(&self.amqp_url, self.publisher_cfg).await.ok();
         }
+        let mut stamped = Vec::new();
         for (id, json) in rows {
             let res = match (&self.publisher, EventEnvelope::from_value(json)) {
                 (None, _) => Err("connection: broker unreachable".to_owned()),
@@ -382,6 +388,7 @@ impl OutboxWorker {
                         .bind(id)
                         .execute(&mut *tx)
                         .await?;
+                    stamped.push(id);
                     report.published += 1;
                 }
                 Err(err) => {
@@ -396,6 +403,9 @@ impl OutboxWorker {
         }
         tx.commit().await?;
         m::published(report.published);
+        for id in &stamped {
+            tracing::debug!(event = "outbox.stamped", envelope_id = %id);
+        }
         Ok(report)
     }
 
