@@ -59,6 +59,11 @@ pub enum Event {
     /// A replica's outbox stamped `envelope` published (its `outbox.stamped` log line),
     /// while running `compat`: who to blame when a stamped event never arrives.
     Stamped { envelope: Uuid, replica: String, compat: Vec<String> },
+    /// Every fault has healed and every crashed replica is back: the after-heal writes
+    /// start here.
+    Healed,
+    /// Messages in the DLQ at the end of the run.
+    DeadLetters { count: u32 },
     /// A fault began or ended.
     Fault { kind: String, target: String, phase: Phase },
     /// A replica process died (crash point, kill). `consumer` is true for consuming services.

@@ -97,7 +97,8 @@ impl RunReport<'_> {
                 let _ = writeln!(md, "- error: {e}");
             }
             for f in &r.faults {
-                let _ = writeln!(md, "- fault: {} {} at {} ms", f.kind, f.target, f.at_ms);
+                let evidence = f.evidence.as_deref().map(|e| format!(" — {e}")).unwrap_or_default();
+                let _ = writeln!(md, "- fault: {} {} at {} ms{evidence}", f.kind, f.target, f.at_ms);
             }
             for i in &r.invariants {
                 let counts: Vec<String> = i.counts.iter().map(|(k, v)| format!("{k}={v}")).collect();

@@ -41,6 +41,10 @@ pub struct FaultRecord {
     pub kind: String,
     pub target: String,
     pub at_ms: u64,
+    /// What shows the fault took effect: the pid that died, the bytes and connections a
+    /// toxic acted on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub evidence: Option<String>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -149,9 +153,19 @@ impl Log {
     }
     fn fault(&self, kind: &str, target: &str, phase: Phase) {
         if phase == Phase::Start {
-            self.faults.lock().unwrap().push(FaultRecord { kind: kind.into(), target: target.into(), at_ms: self.now() });
+            self.faults.lock().unwrap().push(FaultRecord { kind: kind.into(), target: target.into(), at_ms: self.now(), evidence: None });
         }
         self.push(Event::Fault { kind: kind.into(), target: target.into(), phase });
+    }
+    /// Record what shows the fault `kind` on `target` took effect; `None`: it did not,
+    /// which is a finding (the run proves nothing about a fault that never happened).
+    fn evidence(&self, kind: &str, target: &str, evidence: Option<String>) {
+        if let Some(r) = self.faults.lock().unwrap().iter_mut().rev().find(|r| r.kind == kind && r.target == target) {
+            r.evidence = evidence.clone();
+        }
+        if evidence.is_none() {
+            self.finding(format!("{kind} {target}: no evidence it took effect"));
+        }
     }
     /// A harness wall-clock time (epoch ms) as run time (clamped at 0).
     fn rel(&self, epoch_ms: i64) -> u64 {
@@ -241,6 +255,12 @@ pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> Scenari
             );
         }
     }
+    // Too little activity proves nothing, whatever the verdicts.
+    if result.error.is_none() {
+        if let Some(why) = below_floor(s, &history, &result.metrics) {
+            inconclusive(&mut result, why);
+        }
+    }
     // A named crash point that never fired proves nothing: inconclusive, with the reason.
     let unfired: Vec<String> = s
         .faults
@@ -256,6 +276,43 @@ pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> Scenari
     result.duration_ms = run_clock.elapsed().as_millis() as u64;
     result.history = history;
     result
+}
+
+/// Why the run did too little to be trusted (None: every floor met): fewer acknowledged
+/// writes, absorbed redeliveries or dead letters than `[expect]` asks, or no write
+/// acknowledged after every fault healed.
+fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<String, f64>>) -> Option<String> {
+    let healed = h.iter().find(|e| matches!(e.event, Event::Healed)).map(|e| e.t_ms);
+    let (mut acknowledged, mut after_heal) = (0u64, 0u64);
+    for e in h.iter() {
+        if let Event::Write { outcome: Outcome::Ok, .. } = e.event {
+            acknowledged += 1;
+            if healed.is_some_and(|t| e.t_ms >= t) {
+                after_heal += 1;
+            }
+        }
+    }
+    let redeliveries: f64 =
+        metrics.values().flat_map(|m| m.iter()).filter(|(k, _)| k.as_str() == "inbox_dedup_hits_total").map(|(_, v)| v).sum();
+    let dead = h.iter().find_map(|e| if let Event::DeadLetters { count } = e.event { Some(u64::from(count)) } else { None });
+    let f = s.floor;
+    let mut why = Vec::new();
+    if acknowledged < f.acknowledged {
+        why.push(format!("{acknowledged} writes acknowledged, below min_acknowledged = {}", f.acknowledged));
+    }
+    if !s.faults.is_empty() && after_heal == 0 {
+        why.push(match healed {
+            Some(t) => format!("no write acknowledged after every fault healed (@{t}ms)"),
+            None => "the run never reached the point where every fault had healed".to_owned(),
+        });
+    }
+    if (redeliveries as u64) < f.redeliveries {
+        why.push(format!("{redeliveries} redeliveries absorbed by an inbox (inbox_dedup_hits_total), below min_redeliveries = {}", f.redeliveries));
+    }
+    if f.dead_letters > 0 && dead.unwrap_or(0) < f.dead_letters {
+        why.push(format!("{} dead letters in {}, below min_dead_letters = {}", dead.map_or("unknown".into(), |d| d.to_string()), craig_mq::topology::DLQ_QUEUE, f.dead_letters));
+    }
+    (!why.is_empty()).then(|| format!("below the activity floor: {}", why.join("; ")))
 }
 
 /// Mark the result inconclusive for `why`, unless an earlier reason already did (the first
@@ -372,10 +429,16 @@ async fn drive(
                 .faults
                 .iter()
                 .map(|f| f.get_ref())
-                .filter(|f| f.kind == FaultKind::Crash && f.target == name)
-                .filter_map(|f| match (f.failpoint.as_deref(), f.at) {
-                    (Some(fp), Trigger::FailpointHit(n)) if n > 1 => Some(format!("{fp}={}*off->return(abort)", n - 1)),
-                    (Some(fp), _) => Some(format!("{fp}=return(abort)")),
+                .filter(|f| f.target == name)
+                .filter_map(|f| match (f.kind, f.failpoint.as_deref(), f.at) {
+                    (FaultKind::Crash, Some(fp), Trigger::FailpointHit(n)) if n > 1 => {
+                        Some(format!("{fp}={}*off->return(abort)", n - 1))
+                    }
+                    (FaultKind::Crash, Some(fp), _) => Some(format!("{fp}=return(abort)")),
+                    // A marker only: the node logs `failpoint.hit` once, at hit N.
+                    (FaultKind::Upgrade | FaultKind::Downgrade, Some(fp), Trigger::FailpointHit(n)) => {
+                        Some(format!("{fp}={}*off->1*return(hit)->off", n - 1))
+                    }
                     _ => None,
                 })
                 .collect();
@@ -436,10 +499,10 @@ async fn drive(
             backend.clone(),
             replicas.clone(),
             toxi.clone(),
-            writes_rx.clone(),
+            (writes_rx.clone(), s.workload.writes),
         )));
     }
-    workload(s, seed, log, &replicas, &cases_pool, &secret, writes_tx).await;
+    workload(s, seed, (0, s.workload.writes), log, &replicas, &cases_pool, &secret, writes_tx).await;
     for t in fault_tasks {
         t.await.context("fault task panicked")??;
     }
@@ -448,6 +511,10 @@ async fn drive(
     }
     // Wait for crash restarts the watcher scheduled.
     wait_crash_restarts(s, &replicas).await;
+    // Every fault has healed: the system must work again, not only have survived.
+    log.push(Event::Healed);
+    let (heal_tx, _) = watch::channel(0u32);
+    workload(s, seed ^ 0x4ea1, (s.workload.writes, s.workload.after_heal), log, &replicas, &cases_pool, &secret, heal_tx).await;
 
     // Liveness: how long until the system is quiet — nothing pending in any outbox, no
     // ready message in any consumer queue, and the effect count unchanged for a full
@@ -478,8 +545,24 @@ async fn drive(
             match quiet_since {
                 Some((since, n)) if n == effects => {
                     if since.elapsed() >= Duration::from_secs(1) {
-                        drained_after = Some(since.duration_since(healed).as_millis() as u64);
-                        break;
+                        // Quiet also means nothing delivered and still unacked (a delivery
+                        // in flight is not ready); the broker says, where it can.
+                        let queues: Vec<String> =
+                            s.fleet.keys().filter(|svc| consumes(svc)).map(|svc| craig_mq::topology::consumer_queue(svc)).collect();
+                        let unacked = {
+                            let b = backend.lock().await;
+                            tokio::time::timeout(Duration::from_secs(10), b.unacked(&queues)).await
+                        };
+                        match unacked {
+                            Ok(Ok(Some(n))) if n > 0 => quiet_since = None,
+                            other => {
+                                if !matches!(other, Ok(Ok(_))) {
+                                    tracing::warn!(event = "chaos.unacked_unknown", "could not count unacked deliveries; quiet by the other signs");
+                                }
+                                drained_after = Some(since.duration_since(healed).as_millis() as u64);
+                                break;
+                            }
+                        }
                     }
                 }
                 _ => quiet_since = Some((Instant::now(), effects)),
@@ -490,6 +573,9 @@ async fn drive(
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     log.push(Event::Drained { after_ms: drained_after, bound_ms: s.liveness_bound_ms, pending: pending_total });
+    if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(5), dead_letters(&ep.amqp_url)).await {
+        log.push(Event::DeadLetters { count: n });
+    }
     for (svc, pool) in &pools {
         let stuck: Vec<(Uuid, f64)> = bounded(
             COLLECT,
@@ -649,6 +735,15 @@ async fn queue_depths(amqp: &str, s: &Scenario) -> anyhow::Result<u32> {
     Ok(total)
 }
 
+/// Messages waiting in the DLQ (0 when it was never declared).
+async fn dead_letters(amqp: &str) -> anyhow::Result<u32> {
+    let conn = craig_mq::publisher::connect(amqp, 5, "chaos-probe").await?;
+    let ch = conn.create_channel().await?;
+    let n = craig_mq::topology::queue_depth(&ch, craig_mq::topology::DLQ_QUEUE).await.unwrap_or(0);
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "probe".into())).await;
+    Ok(n)
+}
+
 async fn wait_crash_restarts(s: &Scenario, replicas: &Replicas) {
     let deadline = Instant::now() + Duration::from_secs(30);
     for f in s.faults.iter().map(|f| f.get_ref()).filter(|f| f.kind == FaultKind::Crash && f.restart_after_ms.is_some()) {
@@ -701,6 +796,9 @@ async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, mut stop: wat
     }
 }
 
+/// Held by an upgrade or downgrade from its stop to its replica's restart.
+static ROLLOUT: Mutex<()> = Mutex::const_new(());
+
 #[allow(clippy::too_many_arguments)]
 async fn inject(
     index: usize,
@@ -710,14 +808,35 @@ async fn inject(
     backend: Arc<Mutex<Backend>>,
     replicas: Replicas,
     toxi: ToxiproxyClient,
-    mut writes: watch::Receiver<u32>,
+    (mut writes, total_writes): (watch::Receiver<u32>, u32),
 ) -> anyhow::Result<()> {
     match f.at {
         Trigger::AfterMs(ms) => tokio::time::sleep_until(log.started() + Duration::from_millis(ms)).await,
         Trigger::AfterWrites(n) => {
             let _ = writes.wait_for(|done| *done >= n).await;
         }
-        Trigger::FailpointHit(_) => unreachable!("crash faults are armed, not injected"),
+        Trigger::FailpointHit(n) => {
+            // Only upgrades and downgrades get here (crashes are armed, not injected): wait
+            // for the target's `failpoint.hit` marker, or give up once the workload is done.
+            let fp = f.failpoint.clone().expect("validated");
+            let r = replicas.get(&f.target).expect("validated").clone();
+            let path = r.lock().await.log_path().to_path_buf();
+            let mut done_since: Option<Instant> = None;
+            loop {
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                if text.lines().any(|l| l.contains("event=\"failpoint.hit\"") && l.contains(&format!("failpoint=\"{fp}\""))) {
+                    break;
+                }
+                if *writes.borrow() >= total_writes {
+                    let since = *done_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() > Duration::from_secs(5) {
+                        log.finding(format!("{} {}: failpoint {fp} never reached hit {n}; not done", f.kind.name(), f.target));
+                        return Ok(());
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
     }
     let kind = f.kind.name();
     let label = match (&f.toxic, f.kind) {
@@ -736,7 +855,8 @@ async fn inject(
     match (&target, f.kind) {
         (FaultTarget::Broker | FaultTarget::Database, FaultKind::Kill) => {
             let t = if target == FaultTarget::Broker { Target::Broker } else { Target::Database };
-            backend.lock().await.kill(t).await?;
+            let died = backend.lock().await.kill(t).await?;
+            log.evidence(kind, &label, died);
             tokio::time::sleep(hold).await;
             backend.lock().await.restart(t).await?;
         }
@@ -749,7 +869,9 @@ async fn inject(
         (FaultTarget::Replica(name), FaultKind::Kill) => {
             let r = replicas.get(name).expect("validated").clone();
             let service = name.rsplit_once('-').map(|(s, _)| s).unwrap_or(name);
+            let pid = r.lock().await.pid();
             let status = r.lock().await.kill().await?;
+            log.evidence(kind, &label, pid.map(|p| format!("pid {p} died ({})", describe(status))));
             log.push(Event::Crash { replica: name.clone(), consumer: consumes(service), how: describe(status) });
             tokio::time::sleep(hold).await;
             let mut r = r.lock().await;
@@ -757,6 +879,9 @@ async fn inject(
             r.start().await?;
         }
         (FaultTarget::Replica(name), FaultKind::Upgrade | FaultKind::Downgrade) => {
+            // One replica at a time, as a rollout goes: an upgrade whose time comes while
+            // another is still restarting waits for it.
+            let _one_at_a_time = ROLLOUT.lock().await;
             // Graceful: SIGTERM, the node's bounded drain, exit; then the other behaviour.
             let r = replicas.get(name).expect("validated").clone();
             let mut r = r.lock().await;
@@ -764,6 +889,7 @@ async fn inject(
                 r.stop(Duration::from_secs(15)).await?;
             }
             r.spec.compat = f.compat.clone().unwrap_or_default();
+            r.spec.failpoints = None; // the marker served its purpose
             log.push(Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
             r.start().await?;
         }
@@ -779,6 +905,17 @@ async fn inject(
             let toxic = Toxic { name: format!("fault-{index}"), stream: spec.stream, toxicity: spec.toxicity, kind: spec.kind };
             toxi.add_toxic(&proxy, &toxic).await?;
             tokio::time::sleep(hold).await;
+            // Evidence before removal: what the toxic acted on while it was in place.
+            let affected = toxi.proxy(&proxy).await?.affected;
+            log.evidence(
+                kind,
+                &label,
+                match affected.get(&toxic.name) {
+                    Some(a) if a.bytes > 0 || a.connections > 0 => Some(format!("{} bytes, {} connections", a.bytes, a.connections)),
+                    Some(_) => None,
+                    None => Some("not counted by this Toxiproxy".into()),
+                },
+            );
             toxi.remove_toxic(&proxy, &toxic.name).await?;
         }
         (FaultTarget::Broker, FaultKind::QueueLimit) => {
@@ -802,7 +939,19 @@ async fn inject(
     Ok(())
 }
 
-async fn workload(s: &Scenario, seed: u64, log: &Log, replicas: &Replicas, cases: &PgPool, secret: &str, done: watch::Sender<u32>) {
+/// `count` writes at the scenario's rate through the cases replicas (round robin), numbered
+/// from `first` (so the replica rotation goes on across phases); `done` counts completions.
+#[allow(clippy::too_many_arguments)]
+async fn workload(
+    s: &Scenario,
+    seed: u64,
+    (first, count): (u32, u32),
+    log: &Log,
+    replicas: &Replicas,
+    cases: &PgPool,
+    secret: &str,
+    done: watch::Sender<u32>,
+) {
     use fake::Fake;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let cases_replicas: Vec<Arc<Mutex<Replica>>> =
@@ -821,8 +970,9 @@ async fn workload(s: &Scenario, seed: u64, log: &Log, replicas: &Replicas, cases
     let completed = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let done = Arc::new(done);
     let mut tasks = tokio::task::JoinSet::new();
-    for i in 0..s.workload.writes {
-        tokio::time::sleep_until(began + gap * i).await;
+    for k in 0..count {
+        let i = first + k;
+        tokio::time::sleep_until(began + gap * k).await;
         if rng.random_bool(s.workload.rollback_share) {
             // Bounded: a paused database must not stall the workload's schedule.
             let _ = tokio::time::timeout(PROBE, rolled_back_write(log, cases)).await;
@@ -1079,6 +1229,16 @@ mod tests {
                 (Some(1500), Event::Reprocessed { envelope: env, replica: "cases-1".into() }),
             ]
         );
+    }
+
+    /// A call that never answers (a paused database) ends as an error of its own, never a
+    /// hang of the run.
+    #[tokio::test]
+    async fn a_call_that_never_answers_is_an_error_not_a_hang() {
+        let hung = std::future::pending::<Result<i64, sqlx::Error>>();
+        let e = bounded(Duration::from_millis(20), "pending count", hung).await.unwrap_err();
+        assert_eq!(e.to_string(), "pending count: no answer within 20ms");
+        assert_eq!(bounded(PROBE, "x", async { Ok::<_, sqlx::Error>(7) }).await.unwrap(), 7);
     }
 
     fn violated_by(culprits: &[(&str, u64)], violations: u64) -> Verdict {

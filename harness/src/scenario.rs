@@ -25,6 +25,7 @@
 //! rollback_share = 0.1      # extra writes the harness stages and rolls back
 //! poison_rows = 1           # malformed cases outbox rows, older than everything, written
 //!                           # by hand before the workload: they must stay pending, refused
+//! after_heal = 20           # writes made once every fault has healed (default 20)
 //!
 //! [[faults]]
 //! kind = "crash"            # crash | kill | pause | toxic | down | queue_limit | upgrade | downgrade
@@ -47,6 +48,8 @@
 //! at = { after_writes = 100 }
 //!
 //! [expect]
+//! min_acknowledged = 150    # floors (default: half the writes; 0 redeliveries, 0 dead
+//! min_redeliveries = 1      # letters): a run below one is inconclusive
 //! no_loss = "hold"          # hold | violate
 //! effect_once = { violate = "compat:pre-d2" }  # violated, and every witness points at
 //!                                              # that cause (or "replica:<name>")
@@ -86,7 +89,15 @@ pub struct Scenario {
     pub workload: Workload,
     #[serde(default)]
     pub faults: Vec<Spanned<Fault>>,
+    /// `[expect]` as written: invariants and `min_*` floors (split by [`parse`]).
+    #[serde(rename = "expect")]
+    expect_raw: BTreeMap<String, Spanned<toml::Value>>,
+    /// What each invariant is expected to do.
+    #[serde(skip)]
     pub expect: BTreeMap<String, Spanned<Expectation>>,
+    /// The least activity a run must show to prove anything (`min_*` keys of `[expect]`).
+    #[serde(skip)]
+    pub floor: Floor,
     /// How long everything may take to drain after the faults heal.
     #[serde(default = "default_bound")]
     pub liveness_bound_ms: u64,
@@ -231,6 +242,15 @@ pub struct Workload {
     /// Malformed outbox rows written by hand into cases' outbox before the workload.
     #[serde(default)]
     pub poison_rows: u32,
+    /// Writes made once every fault has healed (and every crashed replica is back), at
+    /// `rate`: the run must show the system working again, not only surviving. At least 1
+    /// when the scenario has faults.
+    #[serde(default = "after_heal")]
+    pub after_heal: u32,
+}
+
+fn after_heal() -> u32 {
+    20
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -250,7 +270,8 @@ pub enum FaultKind {
     #[serde(rename = "queue_limit")]
     QueueLimit,
     /// Stop a replica gracefully (SIGTERM, its drain) and start it again on `compat`
-    /// (default: current behaviour): one step of a rolling upgrade.
+    /// (default: current behaviour): one step of a rolling upgrade. One replica at a time:
+    /// an upgrade due while another is still restarting waits for it.
     Upgrade,
     /// Like `upgrade`, onto an older behaviour: `compat` names at least one mode.
     Downgrade,
@@ -331,8 +352,7 @@ pub enum Expect {
 /// `{ violate = "compat:pre-1128" }`: violated, and every witness must point at that cause
 /// (a compat mode the replica ran at the time, `compat:<mode>`, or a replica,
 /// `replica:<name>`). A twin is red for its documented reason, not for any reason.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(try_from = "toml::Value")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Expectation {
     pub expect: Expect,
     pub cause: Option<String>,
@@ -362,6 +382,27 @@ impl TryFrom<toml::Value> for Expectation {
             },
             _ => Err(SHAPE.into()),
         }
+    }
+}
+
+/// Minimum activity (`[expect]` keys `min_acknowledged`, `min_redeliveries`,
+/// `min_dead_letters`): a run below any of them is inconclusive — it exercised too little
+/// to be trusted, whatever its verdicts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Floor {
+    /// Writes the service acknowledged (HTTP 201). Default: half the planned writes.
+    pub acknowledged: u64,
+    /// Redeliveries the inbox absorbed (`inbox_dedup_hits_total`, summed over replicas).
+    pub redeliveries: u64,
+    /// Messages dead-lettered to the DLQ by the end of the run.
+    pub dead_letters: u64,
+}
+
+const FLOORS: &[&str] = &["min_acknowledged", "min_redeliveries", "min_dead_letters"];
+
+impl Default for Floor {
+    fn default() -> Self {
+        Self { acknowledged: 1, redeliveries: 0, dead_letters: 0 }
     }
 }
 
@@ -497,6 +538,9 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
     if w.writes == 0 || !(w.rate > 0.0 && w.rate <= 5000.0) || !(0.0..=1.0).contains(&w.rollback_share) {
         return Err(err(at("[workload]"), "workload needs writes > 0, 0 < rate <= 5000, 0 <= rollback_share <= 1".into()));
     }
+    if w.after_heal == 0 && !s.faults.is_empty() {
+        return Err(err(at("after_heal"), "after_heal must be at least 1: the workload writes again after every fault heals".into()));
+    }
     if s.settings.claim_lease_secs == 0 || s.settings.poll_ms == 0 {
         return Err(err(at("[settings]"), "claim_lease_secs and poll_ms must be positive".into()));
     }
@@ -560,8 +604,27 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         if fault.compat.is_some() && !matches!(fault.kind, FaultKind::Upgrade | FaultKind::Downgrade) {
             return Err(err(key_in(f.span(), "compat"), "compat belongs to an upgrade or downgrade fault".into()));
         }
-        if fault.kind != FaultKind::Crash && matches!(fault.at, Trigger::FailpointHit(_)) {
-            return Err(err(span, "failpoint_hit triggers only a crash".into()));
+        let marker = matches!(fault.kind, FaultKind::Upgrade | FaultKind::Downgrade);
+        if fault.kind != FaultKind::Crash && !marker && matches!(fault.at, Trigger::FailpointHit(_)) {
+            return Err(err(span, "failpoint_hit triggers only a crash, an upgrade or a downgrade".into()));
+        }
+        if marker {
+            match (fault.failpoint.as_deref(), fault.at) {
+                (Some(fp), Trigger::FailpointHit(n)) if n >= 1 => {
+                    if !craig_mq::crash::CRASH_POINTS.contains(&fp) {
+                        return Err(err(key_in(f.span(), "failpoint"), format!("unknown failpoint {fp:?}; known: {}", craig_mq::crash::CRASH_POINTS.join(", "))));
+                    }
+                    let taken = s.faults.iter().filter(|g| g.get_ref().target == fault.target && g.get_ref().failpoint.is_some()).count();
+                    if taken > 1 {
+                        return Err(err(span, format!("{}: one failpoint-timed fault per replica", fault.target)));
+                    }
+                }
+                (Some(_), _) => return Err(err(span, "a failpoint here times the fault: at = { failpoint_hit = N } (N >= 1)".into())),
+                (None, Trigger::FailpointHit(_)) => return Err(err(span, "failpoint_hit needs failpoint = \"<crash point>\"".into())),
+                (None, _) => {}
+            }
+        } else if fault.kind != FaultKind::Crash && fault.failpoint.is_some() {
+            return Err(err(key_in(f.span(), "failpoint"), "failpoint belongs to a crash, upgrade or downgrade".into()));
         }
         if fault.kind == FaultKind::Toxic && fault.toxic.is_none() {
             return Err(err(span, "a toxic fault needs toxic = { type = ..., stream = ..., attributes = {...} }".into()));
@@ -584,6 +647,25 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         if matches!(fault.kind, FaultKind::Pause | FaultKind::Toxic | FaultKind::Down | FaultKind::QueueLimit) && fault.duration_ms.is_none() {
             return Err(err(span, "this fault needs duration_ms (when it heals)".into()));
         }
+    }
+    s.floor.acknowledged = (u64::from(s.workload.writes) / 2).max(1);
+    for (key, raw) in std::mem::take(&mut s.expect_raw) {
+        let span = raw.span();
+        if FLOORS.contains(&key.as_str()) {
+            let n = raw.get_ref().as_integer().filter(|n| *n >= 0).ok_or_else(|| err(Some(span.clone()), format!("{key} is a count: {key} = N (N >= 0)")))?
+                as u64;
+            match key.as_str() {
+                "min_acknowledged" => s.floor.acknowledged = n,
+                "min_redeliveries" => s.floor.redeliveries = n,
+                _ => s.floor.dead_letters = n,
+            }
+            continue;
+        }
+        if key.starts_with("min_") {
+            return Err(err(Some(span), format!("unknown floor {key:?}; known: {}", FLOORS.join(", "))));
+        }
+        let e = Expectation::try_from(raw.get_ref().clone()).map_err(|why| err(Some(span.clone()), why))?;
+        s.expect.insert(key, Spanned::new(span, e));
     }
     if s.expect.is_empty() {
         return Err(err(at("[expect]"), "expect names at least one invariant".into()));
@@ -781,6 +863,16 @@ effect_once = "violate"
         assert!(e.reason.contains("unknown compat mode"), "{e}");
         let e = rejected(&GOOD.replace("duration_ms = 500", "duration_ms = 500\ncompat = []"));
         assert!(e.reason.contains("compat belongs to an upgrade or downgrade"), "{e}");
+        // Timed by a failpoint marker: the Nth hit of a crash point on the target.
+        let at_hit = up.replace("at = { after_writes = 5 }", "failpoint = \"outbox::after_claim\"\nat = { failpoint_hit = 3 }");
+        let s = parse_str(&GOOD.replace("[expect]", &at_hit)).unwrap();
+        assert_eq!(s.faults[2].get_ref().at, Trigger::FailpointHit(3));
+        let e = rejected(&GOOD.replace("[expect]", &at_hit.replace("outbox::after_claim", "outbox::nowhere")));
+        assert!(e.reason.contains("unknown failpoint"), "{e}");
+        let e = rejected(&GOOD.replace("[expect]", &at_hit.replace("failpoint = \"outbox::after_claim\"\n", "")));
+        assert!(e.reason.contains("failpoint_hit needs failpoint"), "{e}");
+        let e = rejected(&GOOD.replace("[expect]", &at_hit.replace("cases-1", "cases-2")));
+        assert!(e.reason.contains("one failpoint-timed fault per replica"), "{e}");
     }
 
     #[test]
@@ -802,6 +894,23 @@ effect_once = "violate"
         }
         let e = rejected(&GOOD.replace(r#"effect_once = "violate""#, "liveness = { violate = \"compat:pre-d2\" }"));
         assert!(e.reason.contains("liveness does not attribute its violations"), "{e}");
+    }
+
+    #[test]
+    fn floors_are_counts_in_expect_with_defaults() {
+        let s = parse_str(GOOD).unwrap();
+        assert_eq!(s.floor, Floor { acknowledged: 5, redeliveries: 0, dead_letters: 0 });
+        assert_eq!(s.workload.after_heal, 20);
+        let s = parse_str(&GOOD.replace("[expect]\n", "[expect]\nmin_acknowledged = 8\nmin_redeliveries = 2\nmin_dead_letters = 1\n")).unwrap();
+        assert_eq!(s.floor, Floor { acknowledged: 8, redeliveries: 2, dead_letters: 1 });
+        assert_eq!(s.expect.len(), 2, "floors are not invariants");
+        let e = rejected(&GOOD.replace("[expect]\n", "[expect]\nmin_redeliveries = \"many\"\n"));
+        assert_eq!(e.line, 26, "{e}");
+        assert!(e.reason.contains("min_redeliveries is a count"), "{e}");
+        let e = rejected(&GOOD.replace("[expect]\n", "[expect]\nmin_effects = 3\n"));
+        assert!(e.reason.contains("unknown floor \"min_effects\""), "{e}");
+        let e = rejected(&GOOD.replace("rate = 50", "rate = 50\nafter_heal = 0"));
+        assert!(e.reason.contains("after_heal must be at least 1"), "{e}");
     }
 
     #[test]

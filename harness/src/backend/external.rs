@@ -37,6 +37,10 @@ impl ExternalBackend {
         self.sandbox.clear_policy(name).await.map_err(|e| BackendError::failed("clearing a queue policy", e))
     }
 
+    pub async fn unacked(&self, queues: &[String]) -> Result<u64, BackendError> {
+        self.sandbox.unacked(queues).await.map_err(|e| BackendError::failed("counting unacked deliveries", e))
+    }
+
     pub fn endpoints(&self) -> Endpoints {
         let amqp = self.sandbox.amqp_url().to_owned();
         let db_addr = match self.services.first() {

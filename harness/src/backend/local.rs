@@ -78,9 +78,56 @@ fn rabbitmq_script() -> Result<PathBuf, BackendError> {
     })
 }
 
+/// A free port for a private server, OUTSIDE the kernel's ephemeral range. The servers
+/// bind it themselves, so it cannot be held for them; but while a killed server is down,
+/// every outgoing connection (the replicas' proxies reconnecting, the readiness probe)
+/// draws its source port from the ephemeral range, and one that drew the server's own port
+/// would connect to itself (TCP simultaneous open) and keep the restart from binding. Out
+/// of that range, only another listener can take the port.
 fn free_port() -> Result<u16, BackendError> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| BackendError::failed("finding a free port", e))?;
-    Ok(l.local_addr().map_err(|e| BackendError::failed("finding a free port", e))?.port())
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let (lo, hi) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| {
+            let mut it = t.split_whitespace().map(|n| n.parse::<u32>().ok());
+            Some((it.next()??, it.next()??))
+        })
+        .unwrap_or((32768, 60999));
+    let (from, to) = non_ephemeral(lo, hi);
+    let span = to - from;
+    let start = (std::process::id().wrapping_mul(7919) + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) * 131) % span;
+    for k in 0..span.min(2000) {
+        let port = (from + (start + k) % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(BackendError::failed("finding a free port", format!("none free in {from}..{to} (outside the ephemeral range {lo}-{hi})")))
+}
+
+/// The port range [from, to) to pick private servers' ports from, given the ephemeral
+/// range `lo..=hi`: below it when there is room, else above it.
+fn non_ephemeral(lo: u32, hi: u32) -> (u32, u32) {
+    if lo >= 12_000 { (10_000, lo) } else if hi < 64_000 { (hi + 1, 65_536) } else { (1_024, lo.max(2_048)) }
+}
+
+#[cfg(test)]
+mod port_tests {
+    use super::*;
+
+    #[test]
+    fn private_server_ports_stay_out_of_the_ephemeral_range() {
+        assert_eq!(non_ephemeral(32768, 60999), (10_000, 32768));
+        assert_eq!(non_ephemeral(1024, 50000), (50001, 65_536));
+        let p = u32::from(free_port().unwrap());
+        let (lo, hi) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .map(|t| {
+                let v: Vec<u32> = t.split_whitespace().map(|n| n.parse().unwrap()).collect();
+                (v[0], v[1])
+            })
+            .unwrap_or((32768, 60999));
+        assert!(!(lo..=hi).contains(&p), "{p} is in the ephemeral range {lo}-{hi}");
+    }
 }
 
 fn log_tail(path: &Path) -> String {
@@ -146,8 +193,9 @@ impl Server {
     }
 
     /// SIGKILL the whole group and wait until every process of it is gone.
-    async fn kill(&mut self) -> Result<(), BackendError> {
-        let Some(pgid) = self.pgid() else { return Ok(()) };
+    /// SIGKILL the group; the pid that died (None: nothing was running).
+    async fn kill(&mut self) -> Result<Option<i32>, BackendError> {
+        let Some(pgid) = self.pgid() else { return Ok(None) };
         let _ = killpg(pgid, Signal::SIGKILL);
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -155,7 +203,7 @@ impl Server {
             let group_gone = matches!(killpg(pgid, None), Err(nix::errno::Errno::ESRCH));
             if reaped && group_gone {
                 self.child = None;
-                return Ok(());
+                return Ok(Some(pgid.as_raw()));
             }
             if Instant::now() > deadline {
                 return Err(BackendError::failed(format!("killing {}", self.name), "processes still alive after 20 s"));
@@ -233,14 +281,20 @@ impl LocalBackend {
     /// Set a queue policy on the private broker (`rabbitmqctl -n <node>`, same HOME so the
     /// same Erlang cookie), `definition` being RabbitMQ's policy JSON.
     pub fn set_policy(&self, name: &str, pattern: &str, definition: &serde_json::Value) -> Result<(), BackendError> {
-        self.rabbitmqctl(&["set_policy", "--apply-to", "queues", "--priority", "10", name, pattern, &definition.to_string()])
+        self.rabbitmqctl(&["set_policy", "--apply-to", "queues", "--priority", "10", name, pattern, &definition.to_string()]).map(drop)
     }
 
     pub fn clear_policy(&self, name: &str) -> Result<(), BackendError> {
-        self.rabbitmqctl(&["clear_policy", name])
+        self.rabbitmqctl(&["clear_policy", name]).map(drop)
     }
 
-    fn rabbitmqctl(&self, args: &[&str]) -> Result<(), BackendError> {
+    /// Deliveries of `queues` not yet acked by their consumers.
+    pub fn unacked(&self, queues: &[String]) -> Result<u64, BackendError> {
+        let out = self.rabbitmqctl(&["list_queues", "-s", "name", "messages_unacknowledged"])?;
+        Ok(craig_sandbox::sum_listed(&out, queues))
+    }
+
+    fn rabbitmqctl(&self, args: &[&str]) -> Result<String, BackendError> {
         let server = rabbitmq_script()?;
         let ctl = server.with_file_name("rabbitmqctl");
         let env = |k: &str| self.rmq.env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default();
@@ -252,7 +306,7 @@ impl LocalBackend {
             .output()
             .map_err(|e| BackendError::failed(format!("running {}", ctl.display()), e))?;
         if out.status.success() {
-            Ok(())
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
         } else {
             Err(BackendError::failed(
                 format!("rabbitmqctl {}", args.join(" ")),
@@ -325,7 +379,8 @@ impl LocalBackend {
         }
     }
 
-    pub async fn kill(&mut self, t: Target) -> Result<(), BackendError> {
+    /// The pid (group) that died; None when the server was not running.
+    pub async fn kill(&mut self, t: Target) -> Result<Option<i32>, BackendError> {
         self.server(t).kill().await
     }
 
@@ -345,8 +400,8 @@ impl LocalBackend {
 
     pub async fn stop(mut self) -> Result<(), BackendError> {
         self.stopped = true;
-        let a = self.pg.kill().await;
-        let b = self.rmq.kill().await;
+        let a = self.pg.kill().await.map(drop);
+        let b = self.rmq.kill().await.map(drop);
         let c = std::fs::remove_dir_all(&self.root).map_err(|e| BackendError::failed(format!("removing {}", self.root.display()), e));
         a.and(b).and(c)
     }

@@ -215,11 +215,13 @@ impl Backend {
     }
 
     /// SIGKILL (or container kill) the target, and wait until it is really gone.
-    pub async fn kill(&mut self, target: Target) -> Result<(), BackendError> {
+    /// SIGKILL the target; the evidence that it took effect (the pid that died, the
+    /// container killed), or None when nothing was running to kill.
+    pub async fn kill(&mut self, target: Target) -> Result<Option<String>, BackendError> {
         match self {
-            Backend::Local(b) => b.kill(target).await,
+            Backend::Local(b) => Ok(b.kill(target).await?.map(|pid| format!("pid {pid} (and its process group) died"))),
             Backend::External(_) => Err(external::unsupported("kill", target)),
-            Backend::Containers(b) => b.kill(target).await,
+            Backend::Containers(b) => b.kill(target).await.map(|()| Some(format!("container of the {target} killed"))),
         }
     }
 
@@ -252,6 +254,16 @@ impl Backend {
                 target: Target::Broker,
                 why: "policies on the RabbitMQ container are not wired yet; use local or external",
             }),
+        }
+    }
+
+    /// Deliveries of `queues` handed to consumers and not yet acked; None where this
+    /// backend cannot count them (containers).
+    pub async fn unacked(&self, queues: &[String]) -> Result<Option<u64>, BackendError> {
+        match self {
+            Backend::Local(b) => b.unacked(queues).map(Some),
+            Backend::External(b) => b.unacked(queues).await.map(Some),
+            Backend::Containers(_) => Ok(None),
         }
     }
 

@@ -36,7 +36,14 @@ enum End {
 }
 
 /// Run one proxied connection to completion.
-pub async fn run(client: TcpStream, upstream: String, toxics: watch::Receiver<ToxicSet>, seed: u64, kill: CancellationToken) {
+pub(crate) async fn run(
+    client: TcpStream,
+    upstream: String,
+    toxics: watch::Receiver<ToxicSet>,
+    seed: u64,
+    kill: CancellationToken,
+    stats: Arc<super::Stats>,
+) {
     let server = match TcpStream::connect(&upstream).await {
         Ok(s) => s,
         Err(e) => {
@@ -49,8 +56,8 @@ pub async fn run(client: TcpStream, upstream: String, toxics: watch::Receiver<To
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
     let stop = kill.child_token();
-    let up = Pump::new(Stream::Upstream, toxics.clone(), seed);
-    let down = Pump::new(Stream::Downstream, toxics, seed ^ 0x9e37_79b9_7f4a_7c15);
+    let up = Pump::new(Stream::Upstream, toxics.clone(), seed, stats.clone());
+    let down = Pump::new(Stream::Downstream, toxics, seed ^ 0x9e37_79b9_7f4a_7c15, stats);
     let (a, b) = tokio::join!(
         async {
             let end = up.run(&mut cr, &mut sw, &stop).await;
@@ -94,10 +101,11 @@ struct Pump {
     limit_base: Option<u64>,
     timeout_at: Option<Instant>,
     reset_at: Option<Instant>,
+    stats: Arc<super::Stats>,
 }
 
 impl Pump {
-    fn new(dir: Stream, ctl: watch::Receiver<ToxicSet>, seed: u64) -> Self {
+    fn new(dir: Stream, ctl: watch::Receiver<ToxicSet>, seed: u64, stats: Arc<super::Stats>) -> Self {
         let mut p = Self {
             dir,
             ctl,
@@ -110,6 +118,7 @@ impl Pump {
             limit_base: None,
             timeout_at: None,
             reset_at: None,
+            stats,
         };
         p.refresh();
         p
@@ -134,6 +143,9 @@ impl Pump {
                 _ => {
                     let applies = t.toxicity >= 1.0 || self.rng.random::<f32>() < t.toxicity;
                     self.drawn.insert(t.name.clone(), (t.toxicity, applies));
+                    if applies {
+                        self.stats.charge(&t.name, 0, 1);
+                    }
                     applies
                 }
             };
@@ -176,6 +188,11 @@ impl Pump {
     /// Take in a chunk read from the source: drop it, or queue it in timed pieces.
     fn ingest(&mut self, chunk: &[u8]) {
         let now = Instant::now();
+        for (name, (_, applies)) in &self.drawn {
+            if *applies {
+                self.stats.charge(name, chunk.len() as u64, 0);
+            }
+        }
         if let Some(ms) = self.active.iter().find_map(|k| match k {
             ToxicKind::ResetPeer { timeout } => Some(*timeout),
             _ => None,

@@ -14,7 +14,7 @@ pub mod client;
 mod link;
 pub mod toxic;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -38,6 +38,35 @@ pub struct ProxyInfo {
     pub enabled: bool,
     #[serde(default)]
     pub toxics: Vec<Toxic>,
+    /// What each present toxic has acted on so far (this proxy's extension of Toxiproxy's
+    /// API; absent from a real Toxiproxy): a fault's evidence that it took effect.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub affected: BTreeMap<String, Affected>,
+}
+
+/// Bytes a toxic took in (dropped, delayed, sliced…) and connections it applied to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Affected {
+    pub bytes: u64,
+    pub connections: u64,
+}
+
+/// Per-toxic counters of one proxy, shared with its connections' pumps.
+#[derive(Default)]
+pub(crate) struct Stats {
+    by_toxic: Mutex<HashMap<String, Affected>>,
+}
+
+impl Stats {
+    pub(crate) fn charge(&self, toxic: &str, bytes: u64, connections: u64) {
+        let mut m = self.by_toxic.lock().unwrap();
+        let a = m.entry(toxic.to_owned()).or_default();
+        a.bytes += bytes;
+        a.connections += connections;
+    }
+    fn reset(&self, toxic: &str) {
+        self.by_toxic.lock().unwrap().remove(toxic);
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -65,6 +94,7 @@ struct Proxy {
     accept: Option<AbortHandle>,
     /// Cancelling it cuts every live connection of this proxy.
     conns: CancellationToken,
+    stats: Arc<Stats>,
 }
 
 impl Proxy {
@@ -75,6 +105,10 @@ impl Proxy {
             upstream: self.upstream.clone(),
             enabled: self.enabled,
             toxics: self.toxics.clone(),
+            affected: {
+                let m = self.stats.by_toxic.lock().unwrap();
+                self.toxics.iter().map(|t| (t.name.clone(), m.get(&t.name).copied().unwrap_or_default())).collect()
+            },
         }
     }
 
@@ -135,6 +169,7 @@ impl FaultProxy {
             tx,
             accept: None,
             conns: CancellationToken::new(),
+            stats: Arc::default(),
         };
         if enabled {
             proxy.accept = Some(self.spawn_accept(listener, &proxy));
@@ -187,6 +222,7 @@ impl FaultProxy {
         if p.toxics.iter().any(|t| t.name == toxic.name) {
             return Err(ProxyError::ToxicExists(toxic.name));
         }
+        p.stats.reset(&toxic.name);
         p.toxics.push(toxic.clone());
         p.publish();
         tracing::info!(event = "proxy.toxic_added", proxy, toxic = %toxic.name, kind = toxic.kind.type_name(), stream = toxic.stream.as_str());
@@ -250,6 +286,7 @@ impl FaultProxy {
         let upstream = proxy.upstream.clone();
         let rx = proxy.tx.subscribe();
         let conns = proxy.conns.clone();
+        let stats = proxy.stats.clone();
         let seed = self.seed;
         let counter = self.next_conn.clone();
         tokio::spawn(async move {
@@ -263,7 +300,7 @@ impl FaultProxy {
                 };
                 let n = counter.fetch_add(1, Ordering::Relaxed);
                 let conn_seed = seed.wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-                tokio::spawn(link::run(sock, upstream.clone(), rx.clone(), conn_seed, conns.clone()));
+                tokio::spawn(link::run(sock, upstream.clone(), rx.clone(), conn_seed, conns.clone(), stats.clone()));
             }
         })
         .abort_handle()

@@ -261,8 +261,12 @@ async fn timeout_zero_black_holes_one_direction_until_removed() {
                     assert!(r.is_err(), "{when:?}: downstream data must be dropped, got {r:?}");
                 }
             }
+            // The proxy reports what the toxic acted on: the fault's evidence.
+            let a = rig.api.proxy("svc").await.unwrap().affected[&name];
+            assert_eq!((a.bytes, a.connections), (3, 1), "{when:?} {dir:?}");
             // Removing the toxic heals the live connection; dropped data stays dropped.
             rig.api.remove_toxic("svc", &name).await.unwrap();
+            assert!(rig.api.proxy("svc").await.unwrap().affected.is_empty());
             c.write_all(b"up2").await.unwrap();
             s.send(b"dn2").await.unwrap();
             assert_eq!(read_exact_n(&mut c, 3).await, if dir == Stream::Upstream { *b"dn2" } else { *b"dn2" });
@@ -371,9 +375,12 @@ async fn limit_data_closes_after_exactly_the_limit() {
 async fn toxicity_zero_never_applies() {
     let rig = new_rig().await;
     let t = Toxic::new(Stream::Downstream, ToxicKind::LimitData { bytes: 1 }).toxicity(0.0);
+    let name = t.name.clone();
     let (mut c, s) = connect_with(&rig, t, When::New).await;
     s.send(b"all of it").await.unwrap();
     assert_eq!(read_exact_n(&mut c, 9).await, b"all of it");
+    // A toxic that applied to nothing has no evidence of taking effect.
+    assert_eq!(rig.api.proxy("svc").await.unwrap().affected[&name], Default::default());
 }
 
 #[tokio::test]

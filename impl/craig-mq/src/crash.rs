@@ -9,7 +9,8 @@
 //! Built only with feature `failpoints` (off by default, so never in a plain release
 //! build). Configure with the `fail` crate's `FAILPOINTS` grammar; the action
 //! `return(abort)` aborts the whole process (a real crash, SIGABRT), and `N*off->return(abort)`
-//! fires on hit N+1. Other `fail` actions (`sleep`, `pause`, `panic`) behave as documented there.
+//! fires on hit N+1. The action `return(hit)` only logs `failpoint.hit` and goes on: a
+//! marker the harness can time another fault by. Other `fail` actions (`sleep`, `pause`, `panic`) behave as documented there.
 
 /// The crash point names, for `--help` texts and harness validation.
 pub const CRASH_POINTS: &[&str] =
@@ -20,6 +21,10 @@ pub const CRASH_POINTS: &[&str] =
 pub fn hit(name: &'static str) {
     #[cfg(feature = "failpoints")]
     if let Some(Some(arg)) = fail::eval(name, |arg| arg) {
+        if arg == "hit" {
+            // A marker the harness waits for (e.g. to upgrade a replica at the Nth hit).
+            tracing::warn!(event = "failpoint.hit", failpoint = name, "crash point reached (marker only)");
+        }
         if arg == "abort" {
             tracing::error!(event = "failpoint.abort", failpoint = name, "crash point fired: aborting process");
             eprintln!("craig: crash point {name} fired: aborting");

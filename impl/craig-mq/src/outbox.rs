@@ -403,6 +403,9 @@ impl OutboxWorker {
         }
         tx.commit().await?;
         m::published(report.published);
+        if report.failed > 0 {
+            tracing::warn!(event = "outbox.publish_failed", rows = report.failed, mode = "pre-1128");
+        }
         for id in &stamped {
             tracing::debug!(event = "outbox.stamped", envelope_id = %id);
         }

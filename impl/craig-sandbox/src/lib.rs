@@ -162,6 +162,32 @@ impl Sandbox {
         }
     }
 
+    /// Deliveries of `queues` handed to a consumer and not yet acked (a passive declare
+    /// counts only ready ones). Management API, else a local `rabbitmqctl`.
+    pub async fn unacked(&self, queues: &[String]) -> Result<u64, SandboxError> {
+        let m = management(&self.amqp_url)?;
+        let err = |detail: String| SandboxError::Vhost { vhost: self.vhost.clone(), detail };
+        let client = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().expect("reqwest client");
+        let url = format!("{}/api/queues/{}?columns=name,messages_unacknowledged", m.base, self.vhost);
+        match client.get(url).basic_auth(&m.user, Some(&m.pass)).send().await {
+            Ok(r) if r.status().is_success() => {
+                let rows: Vec<serde_json::Value> = r.json().await.map_err(|e| err(e.to_string()))?;
+                Ok(rows
+                    .iter()
+                    .filter(|q| queues.iter().any(|n| Some(n.as_str()) == q["name"].as_str()))
+                    .filter_map(|q| q["messages_unacknowledged"].as_u64())
+                    .sum())
+            }
+            Ok(r) => Err(err(format!("management API answered HTTP {} to GET /api/queues", r.status()))),
+            Err(e) if e.is_connect() => {
+                rabbitmqctl_output(&["list_queues", "-p", &self.vhost, "-s", "name", "messages_unacknowledged"])
+                    .map(|out| sum_listed(&out, queues))
+                    .map_err(err)
+            }
+            Err(e) => Err(err(e.to_string())),
+        }
+    }
+
     pub async fn destroy(mut self) -> Result<(), SandboxError> {
         self.destroyed = true;
         let mut admin = admin_conn(&self.admin_url).await?;
@@ -335,20 +361,44 @@ async fn vhost_delete(amqp_base: &str, vhost: &str) -> Result<(), SandboxError> 
 }
 
 fn rabbitmqctl(args: &[&str]) -> Result<(), String> {
+    rabbitmqctl_output(args).map(drop)
+}
+
+fn rabbitmqctl_output(args: &[&str]) -> Result<String, String> {
     let out = std::process::Command::new("rabbitmqctl")
         .args(args)
         .output()
         .map_err(|e| format!("rabbitmqctl not runnable ({e}); enable the management plugin: rabbitmq-plugins enable rabbitmq_management"))?;
     if out.status.success() {
-        Ok(())
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     } else {
         Err(format!("rabbitmqctl {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
     }
 }
 
+/// Sum of the second column over `rabbitmqctl list_queues -s name <counter>` lines whose
+/// first column is one of `queues`.
+pub fn sum_listed(listing: &str, queues: &[String]) -> u64 {
+    listing
+        .lines()
+        .filter_map(|l| {
+            let mut cols = l.split_whitespace();
+            let (name, n) = (cols.next()?, cols.next()?.parse::<u64>().ok()?);
+            queues.iter().any(|q| q == name).then_some(n)
+        })
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn listed_counts_sum_over_the_named_queues_only() {
+        let out = "craig-rules.events\t3\ncraig-security.events\t2\nother\t9\nbad line\n";
+        assert_eq!(sum_listed(out, &["craig-rules.events".into(), "craig-security.events".into()]), 5);
+        assert_eq!(sum_listed("", &["x".into()]), 0);
+    }
 
     #[test]
     fn names_are_deterministic_and_short() {
