@@ -1,0 +1,148 @@
+//! What the system says happened, read at the end: the outbox rows and counted effects
+//! from the databases, `inbox.reprocessed` and `outbox.stamped` from the replicas' own
+//! logs, and each replica's `/metrics`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use super::{COLLECT, Log, bounded};
+use crate::history::Event;
+
+/// Read what the databases say happened: staged envelopes and counted side effects.
+pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyhow::Result<()> {
+    for (svc, pool) in pools {
+        let rows: Vec<(Uuid, Option<Uuid>, bool, i32, i64, Option<String>)> = bounded(
+            COLLECT,
+            "reading the outbox",
+            sqlx::query_as(
+                "SELECT id, aggregate_id, published_at IS NOT NULL, attempts, (EXTRACT(EPOCH FROM created_at) * 1000)::int8, \
+                        last_error FROM event_outbox",
+            )
+            .fetch_all(pool),
+        )
+        .await?;
+        for (envelope, referral, published, attempts, at, last_error) in rows {
+            log.push_at(log.rel_db(at), Event::Staged { envelope, referral, service: svc.clone(), published, attempts, last_error });
+        }
+        if svc == "rules" {
+            let rows: Vec<(Uuid, Option<Uuid>, i64, Option<String>)> = bounded(
+                COLLECT,
+                "reading rule_evaluations",
+                sqlx::query_as(
+                    "SELECT envelope_id, referral_id, (EXTRACT(EPOCH FROM evaluated_at) * 1000)::int8, replica FROM rule_evaluations",
+                )
+                .fetch_all(pool),
+            )
+            .await?;
+            for (envelope, referral, at, replica) in rows {
+                log.push_at(log.rel_db(at), Event::Effect { envelope, referral, service: "rules".into(), replica });
+            }
+        }
+    }
+    Ok(())
+}
+/// What the replicas' own logs say (each log holds all incarnations of its replica, each
+/// after a `--- start N of R (compat M) ---` line):
+/// - every `inbox.reprocessed`: the inbox's own word that a re-execution was of an envelope
+///   recorded but never stamped;
+/// - every `outbox.stamped`: which replica, running which compat modes, stamped an
+///   envelope published.
+pub(super) fn collect_logs(log: &Log, logs_dir: &Path) {
+    let Ok(dir) = std::fs::read_dir(logs_dir) else { return };
+    for entry in dir.flatten() {
+        let path = entry.path();
+        let Some(replica) = path.file_stem().and_then(|s| s.to_str()).map(str::to_owned) else { continue };
+        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        for (at, event) in parse_replica_log(&replica, &text, |epoch_ms| log.rel(epoch_ms)) {
+            log.push_at(at.unwrap_or_else(|| log.now()), event);
+        }
+    }
+}
+/// The events one replica log reports, with their times (`rel` converts the log's epoch ms
+/// to run time; None when a line has no readable timestamp).
+pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> u64) -> Vec<(Option<u64>, Event)> {
+    let mut out = Vec::new();
+    let mut compat: Vec<String> = Vec::new();
+    for line in text.lines() {
+        if let Some(modes) = line.strip_prefix("--- start ").and_then(|l| l.split_once("(compat ")).map(|(_, m)| m) {
+            let modes = modes.trim_end_matches(" ---").trim_end_matches(')');
+            compat = if modes == "-" { vec![] } else { modes.split(',').map(str::to_owned).collect() };
+            continue;
+        }
+        let reprocessed = line.contains("event=\"inbox.reprocessed\"");
+        let stamped = line.contains("event=\"outbox.stamped\"");
+        if !reprocessed && !stamped {
+            continue;
+        }
+        let Some(envelope) = line
+            .split_once("envelope_id=")
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .and_then(|id| id.parse::<Uuid>().ok())
+        else {
+            continue;
+        };
+        let at = line
+            .split_whitespace()
+            .next()
+            .and_then(|ts| chrono::DateTime::parse_from_rfc3339(ts).ok())
+            .map(|ts| rel(ts.timestamp_millis()));
+        let event = if reprocessed {
+            Event::Reprocessed { envelope, replica: replica.to_owned() }
+        } else {
+            Event::Stamped { envelope, replica: replica.to_owned(), compat: compat.clone() }
+        };
+        out.push((at, event));
+    }
+    out
+}
+/// The CONTRACT's series from a replica's `GET /metrics` (bounded; empty when it does not
+/// answer). Histograms keep their `_count` and `_sum`.
+pub(super) async fn scrape_metrics(addr: &str) -> BTreeMap<String, f64> {
+    let wanted = ["outbox_", "inbox_", "dlq_", "idempotency_"];
+    let text = async {
+        let client = reqwest::Client::builder().timeout(Duration::from_secs(3)).build().ok()?;
+        client.get(format!("http://{addr}/metrics")).send().await.ok()?.text().await.ok()
+    }
+    .await
+    .unwrap_or_default();
+    text.lines()
+        .filter(|l| !l.starts_with('#') && wanted.iter().any(|w| l.starts_with(w)) && !l.contains("_bucket"))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            Some((series.to_owned(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replica_logs_say_who_stamped_what_under_which_compat() {
+        let env = Uuid::from_u128(7);
+        let text = format!(
+            "--- start 1 of cases-1 (compat pre-1128) ---\n\
+             2026-11-30T16:00:00.100000Z DEBUG craig_mq::outbox: event=\"outbox.stamped\" envelope_id={env}\n\
+             --- start 2 of cases-1 (compat -) ---\n\
+             2026-11-30T16:00:01.000000Z DEBUG craig_mq::outbox: event=\"outbox.stamped\" envelope_id={env}\n\
+             2026-11-30T16:00:01.500000Z  WARN craig_mq::inbox: event=\"inbox.reprocessed\" envelope_id={env} source=x\n\
+             not a line of interest envelope_id={env}\n"
+        );
+        let origin = chrono::DateTime::parse_from_rfc3339("2026-11-30T16:00:00Z").unwrap().timestamp_millis();
+        let events = parse_replica_log("cases-1", &text, |ms| (ms - origin) as u64);
+        assert_eq!(
+            events,
+            vec![
+                (Some(100), Event::Stamped { envelope: env, replica: "cases-1".into(), compat: vec!["pre-1128".into()] }),
+                (Some(1000), Event::Stamped { envelope: env, replica: "cases-1".into(), compat: vec![] }),
+                (Some(1500), Event::Reprocessed { envelope: env, replica: "cases-1".into() }),
+            ]
+        );
+    }
+
+}

@@ -1,0 +1,291 @@
+//! The fault schedule: crash points armed through `FAILPOINTS` (the watcher records each
+//! crash and restarts), every other fault injected at its time, write count or marker,
+//! late starts, rollouts. One interface, [`Schedule`]: start it, await `healed`, `finish`.
+
+use std::time::Duration;
+
+use serde_json::json;
+use tokio::sync::{Mutex, watch};
+use tokio::time::Instant;
+
+use super::{Log, Replicas, consumes};
+use crate::backend::{Backend, Target};
+use crate::history::{Event, Phase};
+use crate::process::describe;
+use crate::proxy::{Toxic, ToxiproxyClient};
+use crate::scenario::{Fault, FaultKind, FaultTarget, Scenario, Trigger};
+
+use std::sync::Arc;
+
+/// The running schedule of one scenario.
+pub(super) struct Schedule {
+    faults: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    late_starts: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    watcher: tokio::task::JoinHandle<()>,
+}
+
+impl Schedule {
+    /// Arm everything: the replica watcher, late starts and one task per injected fault.
+    pub(super) fn start(
+        s: &Scenario,
+        log: &Log,
+        backend: &Arc<Mutex<Backend>>,
+        replicas: &Replicas,
+        toxi: &ToxiproxyClient,
+        writes: (watch::Receiver<u32>, u32),
+        stop: watch::Receiver<bool>,
+    ) -> Self {
+        let late_starts = start_late(s, log, replicas);
+        let watcher = tokio::spawn(watch_replicas(s.clone(), log.clone(), replicas.clone(), stop));
+        let mut faults = Vec::new();
+        for (i, f) in s.faults.iter().enumerate() {
+            let f = f.get_ref().clone();
+            if f.kind == FaultKind::Crash {
+                continue; // armed through FAILPOINTS; the watcher records and restarts
+            }
+            let target = s.parse_target(&f.target).expect("validated");
+            faults.push(tokio::spawn(inject(
+                i,
+                f,
+                target,
+                log.clone(),
+                backend.clone(),
+                replicas.clone(),
+                toxi.clone(),
+                (writes.0.clone(), writes.1),
+            )));
+        }
+        Self { faults, late_starts, watcher }
+    }
+
+    /// Every injected fault has healed, every late replica started, every crashed one
+    /// restarted; a fault that failed is an error of the run.
+    pub(super) async fn healed(&mut self, s: &Scenario, replicas: &Replicas) -> anyhow::Result<()> {
+        use anyhow::Context as _;
+        for t in self.faults.drain(..) {
+            t.await.context("fault task panicked")??;
+        }
+        for t in self.late_starts.drain(..) {
+            t.await.context("late start panicked")??;
+        }
+        wait_crash_restarts(s, replicas).await;
+        Ok(())
+    }
+
+    /// After the stop signal: the watcher's last round.
+    pub(super) async fn finish(self) {
+        let _ = self.watcher.await;
+    }
+}
+
+/// Start the replicas of services with `start_after_ms` at that time of the run.
+fn start_late(s: &Scenario, log: &Log, replicas: &Replicas) -> Vec<tokio::task::JoinHandle<anyhow::Result<()>>> {
+    let mut tasks = Vec::new();
+    for (svc, entry) in &s.fleet {
+        let Some(ms) = entry.get_ref().start_after_ms else { continue };
+        for i in 1..=entry.get_ref().count() {
+            let name = format!("{svc}-{i}");
+            let (r, log) = (replicas.get(&name).expect("every replica is registered").clone(), log.clone());
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep_until(log.started() + Duration::from_millis(ms)).await;
+                log.fault("start", &name, Phase::Start);
+                let mut r = r.lock().await;
+                log.push(Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
+                r.start().await.map_err(|e| anyhow::anyhow!("starting late replica {name}: {e}"))?;
+                Ok(())
+            }));
+        }
+    }
+    tasks
+}
+async fn wait_crash_restarts(s: &Scenario, replicas: &Replicas) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for f in s.faults.iter().map(|f| f.get_ref()).filter(|f| f.kind == FaultKind::Crash && f.restart_after_ms.is_some()) {
+        let Some(r) = replicas.get(&f.target) else { continue };
+        // A crash point that never fired leaves the replica running; one that fired gets
+        // restarted by the watcher. Either way the replica should be up before the drain.
+        while Instant::now() < deadline {
+            if r.lock().await.pid().is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+/// Record crashes as they happen; restart crashed replicas whose crash fault asks for it.
+async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, mut stop: watch::Receiver<bool>) {
+    loop {
+        for (name, r) in replicas.iter() {
+            let status = r.lock().await.exited();
+            let Some(status) = status else { continue };
+            let service = name.rsplit_once('-').map(|(s, _)| s).unwrap_or(name);
+            log.push(Event::Crash { replica: name.clone(), consumer: consumes(service), how: describe(status) });
+            let fault = s.faults.iter().map(|f| f.get_ref()).find(|f| f.kind == FaultKind::Crash && &f.target == name);
+            if fault.is_none() {
+                log.finding(format!("replica {name} exited ({}) with no fault targeting it; not restarted", describe(status)));
+            }
+            if let Some(f) = fault {
+                log.fault("crash", &format!("{name} at {}", f.failpoint.as_deref().unwrap_or("?")), Phase::Start);
+                if let Some(ms) = f.restart_after_ms {
+                    let (r, log, name) = (r.clone(), log.clone(), name.clone());
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                        let mut r = r.lock().await;
+                        r.spec.failpoints = None; // fire once
+                        log.push(Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
+                        if let Err(e) = r.start().await {
+                            tracing::error!(event = "chaos.restart_failed", replica = %name, error = %e);
+                            log.finding(format!("restarting {name} after its crash failed: {e}"));
+                        }
+                        log.fault("crash", &format!("{name} restarted"), Phase::End);
+                    });
+                }
+            }
+        }
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
+    }
+}
+/// Held by an upgrade or downgrade from its stop to its replica's restart.
+static ROLLOUT: Mutex<()> = Mutex::const_new(());
+#[allow(clippy::too_many_arguments)]
+async fn inject(
+    index: usize,
+    f: Fault,
+    target: FaultTarget,
+    log: Log,
+    backend: Arc<Mutex<Backend>>,
+    replicas: Replicas,
+    toxi: ToxiproxyClient,
+    (mut writes, total_writes): (watch::Receiver<u32>, u32),
+) -> anyhow::Result<()> {
+    match f.at {
+        Trigger::AfterMs(ms) => tokio::time::sleep_until(log.started() + Duration::from_millis(ms)).await,
+        Trigger::AfterWrites(n) => {
+            let _ = writes.wait_for(|done| *done >= n).await;
+        }
+        Trigger::FailpointHit(n) => {
+            // Only upgrades and downgrades get here (crashes are armed, not injected): wait
+            // for the target's `failpoint.hit` marker, or give up once the workload is done.
+            let fp = f.failpoint.clone().expect("validated");
+            let r = replicas.get(&f.target).expect("validated").clone();
+            let path = r.lock().await.log_path().to_path_buf();
+            let mut done_since: Option<Instant> = None;
+            loop {
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                if text.lines().any(|l| l.contains("event=\"failpoint.hit\"") && l.contains(&format!("failpoint=\"{fp}\""))) {
+                    break;
+                }
+                if *writes.borrow() >= total_writes {
+                    let since = *done_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() > Duration::from_secs(5) {
+                        log.finding(format!("{} {}: failpoint {fp} never reached hit {n}; not done", f.kind.name(), f.target));
+                        return Ok(());
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+    let kind = f.kind.name();
+    let label = match (&f.toxic, f.kind) {
+        (_, FaultKind::Upgrade | FaultKind::Downgrade) => {
+            let to = f.compat.as_deref().filter(|c| !c.is_empty()).map(|c| c.join(",")).unwrap_or_else(|| "current".into());
+            format!("{} to {to}", f.target)
+        }
+        (Some(t), FaultKind::Toxic) => format!("{} ({} {})", f.target, t.kind.type_name(), t.stream.as_str()),
+        (_, FaultKind::QueueLimit) => {
+            format!("{} (max-length {}, reject-publish)", f.queue.as_deref().unwrap_or("?"), f.max_length.unwrap_or(0))
+        }
+        _ => f.target.clone(),
+    };
+    let hold = Duration::from_millis(f.duration_ms.or(f.restart_after_ms).unwrap_or(0));
+    log.fault(kind, &label, Phase::Start);
+    match (&target, f.kind) {
+        (FaultTarget::Broker | FaultTarget::Database, FaultKind::Kill) => {
+            let t = if target == FaultTarget::Broker { Target::Broker } else { Target::Database };
+            let died = backend.lock().await.kill(t).await?;
+            log.evidence(kind, &label, died);
+            tokio::time::sleep(hold).await;
+            backend.lock().await.restart(t).await?;
+        }
+        (FaultTarget::Broker | FaultTarget::Database, FaultKind::Pause) => {
+            let t = if target == FaultTarget::Broker { Target::Broker } else { Target::Database };
+            backend.lock().await.pause(t, true).await?;
+            tokio::time::sleep(hold).await;
+            backend.lock().await.pause(t, false).await?;
+        }
+        (FaultTarget::Replica(name), FaultKind::Kill) => {
+            let r = replicas.get(name).expect("validated").clone();
+            let service = name.rsplit_once('-').map(|(s, _)| s).unwrap_or(name);
+            let pid = r.lock().await.pid();
+            let status = r.lock().await.kill().await?;
+            log.evidence(kind, &label, pid.map(|p| format!("pid {p} died ({})", describe(status))));
+            log.push(Event::Crash { replica: name.clone(), consumer: consumes(service), how: describe(status) });
+            tokio::time::sleep(hold).await;
+            let mut r = r.lock().await;
+            log.push(Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
+            r.start().await?;
+        }
+        (FaultTarget::Replica(name), FaultKind::Upgrade | FaultKind::Downgrade) => {
+            // One replica at a time, as a rollout goes: an upgrade whose time comes while
+            // another is still restarting waits for it.
+            let _one_at_a_time = ROLLOUT.lock().await;
+            // Graceful: SIGTERM, the node's bounded drain, exit; then the other behaviour.
+            let r = replicas.get(name).expect("validated").clone();
+            let mut r = r.lock().await;
+            if r.pid().is_some() {
+                r.stop(Duration::from_secs(15)).await?;
+            }
+            r.spec.compat = f.compat.clone().unwrap_or_default();
+            r.spec.failpoints = None; // the marker served its purpose
+            log.push(Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
+            r.start().await?;
+        }
+        (FaultTarget::Replica(name), FaultKind::Pause) => {
+            let r = replicas.get(name).expect("validated").clone();
+            r.lock().await.pause()?;
+            tokio::time::sleep(hold).await;
+            r.lock().await.resume()?;
+        }
+        (FaultTarget::Link { replica, to }, FaultKind::Toxic) => {
+            let proxy = format!("{replica}->{to}");
+            let spec = f.toxic.clone().expect("validated");
+            let toxic = Toxic { name: format!("fault-{index}"), stream: spec.stream, toxicity: spec.toxicity, kind: spec.kind };
+            toxi.add_toxic(&proxy, &toxic).await?;
+            tokio::time::sleep(hold).await;
+            // Evidence before removal: what the toxic acted on while it was in place.
+            let affected = toxi.proxy(&proxy).await?.affected;
+            log.evidence(
+                kind,
+                &label,
+                match affected.get(&toxic.name) {
+                    Some(a) if a.bytes > 0 || a.connections > 0 => Some(format!("{} bytes, {} connections", a.bytes, a.connections)),
+                    Some(_) => None,
+                    None => Some("not counted by this Toxiproxy".into()),
+                },
+            );
+            toxi.remove_toxic(&proxy, &toxic.name).await?;
+        }
+        (FaultTarget::Broker, FaultKind::QueueLimit) => {
+            let queue = f.queue.as_deref().expect("validated");
+            let policy = format!("chaos-queue-limit-{index}");
+            let pattern = format!("^{}$", queue.replace('.', "\\."));
+            let definition = json!({ "max-length": f.max_length.expect("validated"), "overflow": "reject-publish" });
+            backend.lock().await.set_policy(&policy, &pattern, &definition).await?;
+            tokio::time::sleep(hold).await;
+            backend.lock().await.clear_policy(&policy).await?;
+        }
+        (FaultTarget::Link { replica, to }, FaultKind::Down) => {
+            let proxy = format!("{replica}->{to}");
+            toxi.set_enabled(&proxy, false).await?;
+            tokio::time::sleep(hold).await;
+            toxi.set_enabled(&proxy, true).await?;
+        }
+        _ => anyhow::bail!("fault {kind} on {} is not supported", f.target),
+    }
+    log.fault(kind, &label, Phase::End);
+    Ok(())
+}

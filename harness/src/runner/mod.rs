@@ -1,0 +1,537 @@
+//! Runs one scenario end to end: backend → migrations and topology → a fault proxy in
+//! front of every replica's database and broker connections → replicas → workload, faults
+//! and sampling → drain (liveness) → collection → checkers.
+//!
+//! One seed drives the workload's choices and the proxy's jitter; every fault is recorded
+//! in the history with its time. A seed fixes the schedule, not the interleaving: real
+//! processes, sockets and the OS scheduler still decide what overlaps (as TigerBeetle's
+//! Vortex says of itself).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use sqlx::PgPool;
+use tokio::sync::{Mutex, watch};
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use crate::backend::{Backend, BackendKind, Choice};
+use crate::checkers::{self, Validity, Verdict};
+use crate::history::{Event, History, Outcome};
+use crate::process::{NodeProgram, Replica, ReplicaSpec};
+use crate::proxy::{FaultProxy, ToxiproxyClient, api};
+use crate::scenario::{Expect, Expectation, FaultKind, Scenario, Trigger};
+
+mod collect;
+mod faults;
+mod record;
+mod sampler;
+mod workload;
+
+use record::Log;
+
+pub struct RunOptions {
+    pub backend: BackendKind,
+    /// How replicas are launched (the harness binary, or `CRAIG_NODE_BIN`).
+    pub node_program: NodeProgram,
+    pub report_dir: PathBuf,
+    /// Print live progress lines to stderr.
+    pub progress: bool,
+}
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FaultRecord {
+    pub kind: String,
+    pub target: String,
+    pub at_ms: u64,
+    /// What shows the fault took effect: the pid that died, the bytes and connections a
+    /// toxic acted on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub evidence: Option<String>,
+}
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct InvariantResult {
+    pub name: String,
+    pub expected: Expect,
+    /// The cause every violation must point at (`{ violate = "<cause>" }`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cause: Option<String>,
+    /// "held" | "violated"; absent when the checker could not decide.
+    pub observed: Option<String>,
+    pub counts: BTreeMap<String, u64>,
+    pub witnesses: Vec<String>,
+    /// Violations found, and how many point at each replica and compat mode.
+    pub violations: u64,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub culprits: BTreeMap<String, u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+impl InvariantResult {
+    /// Observed as expected.
+    pub fn met(&self) -> bool {
+        self.observed.as_deref() == Some(expected_word(self.expected))
+    }
+}
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ScenarioResult {
+    pub name: String,
+    pub amendment: String,
+    pub compat: String,
+    pub seed: u64,
+    pub backend: String,
+    pub faults: Vec<FaultRecord>,
+    pub invariants: Vec<InvariantResult>,
+    pub passed: bool,
+    /// Some result could not be decided (a checker with nothing to check, or a run error).
+    pub inconclusive: bool,
+    pub duration_ms: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Each replica's `/metrics` (CONTRACT § Metrics) scraped at the end of the run, before
+    /// it stopped: counters since that replica's last start. Shows, e.g., that redeliveries
+    /// were absorbed (`inbox_dedup_hits_total`) rather than absent.
+    pub metrics: BTreeMap<String, BTreeMap<String, f64>>,
+    #[serde(skip)]
+    pub history: History,
+}
+/// The per-scenario seed: the scenario's own, else derived from the run seed and the name.
+pub fn scenario_seed(run_seed: u64, s: &Scenario) -> u64 {
+    s.seed.unwrap_or_else(|| {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in s.name.bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        h ^ run_seed
+    })
+}
+type Replicas = Arc<BTreeMap<String, Arc<Mutex<Replica>>>>;
+fn consumes(service: &str) -> bool {
+    service.parse::<craig_fleet::Service>().map(|s| !s.consumes().is_empty()).unwrap_or(false)
+}
+/// Run one scenario. Errors inside the run are reported in the result (inconclusive).
+pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> ScenarioResult {
+    let run_clock = Instant::now();
+    let log = Log::new();
+    log.push(Event::Seed { seed, scenario: s.name.clone() });
+    let mut result = ScenarioResult {
+        name: s.name.clone(),
+        amendment: s.amendment.clone(),
+        compat: s.compat_summary(),
+        seed,
+        backend: String::new(),
+        faults: vec![],
+        invariants: vec![],
+        passed: false,
+        inconclusive: false,
+        duration_ms: 0,
+        error: None,
+        metrics: BTreeMap::new(),
+        history: History::default(),
+    };
+    match execute(s, opts, seed, &log, &mut result).await {
+        Ok(()) => {}
+        Err(e) => {
+            result.error = Some(format!("{e:#}"));
+            result.inconclusive = true;
+        }
+    }
+    let mut history = log.history.lock().unwrap().clone();
+    history.sort();
+    result.faults = log.faults.lock().unwrap().clone();
+    if result.error.is_none() {
+        for (name, expect) in &s.expect {
+            let v = checkers::check(name, &history).unwrap_or_else(|| Verdict::undecided(name, "no such checker"));
+            result.invariants.push(invariant_result(v, expect.get_ref()));
+        }
+        result.inconclusive = result.invariants.iter().any(|i| i.observed.is_none());
+        result.passed = !result.inconclusive && result.invariants.iter().all(InvariantResult::met);
+    }
+    let findings = log.findings.lock().unwrap().clone();
+    if !findings.is_empty() {
+        inconclusive(&mut result, findings.join("; "));
+    }
+    // A queue limit that made the broker Nack nothing proves nothing either: the evidence is
+    // the producers' own `outbox_publish_errors_total{kind="nacked"}`.
+    if s.faults.iter().any(|f| f.get_ref().kind == FaultKind::QueueLimit) {
+        let nacked: f64 = result
+            .metrics
+            .values()
+            .flat_map(|m| m.iter())
+            .filter(|(k, _)| k.as_str() == "outbox_publish_errors_total{kind=\"nacked\"}")
+            .map(|(_, v)| v)
+            .sum();
+        if nacked == 0.0 {
+            inconclusive(
+                &mut result,
+                "queue_limit: no replica reports a Nacked publish (outbox_publish_errors_total{kind=\"nacked\"} = 0): the fault did not take effect".into(),
+            );
+        }
+    }
+    // Too little activity proves nothing, whatever the verdicts.
+    if result.error.is_none() {
+        if let Some(why) = below_floor(s, &history, &result.metrics) {
+            inconclusive(&mut result, why);
+        }
+    }
+    // A named crash point that never fired proves nothing: inconclusive, with the reason.
+    let unfired: Vec<String> = s
+        .faults
+        .iter()
+        .map(|f| f.get_ref())
+        .filter(|f| f.kind == FaultKind::Crash)
+        .filter(|f| !result.faults.iter().any(|r| r.kind == "crash" && r.target.starts_with(&format!("{} at ", f.target))))
+        .map(|f| format!("crash point {} on {} never fired", f.failpoint.as_deref().unwrap_or("?"), f.target))
+        .collect();
+    if !unfired.is_empty() {
+        inconclusive(&mut result, format!("{}: the fault did not take effect", unfired.join("; ")));
+    }
+    result.duration_ms = run_clock.elapsed().as_millis() as u64;
+    result.history = history;
+    result
+}
+/// Why the run did too little to be trusted (None: every floor met): fewer acknowledged
+/// writes, absorbed redeliveries or dead letters than `[expect]` asks, or no write
+/// acknowledged after every fault healed.
+fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<String, f64>>) -> Option<String> {
+    let healed = h.iter().find(|e| matches!(e.event, Event::Healed)).map(|e| e.t_ms);
+    let (mut acknowledged, mut after_heal) = (0u64, 0u64);
+    for e in h.iter() {
+        if let Event::Write { outcome: Outcome::Ok, .. } = e.event {
+            acknowledged += 1;
+            if healed.is_some_and(|t| e.t_ms >= t) {
+                after_heal += 1;
+            }
+        }
+    }
+    let redeliveries: f64 =
+        metrics.values().flat_map(|m| m.iter()).filter(|(k, _)| k.as_str() == "inbox_dedup_hits_total").map(|(_, v)| v).sum();
+    let dead = h.iter().find_map(|e| if let Event::DeadLetters { count } = e.event { Some(u64::from(count)) } else { None });
+    let f = s.floor;
+    let mut why = Vec::new();
+    if acknowledged < f.acknowledged {
+        why.push(format!("{acknowledged} writes acknowledged, below min_acknowledged = {}", f.acknowledged));
+    }
+    if !s.faults.is_empty() && after_heal == 0 {
+        why.push(match healed {
+            Some(t) => format!("no write acknowledged after every fault healed (@{t}ms)"),
+            None => "the run never reached the point where every fault had healed".to_owned(),
+        });
+    }
+    if (redeliveries as u64) < f.redeliveries {
+        why.push(format!("{redeliveries} redeliveries absorbed by an inbox (inbox_dedup_hits_total), below min_redeliveries = {}", f.redeliveries));
+    }
+    if f.dead_letters > 0 && dead.unwrap_or(0) < f.dead_letters {
+        why.push(format!("{} dead letters in {}, below min_dead_letters = {}", dead.map_or("unknown".into(), |d| d.to_string()), craig_mq::topology::DLQ_QUEUE, f.dead_letters));
+    }
+    (!why.is_empty()).then(|| format!("below the activity floor: {}", why.join("; ")))
+}
+/// Mark the result inconclusive for `why`, unless an earlier reason already did (the first
+/// reason found is the one reported).
+fn inconclusive(result: &mut ScenarioResult, why: String) {
+    if result.error.is_none() {
+        result.error = Some(why);
+        result.inconclusive = true;
+        result.passed = false;
+    }
+}
+fn expected_word(e: Expect) -> &'static str {
+    match e {
+        Expect::Hold => "held",
+        Expect::Violate => "violated",
+    }
+}
+/// What [`InvariantResult::observed`] says of a violation that does not all point at the
+/// expected cause: red, but not (only) for the documented reason.
+pub const OTHER_CAUSE: &str = "violated, not only by its cause";
+fn invariant_result(v: Verdict, expected: &Expectation) -> InvariantResult {
+    let observed = match v.validity {
+        Validity::Valid => Some("held".to_owned()),
+        Validity::Invalid => match &expected.cause {
+            Some(cause) if !v.all_point_at(cause) => Some(OTHER_CAUSE.to_owned()),
+            _ => Some("violated".to_owned()),
+        },
+        Validity::Unknown => None,
+    };
+    InvariantResult {
+        name: v.name,
+        expected: expected.expect,
+        cause: expected.cause.clone(),
+        observed,
+        counts: v.counts,
+        witnesses: v.witnesses,
+        violations: v.violations,
+        culprits: v.culprits,
+        error: v.error,
+    }
+}
+async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: &mut ScenarioResult) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let services: Vec<String> = s.fleet.keys().cloned().collect();
+    let svc_refs: Vec<&str> = services.iter().map(String::as_str).collect();
+    let (backend, choice): (Backend, Choice) =
+        Backend::start(opts.backend, &format!("{}-{seed}", s.name), &svc_refs).await.context("starting the backend")?;
+    result.backend = choice.kind.name().to_owned();
+    if opts.progress {
+        eprintln!("  backend: {} ({})", choice.kind, choice.reason);
+    }
+    let backend = Arc::new(Mutex::new(backend));
+    let outcome = drive(s, opts, seed, log, backend.clone(), &mut result.metrics).await;
+    let stop = match Arc::try_unwrap(backend) {
+        Ok(b) => b.into_inner().stop().await.context("stopping the backend"),
+        Err(_) => Ok(()), // a task still holds it; its Drop cleans up
+    };
+    outcome.and(stop)
+}
+async fn drive(
+    s: &Scenario,
+    opts: &RunOptions,
+    seed: u64,
+    log: &Log,
+    backend: Arc<Mutex<Backend>>,
+    metrics: &mut BTreeMap<String, BTreeMap<String, f64>>,
+) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let ep = backend.lock().await.endpoints();
+    if matches!(backend.lock().await.kind(), BackendKind::Containers) {
+        anyhow::bail!("scenario runs on the containers backend need its Toxiproxy wiring, which is not built yet; use local or external");
+    }
+    // Schema first. Broker topology only if the scenario deploys it (`[deploy] topology`):
+    // otherwise each node declares just its own queue at start, as in a deployment without
+    // the deploy step, and an event with no queue yet must wait (mandatory publishes).
+    let mut pools: BTreeMap<String, PgPool> = BTreeMap::new();
+    for svc in s.fleet.keys() {
+        let url = ep.database_url(svc).context("backend has no database for a fleet service")?;
+        bounded(Duration::from_secs(90), "applying migrations", craig_fleet::node::migrate(svc.parse()?, url, Duration::from_secs(30))).await?;
+        pools.insert(
+            svc.clone(),
+            sqlx::postgres::PgPoolOptions::new().max_connections(3).acquire_timeout(Duration::from_secs(5)).connect_lazy(url)?,
+        );
+    }
+    if s.deploy.topology {
+        deploy_topology(&opts.node_program, &ep.amqp_url).await?;
+    }
+    let cases_pool = pools.get("cases").cloned().context("fleet has no cases")?;
+    let poison = stage_poison_rows(&cases_pool, s.workload.poison_rows).await?;
+
+    let (api_addr, api_task) = api::serve(FaultProxy::new(seed.rotate_left(17)), "127.0.0.1:0".parse()?).await?;
+    let toxi = ToxiproxyClient::new(format!("http://{api_addr}"));
+    let logs_dir = opts.report_dir.join("logs").join(&s.name);
+    std::fs::create_dir_all(&logs_dir)?;
+    let program = opts.node_program.clone();
+    let secret = format!("chaos-{seed:x}");
+
+    let mut replicas = BTreeMap::new();
+    for (svc, entry) in &s.fleet {
+        for i in 1..=entry.get_ref().count() {
+            let name = format!("{svc}-{i}");
+            let db = toxi.create_proxy(&format!("{name}->database"), "127.0.0.1:0", &ep.database_addr).await?;
+            let mq = toxi.create_proxy(&format!("{name}->broker"), "127.0.0.1:0", &ep.broker_addr).await?;
+            let db_url = ep.database_url(svc).unwrap().replacen(&ep.database_addr, &db.listen, 1);
+            let amqp_url = ep.amqp_url.replacen(&ep.broker_addr, &mq.listen, 1);
+            let mut spec = ReplicaSpec::new(svc.clone(), i);
+            spec.compat = entry.get_ref().compat_of(i);
+            let fps: Vec<String> = s
+                .faults
+                .iter()
+                .map(|f| f.get_ref())
+                .filter(|f| f.target == name)
+                .filter_map(|f| match (f.kind, f.failpoint.as_deref(), f.at) {
+                    (FaultKind::Crash, Some(fp), Trigger::FailpointHit(n)) if n > 1 => {
+                        Some(format!("{fp}={}*off->return(abort)", n - 1))
+                    }
+                    (FaultKind::Crash, Some(fp), _) => Some(format!("{fp}=return(abort)")),
+                    // A marker only: the node logs `failpoint.hit` once, at hit N.
+                    (FaultKind::Upgrade | FaultKind::Downgrade, Some(fp), Trigger::FailpointHit(n)) => {
+                        Some(format!("{fp}={}*off->1*return(hit)->off", n - 1))
+                    }
+                    _ => None,
+                })
+                .collect();
+            spec.failpoints = (!fps.is_empty()).then(|| fps.join(";"));
+            spec.env = vec![
+                ("DATABASE_URL".into(), db_url),
+                ("AMQP_URL".into(), amqp_url),
+                ("CRAIG_JWT_SECRET".into(), secret.clone()),
+                ("CRAIG_REPLICA".into(), name.clone()),
+                ("CRAIG_OUTBOX_CLAIM_LEASE_SECS".into(), s.settings.claim_lease_secs.to_string()),
+                ("CRAIG_OUTBOX_POLL_MS".into(), s.settings.poll_ms.to_string()),
+                ("CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS".into(), s.settings.confirm_timeout_ms.to_string()),
+                ("CRAIG_AMQP_HEARTBEAT_SECS".into(), s.settings.heartbeat_secs.to_string()),
+                ("CRAIG_AMQP_CONNECT_TIMEOUT_MS".into(), s.settings.connect_timeout_ms.to_string()),
+                ("CRAIG_OUTBOX_BACKOFF_BASE_MS".into(), s.settings.backoff_base_ms.to_string()),
+                ("CRAIG_OUTBOX_BACKOFF_MAX_MS".into(), s.settings.backoff_max_ms.to_string()),
+                // `craig_mq::outbox=debug` for `outbox.stamped`: who stamped what.
+                ("RUST_LOG".into(), "info,craig_mq::outbox=debug,sqlx=warn,lapin=warn,lapin::returned_messages=error".into()),
+            ];
+            let mut r = Replica::new(spec, program.clone(), &logs_dir);
+            if entry.get_ref().start_after_ms.is_none() {
+                r.start().await.with_context(|| format!("starting replica {name}"))?;
+            }
+            replicas.insert(name, Arc::new(Mutex::new(r)));
+        }
+    }
+    let replicas: Replicas = Arc::new(replicas);
+
+    log.rebase();
+    log.measure_db_clock(&cases_pool).await;
+    for (name, r) in replicas.iter() {
+        let r = r.lock().await;
+        if r.pid().is_some() {
+            log.push_at(0, Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
+        }
+    }
+    for envelope in &poison {
+        log.push(Event::Poison { envelope: *envelope, service: "cases".into() });
+    }
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (writes_tx, writes_rx) = watch::channel(0u32);
+    let sampler =
+        tokio::spawn(sampler::sample(log.clone(), pools.clone(), stop_rx.clone(), opts.progress, (writes_rx.clone(), s.workload.writes)));
+    let mut schedule = faults::Schedule::start(s, log, &backend, &replicas, &toxi, (writes_rx, s.workload.writes), stop_rx);
+    let writer = workload::Writer { s, log, replicas: &replicas, cases: &cases_pool, secret: &secret };
+    writer.write(seed, (0, s.workload.writes), writes_tx).await;
+    schedule.healed(s, &replicas).await?;
+    // Every fault has healed: the system must work again, not only have survived.
+    log.push(Event::Healed);
+    writer.write(seed ^ 0x4ea1, (s.workload.writes, s.workload.after_heal), watch::channel(0u32).0).await;
+    sampler::drain(s, log, &pools, &poison, &ep.amqp_url, &backend).await;
+    for (svc, pool) in &pools {
+        let stuck: Vec<(Uuid, f64)> = bounded(
+            COLLECT,
+            "reading claims past their lease",
+            sqlx::query_as(
+                "SELECT id, EXTRACT(EPOCH FROM (now() - claimed_at)) * 1000 FROM event_outbox \
+                 WHERE published_at IS NULL AND claimed_at < now() - make_interval(secs => $1)",
+            )
+            .bind(s.settings.claim_lease_secs as f64)
+            .fetch_all(pool),
+        )
+        .await?;
+        for (envelope, ago) in stuck {
+            log.push(Event::Stuck { envelope, service: svc.clone(), claimed_ms_ago: ago as i64 });
+        }
+    }
+
+    let _ = stop_tx.send(true);
+    schedule.finish().await;
+    let _ = sampler.await;
+    for (name, r) in replicas.iter() {
+        let addr = r.lock().await.addr.clone();
+        if let Some(addr) = addr {
+            metrics.insert(name.clone(), collect::scrape_metrics(&addr).await);
+        }
+    }
+    for r in replicas.values() {
+        let mut r = r.lock().await;
+        if r.pid().is_some() {
+            let _ = r.stop(Duration::from_secs(15)).await;
+        }
+    }
+    collect::collect(log, &pools).await?;
+    collect::collect_logs(log, &logs_dir);
+    for p in pools.values() {
+        p.close().await;
+    }
+    api_task.abort();
+    Ok(())
+}
+/// `craig-node topology` through the same program the replicas run: the deploy step.
+async fn deploy_topology(program: &NodeProgram, amqp_url: &str) -> anyhow::Result<()> {
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(&program.program)
+            .args(&program.prefix)
+            .arg("topology")
+            .env("AMQP_URL", amqp_url)
+            .env("RUST_LOG", "warn")
+            .stdin(std::process::Stdio::null())
+            .output(),
+    )
+    .await
+    .map_err(|_| anyhow::anyhow!("craig-node topology did not finish within 30 s"))??;
+    if !out.status.success() {
+        anyhow::bail!("craig-node topology failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(())
+}
+/// Malformed rows written straight into the outbox (by hand, or by an older replica),
+/// older than anything the workload stages. Returns their ids.
+async fn stage_poison_rows(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let id: Uuid = bounded(
+            COLLECT,
+            "writing a poison row",
+            sqlx::query_scalar(
+                "INSERT INTO event_outbox (event_type, envelope, created_at) \
+                 VALUES ('case.referral_created', $1, now() - interval '1 hour') RETURNING id",
+            )
+            .bind(json!({ "poison": i, "note": "not an envelope: written by hand" }))
+            .fetch_one(cases),
+        )
+        .await?;
+        ids.push(id);
+    }
+    Ok(ids)
+}
+/// Bound on one poll of the sampler or the drain loop (a miss is "not quiet", not a hang).
+const PROBE: Duration = Duration::from_secs(3);
+/// Bound on a read whose result the verdict needs (its miss is an error of the run).
+const COLLECT: Duration = Duration::from_secs(30);
+/// Every database call of the runner, sampler and collector is bounded: a paused or
+/// black-holed database must not hang a run.
+async fn bounded<T, E: Into<anyhow::Error>>(
+    limit: Duration,
+    what: &str,
+    call: impl std::future::Future<Output = Result<T, E>>,
+) -> anyhow::Result<T> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(r) => r.map_err(Into::into),
+        Err(_) => Err(anyhow::anyhow!("{what}: no answer within {limit:?}")),
+    }
+}
+/// The folder for this scenario's own files inside the report.
+pub fn scenario_dir(report: &Path, name: &str) -> PathBuf {
+    report.join("scenarios").join(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A call that never answers (a paused database) ends as an error of its own, never a
+    /// hang of the run.
+    #[tokio::test]
+    async fn a_call_that_never_answers_is_an_error_not_a_hang() {
+        let hung = std::future::pending::<Result<i64, sqlx::Error>>();
+        let e = bounded(Duration::from_millis(20), "pending count", hung).await.unwrap_err();
+        assert_eq!(e.to_string(), "pending count: no answer within 20ms");
+        assert_eq!(bounded(PROBE, "x", async { Ok::<_, sqlx::Error>(7) }).await.unwrap(), 7);
+    }
+
+    fn violated_by(culprits: &[(&str, u64)], violations: u64) -> Verdict {
+        let mut v = Verdict::undecided("no_loss", "x");
+        v.error = None;
+        v.validity = Validity::Invalid;
+        v.violations = violations;
+        v.culprits = culprits.iter().map(|(k, n)| (k.to_string(), *n)).collect();
+        v
+    }
+
+    /// A twin is met only when every violation points at its documented cause.
+    #[test]
+    fn a_twin_violated_for_another_cause_is_not_met() {
+        let twin = Expectation { expect: Expect::Violate, cause: Some("compat:pre-1128".into()) };
+        let r = invariant_result(violated_by(&[("compat:pre-1128", 3), ("replica:cases-1", 3)], 3), &twin);
+        assert!(r.met(), "{r:?}");
+        let r = invariant_result(violated_by(&[("compat:pre-1128", 2), ("compat:current", 1)], 3), &twin);
+        assert_eq!(r.observed.as_deref(), Some(OTHER_CAUSE));
+        assert!(!r.met());
+        // Without a cause, any violation meets a "violate".
+        let any = Expectation { expect: Expect::Violate, cause: None };
+        assert!(invariant_result(violated_by(&[("compat:current", 1)], 1), &any).met());
+    }
+}

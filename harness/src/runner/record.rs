@@ -1,0 +1,94 @@
+//! The run's clock and record: one time base (0 = the workload's start) for every event,
+//! the history, the faults with their evidence, and findings (what went wrong outside the
+//! schedule).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio::time::Instant;
+
+use super::FaultRecord;
+use crate::history::{Event, History, Phase};
+
+/// Shared clock and history of one run. Time 0 is the start of the workload (set by
+/// [`Log::rebase`] once the servers and replicas are up); set-up happens "before" 0.
+#[derive(Clone)]
+pub(super) struct Log {
+    origin: Arc<std::sync::Mutex<(Instant, i64)>>,
+    /// Database clock minus harness wall clock, ms, measured at [`Log::rebase`]: every DB
+    /// timestamp is converted with it ([`Log::rel_db`]), so the checkers compare one clock.
+    db_offset_ms: Arc<std::sync::atomic::AtomicI64>,
+    pub(super) history: Arc<std::sync::Mutex<History>>,
+    pub(super) faults: Arc<std::sync::Mutex<Vec<FaultRecord>>>,
+    /// Things that went wrong outside the schedule (a replica exiting on its own, a restart
+    /// that failed): each makes the scenario inconclusive, with the reason.
+    pub(super) findings: Arc<std::sync::Mutex<Vec<String>>>,
+}
+impl Log {
+    pub(super) fn new() -> Self {
+        Self {
+            origin: Arc::new(std::sync::Mutex::new((Instant::now(), chrono::Utc::now().timestamp_millis()))),
+            db_offset_ms: Arc::default(),
+            history: Arc::default(),
+            faults: Arc::default(),
+            findings: Arc::default(),
+        }
+    }
+    pub(super) fn rebase(&self) {
+        *self.origin.lock().unwrap() = (Instant::now(), chrono::Utc::now().timestamp_millis());
+    }
+    pub(super) fn started(&self) -> Instant {
+        self.origin.lock().unwrap().0
+    }
+    pub(super) fn now(&self) -> u64 {
+        self.started().elapsed().as_millis() as u64
+    }
+    pub(super) fn push(&self, event: Event) {
+        let t = self.now();
+        self.history.lock().unwrap().push(t, event);
+    }
+    pub(super) fn push_at(&self, t: u64, event: Event) {
+        self.history.lock().unwrap().push(t, event);
+    }
+    pub(super) fn finding(&self, what: String) {
+        self.findings.lock().unwrap().push(format!("{what} @{}ms", self.now()));
+    }
+    pub(super) fn fault(&self, kind: &str, target: &str, phase: Phase) {
+        if phase == Phase::Start {
+            self.faults.lock().unwrap().push(FaultRecord { kind: kind.into(), target: target.into(), at_ms: self.now(), evidence: None });
+        }
+        self.push(Event::Fault { kind: kind.into(), target: target.into(), phase });
+    }
+    /// Record what shows the fault `kind` on `target` took effect; `None`: it did not,
+    /// which is a finding (the run proves nothing about a fault that never happened).
+    pub(super) fn evidence(&self, kind: &str, target: &str, evidence: Option<String>) {
+        if let Some(r) = self.faults.lock().unwrap().iter_mut().rev().find(|r| r.kind == kind && r.target == target) {
+            r.evidence = evidence.clone();
+        }
+        if evidence.is_none() {
+            self.finding(format!("{kind} {target}: no evidence it took effect"));
+        }
+    }
+    /// A harness wall-clock time (epoch ms) as run time (clamped at 0).
+    pub(super) fn rel(&self, epoch_ms: i64) -> u64 {
+        (epoch_ms - self.origin.lock().unwrap().1).max(0) as u64
+    }
+    /// A database timestamp (epoch ms, the DB's clock) as run time.
+    pub(super) fn rel_db(&self, db_epoch_ms: i64) -> u64 {
+        self.rel(db_epoch_ms - self.db_offset_ms.load(std::sync::atomic::Ordering::Relaxed))
+    }
+    /// Measure the database clock against ours (midpoint of one bounded round trip).
+    pub(super) async fn measure_db_clock(&self, pool: &PgPool) {
+        let before = chrono::Utc::now().timestamp_millis();
+        let db = tokio::time::timeout(
+            Duration::from_secs(5),
+            sqlx::query_scalar::<_, i64>("SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::int8").fetch_one(pool),
+        )
+        .await;
+        let after = chrono::Utc::now().timestamp_millis();
+        if let Ok(Ok(db)) = db {
+            self.db_offset_ms.store(db - (before + after) / 2, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}

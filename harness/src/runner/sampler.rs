@@ -1,0 +1,169 @@
+//! The sampler (outbox depth, publish lag, effects over time, for the timeline and the
+//! progress line) and the drain that measures liveness once every fault has healed.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio::sync::{Mutex, watch};
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use super::{Log, PROBE, bounded, consumes};
+use crate::backend::Backend;
+use crate::history::Event;
+use crate::scenario::Scenario;
+
+pub(super) async fn sample(
+    log: Log,
+    pools: BTreeMap<String, PgPool>,
+    mut stop: watch::Receiver<bool>,
+    progress: bool,
+    (written, writes): (watch::Receiver<u32>, u32),
+) {
+    let mut last_print = Instant::now();
+    loop {
+        let (mut pending, mut published, mut effects, mut lag, mut lag_n) = (0i64, 0i64, 0i64, 0f64, 0);
+        for (svc, pool) in &pools {
+            let row: Option<(i64, i64, Option<f64>)> = bounded(
+                PROBE,
+                "sampling the outbox",
+                sqlx::query_as(
+                    "SELECT count(*) FILTER (WHERE published_at IS NULL), count(published_at), \
+                     (avg(EXTRACT(EPOCH FROM (published_at - created_at))) FILTER (WHERE published_at > now() - interval '1 second'))::float8 * 1000 \
+                     FROM event_outbox",
+                )
+                .fetch_optional(pool),
+            )
+            .await
+            .ok()
+            .flatten();
+            if let Some((p, pubd, l)) = row {
+                pending += p;
+                published += pubd;
+                if let Some(l) = l {
+                    lag += l;
+                    lag_n += 1;
+                }
+            }
+            if svc == "rules" {
+                effects += bounded(PROBE, "effect count", sqlx::query_scalar::<_, i64>("SELECT count(*) FROM rule_evaluations").fetch_one(pool))
+                    .await
+                    .unwrap_or(0);
+            }
+        }
+        let lag_ms = if lag_n > 0 { lag / lag_n as f64 } else { 0.0 };
+        log.push(Event::Sample { outbox_pending: pending, published, effects, lag_ms });
+        if progress && last_print.elapsed() >= Duration::from_secs(2) {
+            last_print = Instant::now();
+            eprintln!(
+                "  t={:>6.1}s  writes {}/{writes}  published {published}  pending {pending}  effects {effects}  lag {lag_ms:.0} ms",
+                log.now() as f64 / 1000.0,
+                *written.borrow()
+            );
+        }
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+        }
+    }
+}
+/// Liveness: how long after every fault healed until the system is quiet — nothing
+/// pending in any outbox (but the poison rows), no ready message in any consumer queue, no
+/// delivery unacked, and the effect count unchanged for a full second — within the bound.
+/// Records `Drained` and the DLQ's depth.
+pub(super) async fn drain(
+    s: &Scenario,
+    log: &Log,
+    pools: &BTreeMap<String, PgPool>,
+    poison: &[Uuid],
+    amqp_url: &str,
+    backend: &Arc<Mutex<Backend>>,
+) {
+    // Liveness: how long until the system is quiet — nothing pending in any outbox, no
+    // ready message in any consumer queue, and the effect count unchanged for a full
+    // second (a delivery in flight is neither pending nor ready, but it moves the count).
+    let bound = Duration::from_millis(s.liveness_bound_ms);
+    let healed = Instant::now();
+    let mut drained_after = None;
+    let mut pending_total = 0;
+    let mut quiet_since: Option<(Instant, i64)> = None;
+    while healed.elapsed() < bound {
+        pending_total = 0;
+        for pool in pools.values() {
+            // The injected poison rows stay pending by design; every other row must drain.
+            pending_total += bounded(PROBE, "pending count", pending_except(pool, poison)).await.unwrap_or(1);
+        }
+        // Bounded: a probe that hangs must not hang the run.
+        let depth = match tokio::time::timeout(Duration::from_secs(5), queue_depths(amqp_url, s)).await {
+            Ok(Ok(d)) => d,
+            _ => 1,
+        };
+        let effects = match pools.get("rules") {
+            Some(p) => bounded(PROBE, "effect count", sqlx::query_scalar::<_, i64>("SELECT count(*) FROM rule_evaluations").fetch_one(p))
+                .await
+                .unwrap_or(-1),
+            None => 0,
+        };
+        if pending_total == 0 && depth == 0 {
+            match quiet_since {
+                Some((since, n)) if n == effects => {
+                    if since.elapsed() >= Duration::from_secs(1) {
+                        // Quiet also means nothing delivered and still unacked (a delivery
+                        // in flight is not ready); the broker says, where it can.
+                        let queues: Vec<String> =
+                            s.fleet.keys().filter(|svc| consumes(svc)).map(|svc| craig_mq::topology::consumer_queue(svc)).collect();
+                        let unacked = {
+                            let b = backend.lock().await;
+                            tokio::time::timeout(Duration::from_secs(10), b.unacked(&queues)).await
+                        };
+                        match unacked {
+                            Ok(Ok(Some(n))) if n > 0 => quiet_since = None,
+                            other => {
+                                if !matches!(other, Ok(Ok(_))) {
+                                    tracing::warn!(event = "chaos.unacked_unknown", "could not count unacked deliveries; quiet by the other signs");
+                                }
+                                drained_after = Some(since.duration_since(healed).as_millis() as u64);
+                                break;
+                            }
+                        }
+                    }
+                }
+                _ => quiet_since = Some((Instant::now(), effects)),
+            }
+        } else {
+            quiet_since = None;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    log.push(Event::Drained { after_ms: drained_after, bound_ms: s.liveness_bound_ms, pending: pending_total });
+    if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(5), dead_letters(amqp_url)).await {
+        log.push(Event::DeadLetters { count: n });
+    }
+}
+/// Rows not yet ACKed, leaving out `except`.
+async fn pending_except(pool: &PgPool, except: &[Uuid]) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT count(*) FROM event_outbox WHERE published_at IS NULL AND id <> ALL($1)")
+        .bind(except)
+        .fetch_one(pool)
+        .await
+}
+async fn queue_depths(amqp: &str, s: &Scenario) -> anyhow::Result<u32> {
+    let conn = craig_mq::publisher::connect(amqp, 5, "chaos-probe").await?;
+    let mut total = 0;
+    for svc in s.fleet.keys().filter(|svc| consumes(svc)) {
+        let ch = conn.create_channel().await?;
+        total += craig_mq::topology::queue_depth(&ch, &craig_mq::topology::consumer_queue(svc)).await?;
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "probe".into())).await;
+    Ok(total)
+}
+/// Messages waiting in the DLQ (0 when it was never declared).
+async fn dead_letters(amqp: &str) -> anyhow::Result<u32> {
+    let conn = craig_mq::publisher::connect(amqp, 5, "chaos-probe").await?;
+    let ch = conn.create_channel().await?;
+    let n = craig_mq::topology::queue_depth(&ch, craig_mq::topology::DLQ_QUEUE).await.unwrap_or(0);
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "probe".into())).await;
+    Ok(n)
+}

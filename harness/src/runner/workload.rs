@@ -1,0 +1,148 @@
+//! The workload: what the harness asks of the system, with every attempt and its outcome
+//! in the history. One interface, [`Writer::write`]; a new workload kind is a new arm here,
+//! not a change to the runner's sequence.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::json;
+use sqlx::PgPool;
+use tokio::sync::{Mutex, watch};
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use super::{Log, PROBE, Replicas};
+use crate::history::{Event, Outcome};
+use crate::process::Replica;
+use crate::scenario::Scenario;
+
+/// What a workload writes through.
+pub(super) struct Writer<'a> {
+    pub s: &'a Scenario,
+    pub log: &'a Log,
+    pub replicas: &'a Replicas,
+    pub cases: &'a PgPool,
+    pub secret: &'a str,
+}
+
+impl Writer<'_> {
+    /// `count` operations at the scenario's rate, numbered from `first` (so a replica
+    /// rotation goes on across phases), drawn from `seed`; `done` counts completions.
+    pub(super) async fn write(&self, seed: u64, range: (u32, u32), done: watch::Sender<u32>) {
+        // One kind today (HTTP referrals through the cases replicas, plus rolled-back
+        // writes); the kinds the next issues bring dispatch here.
+        referrals(self, seed, range, done).await
+    }
+}
+
+/// `count` writes at the scenario's rate through the cases replicas (round robin), numbered
+/// from `first` (so the replica rotation goes on across phases); `done` counts completions.
+async fn referrals(
+    Writer { s, log, replicas, cases, secret }: &Writer<'_>,
+    seed: u64,
+    (first, count): (u32, u32),
+    done: watch::Sender<u32>,
+) {
+    let (s, log, replicas, cases, secret) = (*s, *log, *replicas, *cases, *secret);
+    use fake::Fake;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let cases_replicas: Vec<Arc<Mutex<Replica>>> =
+        replicas.iter().filter(|(n, _)| n.starts_with("cases-")).map(|(_, r)| r.clone()).collect();
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().expect("http client");
+    let key = craig_api::JwtKey::new(secret);
+    let token = key.sign(&craig_api::Claims {
+        sub: Uuid::now_v7(),
+        aud: vec!["craig-cases".into()],
+        scope: String::new(),
+        exp: chrono::Utc::now().timestamp() + 24 * 3600,
+    });
+    let gap = Duration::from_secs_f64(1.0 / s.workload.rate);
+    let began = Instant::now();
+    let inflight = Arc::new(tokio::sync::Semaphore::new(64));
+    let completed = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let done = Arc::new(done);
+    let mut tasks = tokio::task::JoinSet::new();
+    for k in 0..count {
+        let i = first + k;
+        tokio::time::sleep_until(began + gap * k).await;
+        if rng.random_bool(s.workload.rollback_share) {
+            // Bounded: a paused database must not stall the workload's schedule.
+            let _ = tokio::time::timeout(PROBE, rolled_back_write(log, cases)).await;
+        }
+        let subject: String = fake::faker::name::en::Name().fake_with_rng(&mut rng);
+        // Round robin, like a load balancer: a replica that is down or being restarted
+        // (its lock held by a fault) is skipped for the next one that is up.
+        let n = cases_replicas.len();
+        let mut pick = (i as usize % n, None);
+        for k in 0..n {
+            let j = (i as usize + k) % n;
+            if let Ok(r) = cases_replicas[j].try_lock() {
+                if let Some(addr) = r.addr.clone() {
+                    pick = (j, Some(addr));
+                    break;
+                }
+            }
+        }
+        let (j, addr) = pick;
+        let permit = inflight.clone().acquire_owned().await.expect("semaphore open");
+        let (http, token, log, completed, done) = (http.clone(), token.clone(), log.clone(), completed.clone(), done.clone());
+        let replica_name = format!("cases-{}", j + 1);
+        tasks.spawn(async move {
+            let referral = Uuid::now_v7();
+            let t = log.now();
+            let (outcome, status) = match addr {
+                None => (Outcome::Failed, None), // replica down: nothing was sent
+                Some(addr) => {
+                    let sent = http
+                        .post(format!("http://{addr}/v1/cases/referrals"))
+                        .bearer_auth(&token)
+                        .json(&json!({ "id": referral, "subject": subject }))
+                        .send()
+                        .await;
+                    match sent {
+                        Ok(resp) => {
+                            let code = resp.status().as_u16();
+                            let o = match code {
+                                201 => Outcome::Ok,
+                                400..=499 => Outcome::Failed,
+                                _ => Outcome::Unknown,
+                            };
+                            (o, Some(code))
+                        }
+                        Err(e) if e.is_connect() => (Outcome::Failed, None),
+                        Err(_) => (Outcome::Unknown, None),
+                    }
+                }
+            };
+            log.push_at(t, Event::Write { referral, replica: replica_name, outcome, status });
+            let n = completed.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            done.send_replace(n);
+            drop(permit);
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+}
+/// A write staged in a transaction the harness rolls back: its event must never appear.
+async fn rolled_back_write(log: &Log, cases: &PgPool) {
+    let referral = Uuid::now_v7();
+    let Ok(env) = craig_mq::EventEnvelope::new(
+        craig_fleet::cases::REFERRAL_CREATED,
+        "cases",
+        Some(referral),
+        json!({ "referral_id": referral, "subject": "rolled back" }),
+    ) else {
+        return;
+    };
+    let Ok(mut tx) = cases.begin().await else { return };
+    let staged = sqlx::query("INSERT INTO referrals (id, subject, created_by) VALUES ($1, 'rolled back', $1)")
+        .bind(referral)
+        .execute(&mut *tx)
+        .await
+        .is_ok()
+        && craig_mq::publish_in_tx(&mut tx, &env).await.is_ok();
+    if staged && tx.rollback().await.is_ok() {
+        log.push(Event::RolledBack { referral });
+    }
+}
