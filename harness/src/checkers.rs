@@ -56,6 +56,27 @@ pub fn culprit_tags(replica: &str, compat: Option<&[String]>) -> Vec<String> {
     tags
 }
 
+/// How far a fault window reaches beyond its recorded edges when blaming (a publish goes
+/// out a few ms before its stamp is logged; a fault is recorded as it is being applied).
+pub const WINDOW_SLACK_MS: u64 = 250;
+
+/// The `fault:` tags of faults that could have hurt `replica` at `t`: those on its own
+/// links, on the broker or the database, or on the replica itself, in force at `t`.
+fn faults_on(windows: &[(String, u64, u64)], replica: &str, t: u64) -> Vec<String> {
+    windows
+        .iter()
+        .filter(|(tag, from, to)| {
+            let target = tag.split_once(' ').map(|(_, t)| t).unwrap_or("");
+            let mine = target == "broker"
+                || target == "database"
+                || target == replica
+                || target.strip_prefix(replica).is_some_and(|rest| rest.starts_with("->"));
+            mine && from.saturating_sub(WINDOW_SLACK_MS) <= t && t <= to.saturating_add(WINDOW_SLACK_MS)
+        })
+        .map(|(tag, ..)| tag.clone())
+        .collect()
+}
+
 /// "cases-1 (compat pre-1128)" for witness texts.
 fn running(replica: &str, compat: Option<&[String]>) -> String {
     match compat {
@@ -169,11 +190,18 @@ pub fn no_loss(h: &History) -> Verdict {
     let fx = effects(h);
     // referral → its envelopes; envelope → who stamped it published, with the behaviour
     // that replica ran then.
+    let windows = h.fault_windows();
     let mut envelopes: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
+    let mut published: HashSet<Uuid> = HashSet::new();
     let mut stamps: HashMap<Uuid, Vec<(u64, &str, &[String])>> = HashMap::new();
     for e in h.iter() {
         match &e.event {
-            Event::Staged { envelope, referral: Some(r), .. } => envelopes.entry(*r).or_default().push(*envelope),
+            Event::Staged { envelope, referral: Some(r), published: p, .. } => {
+                envelopes.entry(*r).or_default().push(*envelope);
+                if *p {
+                    published.insert(*envelope);
+                }
+            }
             Event::Stamped { envelope, replica, compat } => {
                 stamps.entry(*envelope).or_default().push((e.t_ms, replica.as_str(), compat.as_slice()))
             }
@@ -194,16 +222,32 @@ pub fn no_loss(h: &History) -> Verdict {
                     lost += 1;
                     // Blame whoever stamped its event published (it vouched for a delivery
                     // that never happened); with no stamp, the replica that acknowledged it.
-                    let stamped: Vec<&(u64, &str, &[String])> =
-                        envelopes.get(referral).into_iter().flatten().filter_map(|env| stamps.get(env)).flatten().collect();
-                    let by = if stamped.is_empty() {
-                        let compat = h.compat_at(replica, entry.t_ms);
-                        v.blame(culprit_tags(replica, compat));
-                        format!("its event was never stamped published ({} acknowledged it)", running(replica, compat))
-                    } else {
-                        v.blame(stamped.iter().flat_map(|(_, r, c)| culprit_tags(r, Some(c))));
-                        let who: Vec<String> = stamped.iter().map(|(t, r, c)| format!("{} @{t}ms", running(r, Some(c)))).collect();
-                        format!("its event was stamped published by {}", who.join(", "))
+                    let envs = envelopes.get(referral).map(Vec::as_slice).unwrap_or(&[]);
+                    let mut stamped: Vec<&(u64, &str, &[String])> = envs.iter().filter_map(|env| stamps.get(env)).flatten().collect();
+                    stamped.sort_by_key(|(t, ..)| *t);
+                    let by = match stamped.last() {
+                        // The stamp that stood (the last): that replica vouched for a delivery
+                        // that never happened, under the behaviour it ran and the faults on
+                        // its own links or servers at the time.
+                        Some((t, r, c)) => {
+                            let mut tags = culprit_tags(r, Some(c));
+                            tags.extend(faults_on(&windows, r, *t));
+                            v.blame(tags);
+                            let who: Vec<String> = stamped.iter().map(|(t, r, c)| format!("{} @{t}ms", running(r, Some(c)))).collect();
+                            format!("its event was stamped published by {}", who.join(", "))
+                        }
+                        // Stamped, but no replica said so: no attribution evidence.
+                        None if envs.iter().any(|e| published.contains(e)) => {
+                            v.blame(["replica:unknown".to_owned(), "compat:unknown".to_owned()]);
+                            "its event is stamped published but no replica logged the stamp (no attribution evidence)".to_owned()
+                        }
+                        None => {
+                            let compat = h.compat_at(replica, entry.t_ms);
+                            let mut tags = culprit_tags(replica, compat);
+                            tags.extend(faults_on(&windows, replica, entry.t_ms));
+                            v.blame(tags);
+                            format!("its event was never stamped published ({} acknowledged it)", running(replica, compat))
+                        }
                     };
                     v.witness(format!(
                         "referral {referral} acknowledged by {replica} @{}ms never took effect: {by}; {}",
@@ -381,6 +425,7 @@ pub fn effect_once(h: &History) -> Verdict {
     let mut v = Verdict::new("effect_once");
     let fx = effects(h);
     let faults = window_faults(h);
+    let windows = h.fault_windows();
     let mut reprocessed: HashMap<Uuid, usize> = HashMap::new();
     for e in h.iter() {
         if let Event::Reprocessed { envelope, .. } = &e.event {
@@ -414,12 +459,33 @@ pub fn effect_once(h: &History) -> Verdict {
                 (free, corroborated) => {
                     unattributed += 1;
                     let second = &pair[1];
+                    // Whose duplicate: the second run's replica alone when it keeps an inbox
+                    // and an earlier run of this envelope went through an inbox too (its own
+                    // dedup failed); otherwise both runs' replicas (one skipped the inbox).
+                    let with_inbox = |r: &Option<String>, t: u64| {
+                        r.as_deref().and_then(|r| h.compat_at(r, t)).is_some_and(|c| !c.iter().any(|m| m == "pre-d2"))
+                    };
+                    let earlier_inbox = runs.iter().take_while(|(t, _)| t < &second.0).any(|(t, r)| with_inbox(r, *t));
+                    let runs_blamed: Vec<(&Option<String>, u64)> = if with_inbox(&second.1, second.0) && earlier_inbox {
+                        vec![(&second.1, second.0)]
+                    } else {
+                        vec![(r1, *t1), (&second.1, second.0)]
+                    };
                     let mut tags = Vec::new();
-                    for (r, t) in [(r1, *t1), (&second.1, second.0)] {
+                    for (r, t) in runs_blamed {
                         if let Some(r) = r.as_deref() {
                             tags.extend(culprit_tags(r, h.compat_at(r, t)));
                         }
                     }
+                    // And every fault in force at some point between the two runs (the
+                    // producer crash that re-published it, say: it may fire a few ms before
+                    // the consumer ran the batch the first time).
+                    tags.extend(
+                        windows
+                            .iter()
+                            .filter(|(_, from, to)| *from <= second.0 && to.saturating_add(WINDOW_SLACK_MS) >= *t1)
+                            .map(|(tag, ..)| tag.clone()),
+                    );
                     v.blame(tags);
                     let why = if candidates.is_empty() {
                         format!("no crash of {on}, database kill/pause or cut of its database link within {STAMP_DUE_MS} ms after the first run")
@@ -472,6 +538,7 @@ pub fn liveness(h: &History) -> Verdict {
     let poison: HashSet<Uuid> =
         h.iter().filter_map(|e| if let Event::Poison { envelope, .. } = &e.event { Some(*envelope) } else { None }).collect();
     let (mut poison_published, mut poison_untouched, mut poison_refusals, mut poison_seen) = (0, 0, 0, 0);
+    let mut unacked_unknown_seen = false;
     for e in h.iter() {
         match &e.event {
             Event::Staged { envelope, published, attempts, service, last_error, .. } if poison.contains(envelope) => {
@@ -488,7 +555,10 @@ pub fn liveness(h: &History) -> Verdict {
                     ));
                 }
             }
-            Event::Drained { after_ms, bound_ms, pending } => drained = Some((*after_ms, *bound_ms, *pending)),
+            Event::Drained { after_ms, bound_ms, pending, unacked_unknown } => {
+                drained = Some((*after_ms, *bound_ms, *pending));
+                unacked_unknown_seen = *unacked_unknown;
+            }
             Event::Stuck { envelope, service, claimed_ms_ago } => {
                 stuck += 1;
                 v.witness(format!("{service} outbox row {envelope} still claimed {claimed_ms_ago} ms after its claim"));
@@ -523,6 +593,9 @@ pub fn liveness(h: &History) -> Verdict {
                 Validity::Invalid
             } else if poison_untouched > 0 {
                 v.error = Some("a poison row was never claimed: the fault did not fire".into());
+                Validity::Unknown
+            } else if unacked_unknown_seen {
+                v.error = Some("the broker could not count unacked deliveries: the drain is not proven".into());
                 Validity::Unknown
             } else {
                 Validity::Valid
@@ -603,6 +676,65 @@ mod tests {
         let v = no_loss(&h);
         assert!(v.all_point_at("compat:pre-d1") && v.all_point_at("replica:cases-1"), "{:?}", v.culprits);
         assert!(v.witnesses[0].contains("never stamped published (cases-1 (compat pre-d1) acknowledged it)"), "{}", v.witnesses[0]);
+    }
+
+    /// A twin's fault cause: a loss points at the faults in force on the stamping replica's
+    /// own links (or the servers) when it stamped; a stamp no replica logged points nowhere.
+    #[test]
+    fn no_loss_blames_the_faults_in_force_when_the_event_was_stamped() {
+        let fault = |h: &mut History, t, phase| {
+            h.push(t, Event::Fault { kind: "toxic".into(), target: "cases-1->broker (timeout upstream)".into(), phase })
+        };
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", &["pre-1128"]);
+        fault(&mut h, 400, Phase::Start);
+        fault(&mut h, 2400, Phase::End);
+        h.push(500, Event::Fault { kind: "down".into(), target: "cases-2->broker".into(), phase: Phase::Start });
+        write(&mut h, 300, 1, Outcome::Ok);
+        staged(&mut h, 11, 1);
+        stamped(&mut h, 900, 11, "cases-1", &["pre-1128"]); // inside the black hole
+        write(&mut h, 3000, 2, Outcome::Ok);
+        staged(&mut h, 12, 2);
+        stamped(&mut h, 3100, 12, "cases-1", &["pre-1128"]); // long after it healed
+        h.sort();
+        let v = no_loss(&h);
+        assert_eq!(v.violations, 2);
+        assert_eq!(v.culprits.get("fault:toxic cases-1->broker"), Some(&1));
+        assert!(!v.culprits.contains_key("fault:down cases-2->broker"), "another replica's link is not this loss's cause");
+        assert!(!v.all_point_at("fault:toxic cases-1->broker"));
+
+        // Stamped published, but no `outbox.stamped` line: no attribution evidence.
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", &["pre-1128"]);
+        write(&mut h, 100, 1, Outcome::Ok);
+        staged(&mut h, 11, 1);
+        let v = no_loss(&h);
+        assert_eq!(v.culprits.get("compat:unknown"), Some(&1));
+        assert!(!v.all_point_at("compat:pre-1128"));
+    }
+
+    /// current → pre-d2 → current: the last run is the current replica's own failed dedup
+    /// (an inbox had recorded it), not the old replica's doing.
+    #[test]
+    fn a_current_replicas_failed_dedup_is_its_own() {
+        let run = |h: &mut History, t: u64, replica: &str| {
+            h.push(t, Event::Effect { envelope: id(1), referral: Some(id(1)), service: "rules".into(), replica: Some(replica.into()) });
+        };
+        let mut h = History::default();
+        started(&mut h, 0, "rules-1", &["pre-d2"]);
+        started(&mut h, 0, "rules-2", &[]);
+        h.push(90, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::after_publish_before_stamp".into(), phase: Phase::Start });
+        h.push(150, Event::Fault { kind: "crash".into(), target: "cases-1 restarted".into(), phase: Phase::End });
+        run(&mut h, 100, "rules-2");
+        run(&mut h, 420, "rules-1");
+        run(&mut h, 500, "rules-2");
+        h.sort();
+        let v = effect_once(&h);
+        assert_eq!(v.violations, 2);
+        assert_eq!(v.culprits["compat:pre-d2"], 1, "{:?}", v.culprits);
+        assert_eq!(v.culprits["compat:current"], 2);
+        assert_eq!(v.culprits["fault:crash cases-1"], 1, "the crash (ended @150ms) lies between the first two runs only");
+        assert!(!v.all_point_at("compat:pre-d2"));
     }
 
     /// A mixed consumer fleet: a duplicate involving the pre-d2 replica points at pre-d2; one
@@ -797,13 +929,17 @@ mod tests {
     fn liveness_needs_a_drain_within_the_bound_and_no_stuck_claims() {
         let mut h = History::default();
         assert_eq!(liveness(&h).validity, Validity::Unknown);
-        h.push(100, Event::Drained { after_ms: Some(1200), bound_ms: 60_000, pending: 0 });
+        h.push(100, Event::Drained { after_ms: Some(1200), bound_ms: 60_000, pending: 0, unacked_unknown: false });
         assert_eq!(liveness(&h).validity, Validity::Valid);
+        // Quiet by every other sign, but the broker could not count unacked deliveries.
+        let mut unproven = History::default();
+        unproven.push(100, Event::Drained { after_ms: Some(1200), bound_ms: 60_000, pending: 0, unacked_unknown: true });
+        assert_eq!(liveness(&unproven).validity, Validity::Unknown);
         h.push(101, Event::Stuck { envelope: id(7), service: "cases".into(), claimed_ms_ago: 90_000 });
         let v = liveness(&h);
         assert_eq!((v.validity, v.counts["stuck_claims"]), (Validity::Invalid, 1));
         let mut h = History::default();
-        h.push(100, Event::Drained { after_ms: None, bound_ms: 60_000, pending: 12 });
+        h.push(100, Event::Drained { after_ms: None, bound_ms: 60_000, pending: 12, unacked_unknown: false });
         let v = liveness(&h);
         assert_eq!(v.validity, Validity::Invalid);
         assert!(v.witnesses[0].starts_with("12 outbox rows still pending"));
@@ -818,7 +954,7 @@ mod tests {
         h.push(0, Event::Poison { envelope: id(9), service: "cases".into() });
         let last_error = Some(last_error.to_owned());
         h.push(0, Event::Staged { envelope: id(9), referral: None, service: "cases".into(), published, attempts, last_error });
-        h.push(100, Event::Drained { after_ms: Some(900), bound_ms: 60_000, pending: 0 });
+        h.push(100, Event::Drained { after_ms: Some(900), bound_ms: 60_000, pending: 0, unacked_unknown: false });
         h
     }
 
@@ -836,7 +972,7 @@ mod tests {
         assert_eq!(v.validity, Validity::Unknown, "not refused as malformed");
         let mut gone = History::default();
         gone.push(0, Event::Poison { envelope: id(9), service: "cases".into() });
-        gone.push(100, Event::Drained { after_ms: Some(900), bound_ms: 60_000, pending: 0 });
+        gone.push(100, Event::Drained { after_ms: Some(900), bound_ms: 60_000, pending: 0, unacked_unknown: false });
         assert_eq!(liveness(&gone).validity, Validity::Invalid, "a deleted poison row is a loss of evidence");
     }
 

@@ -71,7 +71,15 @@ pub enum Event {
     /// Periodic sample for the timeline.
     Sample { outbox_pending: i64, published: i64, effects: i64, lag_ms: f64 },
     /// After faults healed: how long until nothing was pending (None: not within the bound).
-    Drained { after_ms: Option<u64>, bound_ms: u64, pending: i64 },
+    Drained {
+        after_ms: Option<u64>,
+        bound_ms: u64,
+        pending: i64,
+        /// The broker could not say how many deliveries were unacked when the rest was
+        /// quiet: the drain is not proven.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        unacked_unknown: bool,
+    },
     /// A malformed outbox row the harness wrote by hand before the workload: it must stay
     /// pending (never stamped, never deleted) and be refused by the worker.
     Poison { envelope: Uuid, service: String },
@@ -125,6 +133,35 @@ impl History {
             }
         }
         found
+    }
+
+    /// Every fault's window `(cause tag, from, to)`: `fault:<kind> <target>` with the
+    /// target as the scenario names it (`fault:toxic cases-1->broker`, `fault:kill broker`,
+    /// `fault:crash cases-1`); a window still open at the end runs to `u64::MAX`.
+    pub fn fault_windows(&self) -> Vec<(String, u64, u64)> {
+        let mut out: Vec<(String, u64, u64)> = Vec::new();
+        let mut open: Vec<(String, usize)> = Vec::new();
+        for e in &self.entries {
+            let Event::Fault { kind, target, phase } = &e.event else { continue };
+            let base = target.split(" (").next().unwrap_or(target);
+            let base = base.split(" at ").next().unwrap_or(base);
+            let base = base.split(" to ").next().unwrap_or(base);
+            let base = base.strip_suffix(" restarted").unwrap_or(base);
+            let tag = format!("fault:{kind} {base}");
+            match phase {
+                Phase::Start => {
+                    open.push((tag.clone(), out.len()));
+                    out.push((tag, e.t_ms, u64::MAX));
+                }
+                Phase::End => {
+                    if let Some(k) = open.iter().position(|(t, _)| *t == tag) {
+                        let (_, i) = open.remove(k);
+                        out[i].2 = e.t_ms;
+                    }
+                }
+            }
+        }
+        out
     }
 
     pub fn to_jsonl(&self) -> String {

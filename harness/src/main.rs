@@ -100,10 +100,7 @@ fn list(paths: &[PathBuf]) -> ExitCode {
                             scenario::Expect::Hold => "hold",
                             scenario::Expect::Violate => "violate",
                         };
-                        match &v.cause {
-                            Some(c) => format!("{k}={word}({c})"),
-                            None => format!("{k}={word}"),
-                        }
+                        if v.cause.is_empty() { format!("{k}={word}") } else { format!("{k}={word}({})", v.cause.join("+")) }
                     })
                     .collect();
                 println!("{:<32} {:<8} compat {:<10} {}", s.name, s.amendment, s.compat_summary(), expect.join(" "));

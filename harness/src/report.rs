@@ -51,12 +51,15 @@ impl RunReport<'_> {
                 continue;
             }
             for i in &r.invariants {
-                let expected = match (i.expected, &i.cause) {
-                    (crate::scenario::Expect::Hold, _) => "hold".to_owned(),
-                    (crate::scenario::Expect::Violate, None) => "violate".to_owned(),
-                    (crate::scenario::Expect::Violate, Some(c)) => format!("violate by {c}"),
+                let expected = match i.expected {
+                    crate::scenario::Expect::Hold => "hold".to_owned(),
+                    crate::scenario::Expect::Violate if i.cause.is_empty() => "violate".to_owned(),
+                    crate::scenario::Expect::Violate => format!("violate by {}", i.cause.join(" + ")),
                 };
-                let observed = i.observed.clone().unwrap_or_else(|| "unknown".into());
+                let mut observed = i.observed.clone().unwrap_or_else(|| "unknown".into());
+                if i.cause_met == Some(false) {
+                    observed.push_str(", not only by its cause");
+                }
                 let verdict = if i.met() {
                     if i.expected == crate::scenario::Expect::Violate { "ok (violated, as expected)".to_owned() } else { "ok".to_owned() }
                 } else if i.observed.is_none() {
@@ -102,7 +105,7 @@ impl RunReport<'_> {
             }
             for i in &r.invariants {
                 let counts: Vec<String> = i.counts.iter().map(|(k, v)| format!("{k}={v}")).collect();
-                let because = i.cause.as_deref().map(|c| format!(" by {c}")).unwrap_or_default();
+                let because = if i.cause.is_empty() { String::new() } else { format!(" by {}", i.cause.join(" + ")) };
                 let _ = writeln!(md, "- **{}**: expected {:?}{because}, observed {} — {}", i.name, i.expected, i.observed.as_deref().unwrap_or("unknown"), counts.join(", "));
                 if !i.culprits.is_empty() {
                     let who: Vec<String> = i.culprits.iter().map(|(k, v)| format!("{k} {v}")).collect();
@@ -149,10 +152,11 @@ impl RunReport<'_> {
                 let name = format!("{} (expected {expected})", i.name);
                 let _ = write!(body, r#"    <testcase classname="chaos.{}" name="{}" time="{secs:.3}">"#, xml(&r.name), xml(&name));
                 match i.observed.as_deref() {
-                    Some(o) if o == expected => {}
+                    Some(_) if i.met() => {}
                     Some(o) => {
                         f += 1;
-                        let because = i.cause.as_deref().map(|c| format!(" by {c}")).unwrap_or_default();
+                        let o = if i.cause_met == Some(false) { format!("{o}, not only by its cause") } else { o.to_owned() };
+                        let because = if i.cause.is_empty() { String::new() } else { format!(" by {}", i.cause.join(" + ")) };
                         let who: Vec<String> = i.culprits.iter().map(|(k, v)| format!("{k} {v}")).collect();
                         let by = if who.is_empty() { String::new() } else { format!("; culprits: {}", who.join(", ")) };
                         let msg = format!("expected {expected}{because}, observed {o}{by}");
@@ -342,7 +346,8 @@ mod tests {
             observed: observed.map(str::to_owned),
             counts: BTreeMap::new(),
             witnesses: witnesses.iter().map(|w| w.to_string()).collect(),
-            cause: None,
+            cause: vec![],
+            cause_met: None,
             violations: 0,
             culprits: BTreeMap::new(),
             error: observed.is_none().then(|| "nothing to check".into()),

@@ -349,37 +349,46 @@ pub enum Expect {
 }
 
 /// What one invariant is expected to do: `"hold"`, `"violate"`, or
-/// `{ violate = "compat:pre-1128" }`: violated, and every witness must point at that cause
-/// (a compat mode the replica ran at the time, `compat:<mode>`, or a replica,
-/// `replica:<name>`). A twin is red for its documented reason, not for any reason.
+/// `{ violate = "compat:pre-1128" }` / `{ violate = ["compat:pre-1128", "fault:toxic cases-1->broker"] }`:
+/// violated, and every violation must point at every cause named — a compat mode the
+/// harming replica ran at the time (`compat:<mode>`), a replica (`replica:<name>`), or a
+/// fault of the scenario in force then (`fault:<kind> <target>`). A twin is red for its
+/// documented reason, not for any reason.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Expectation {
     pub expect: Expect,
-    pub cause: Option<String>,
+    pub cause: Vec<String>,
 }
 
 impl TryFrom<toml::Value> for Expectation {
     type Error = String;
     fn try_from(v: toml::Value) -> Result<Self, String> {
-        const SHAPE: &str = "expected \"hold\", \"violate\" or { violate = \"compat:<mode>\" | \"replica:<name>\" }";
+        const SHAPE: &str =
+            "expected \"hold\", \"violate\" or { violate = \"<cause>\" | [\"<cause>\", ...] } with causes compat:<mode>, replica:<name>, fault:<kind> <target>";
+        let cause_ok = |c: &str| {
+            c.strip_prefix("compat:").is_some_and(|m| m.parse::<craig_fleet::Compat>().is_ok())
+                || c.strip_prefix("replica:").is_some_and(|r| !r.is_empty())
+                || c.strip_prefix("fault:").is_some_and(|f| f.split_once(' ').is_some_and(|(k, t)| !k.is_empty() && !t.is_empty()))
+        };
         match v {
             toml::Value::String(w) => match w.as_str() {
-                "hold" => Ok(Self { expect: Expect::Hold, cause: None }),
-                "violate" => Ok(Self { expect: Expect::Violate, cause: None }),
+                "hold" => Ok(Self { expect: Expect::Hold, cause: vec![] }),
+                "violate" => Ok(Self { expect: Expect::Violate, cause: vec![] }),
                 other => Err(format!("unknown expectation {other:?}; {SHAPE}")),
             },
-            toml::Value::Table(t) => match (t.len(), t.get("violate")) {
-                (1, Some(toml::Value::String(cause))) => {
-                    let ok = cause.strip_prefix("compat:").is_some_and(|m| m.parse::<craig_fleet::Compat>().is_ok())
-                        || cause.strip_prefix("replica:").is_some_and(|r| !r.is_empty());
-                    if ok {
-                        Ok(Self { expect: Expect::Violate, cause: Some(cause.clone()) })
-                    } else {
-                        Err(format!("unknown cause {cause:?}; {SHAPE}"))
+            toml::Value::Table(t) => {
+                let causes: Vec<String> = match (t.len(), t.get("violate")) {
+                    (1, Some(toml::Value::String(c))) => vec![c.clone()],
+                    (1, Some(toml::Value::Array(a))) if !a.is_empty() => {
+                        a.iter().map(|c| c.as_str().map(str::to_owned).ok_or_else(|| SHAPE.to_owned())).collect::<Result<_, _>>()?
                     }
+                    _ => return Err(SHAPE.into()),
+                };
+                match causes.iter().find(|c| !cause_ok(c)) {
+                    Some(bad) => Err(format!("unknown cause {bad:?}; {SHAPE}")),
+                    None => Ok(Self { expect: Expect::Violate, cause: causes }),
                 }
-                _ => Err(SHAPE.into()),
-            },
+            }
             _ => Err(SHAPE.into()),
         }
     }
@@ -671,15 +680,23 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         return Err(err(at("[expect]"), "expect names at least one invariant".into()));
     }
     for (name, e) in &s.expect {
-        if e.get_ref().cause.is_some() && !crate::checkers::ATTRIBUTING.contains(&name.as_str()) {
+        if !e.get_ref().cause.is_empty() && !crate::checkers::ATTRIBUTING.contains(&name.as_str()) {
             return Err(err(
                 Some(e.span()),
                 format!("{name} does not attribute its violations; a cause can be named for {}", crate::checkers::ATTRIBUTING.join(", ")),
             ));
         }
-        if let Some(replica) = e.get_ref().cause.as_deref().and_then(|c| c.strip_prefix("replica:")) {
-            if !s.replica_names().iter().any(|n| n == replica) {
-                return Err(err(Some(e.span()), format!("cause names replica {replica:?}; replicas here: {}", s.replica_names().join(", "))));
+        for c in &e.get_ref().cause {
+            if let Some(replica) = c.strip_prefix("replica:") {
+                if !s.replica_names().iter().any(|n| n == replica) {
+                    return Err(err(Some(e.span()), format!("cause names replica {replica:?}; replicas here: {}", s.replica_names().join(", "))));
+                }
+            }
+            if let Some(fault) = c.strip_prefix("fault:") {
+                let known: Vec<String> = s.faults.iter().map(|f| format!("{} {}", f.get_ref().kind.name(), f.get_ref().target)).collect();
+                if !known.iter().any(|k| k == fault) {
+                    return Err(err(Some(e.span()), format!("cause names fault {fault:?}; faults here: {}", known.join(", "))));
+                }
             }
         }
         if !CONTRACT_INVARIANTS.contains(&name.as_str()) {
@@ -879,9 +896,13 @@ effect_once = "violate"
     fn a_twin_may_name_the_cause_its_violations_must_point_at() {
         let s = parse_str(&GOOD.replace(r#"effect_once = "violate""#, r#"effect_once = { violate = "compat:pre-d2" }"#)).unwrap();
         let e = s.expect["effect_once"].get_ref();
-        assert_eq!((e.expect, e.cause.as_deref()), (Expect::Violate, Some("compat:pre-d2")));
+        assert_eq!((e.expect, e.cause.clone()), (Expect::Violate, vec!["compat:pre-d2".to_owned()]));
         let s = parse_str(&GOOD.replace(r#"effect_once = "violate""#, r#"effect_once = { violate = "replica:rules-1" }"#)).unwrap();
-        assert_eq!(s.expect["effect_once"].get_ref().cause.as_deref(), Some("replica:rules-1"));
+        assert_eq!(s.expect["effect_once"].get_ref().cause, ["replica:rules-1"]);
+        let s = parse_str(&GOOD.replace(r#"effect_once = "violate""#, r#"effect_once = { violate = ["compat:pre-d2", "fault:crash cases-2"] }"#)).unwrap();
+        assert_eq!(s.expect["effect_once"].get_ref().cause, ["compat:pre-d2", "fault:crash cases-2"]);
+        let e = rejected(&GOOD.replace(r#"effect_once = "violate""#, r#"effect_once = { violate = ["fault:kill broker"] }"#));
+        assert!(e.reason.contains("cause names fault \"kill broker\"; faults here: crash cases-2, toxic rules-1->broker"), "{e}");
         for (bad, why) in [
             (r#"{ violate = "compat:pre-nope" }"#, "unknown cause \"compat:pre-nope\""),
             (r#"{ violate = "weather" }"#, "unknown cause"),

@@ -288,10 +288,23 @@ impl LocalBackend {
         self.rabbitmqctl(&["clear_policy", name]).map(drop)
     }
 
-    /// Deliveries of `queues` not yet acked by their consumers.
-    pub fn unacked(&self, queues: &[String]) -> Result<u64, BackendError> {
-        let out = self.rabbitmqctl(&["list_queues", "-s", "name", "messages_unacknowledged"])?;
-        Ok(craig_sandbox::sum_listed(&out, queues))
+    /// Deliveries of `queues` not yet acked by their consumers. Async and bounded: the
+    /// child is killed when the caller's timeout drops it, and the CLI has its own timeout.
+    pub async fn unacked(&self, queues: &[String]) -> Result<u64, BackendError> {
+        let ctl = rabbitmq_script()?.with_file_name("rabbitmqctl");
+        let env = |k: &str| self.rmq.env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default();
+        let out = tokio::process::Command::new(&ctl)
+            .args(["-n", &env("RABBITMQ_NODENAME"), "list_queues", "--timeout", "5", "-s", "name", "messages_unacknowledged"])
+            .env("HOME", env("HOME"))
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output()
+            .await
+            .map_err(|e| BackendError::failed(format!("running {}", ctl.display()), e))?;
+        if !out.status.success() {
+            return Err(BackendError::failed("rabbitmqctl list_queues", String::from_utf8_lossy(&out.stderr).trim().to_owned()));
+        }
+        Ok(craig_sandbox::sum_listed(&String::from_utf8_lossy(&out.stdout), queues))
     }
 
     fn rabbitmqctl(&self, args: &[&str]) -> Result<String, BackendError> {

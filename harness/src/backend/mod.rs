@@ -261,7 +261,7 @@ impl Backend {
     /// backend cannot count them (containers).
     pub async fn unacked(&self, queues: &[String]) -> Result<Option<u64>, BackendError> {
         match self {
-            Backend::Local(b) => b.unacked(queues).map(Some),
+            Backend::Local(b) => b.unacked(queues).await.map(Some),
             Backend::External(b) => b.unacked(queues).await.map(Some),
             Backend::Containers(_) => Ok(None),
         }

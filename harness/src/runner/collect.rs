@@ -45,6 +45,7 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
     }
     Ok(())
 }
+
 /// What the replicas' own logs say (each log holds all incarnations of its replica, each
 /// after a `--- start N of R (compat M) ---` line):
 /// - every `inbox.reprocessed`: the inbox's own word that a re-execution was of an envelope
@@ -62,6 +63,7 @@ pub(super) fn collect_logs(log: &Log, logs_dir: &Path) {
         }
     }
 }
+
 /// The events one replica log reports, with their times (`rel` converts the log's epoch ms
 /// to run time; None when a line has no readable timestamp).
 pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> u64) -> Vec<(Option<u64>, Event)> {
@@ -99,6 +101,7 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
     }
     out
 }
+
 /// The CONTRACT's series from a replica's `GET /metrics` (bounded; empty when it does not
 /// answer). Histograms keep their `_count` and `_sum`.
 pub(super) async fn scrape_metrics(addr: &str) -> BTreeMap<String, f64> {

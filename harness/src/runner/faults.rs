@@ -62,11 +62,22 @@ impl Schedule {
     /// restarted; a fault that failed is an error of the run.
     pub(super) async fn healed(&mut self, s: &Scenario, replicas: &Replicas) -> anyhow::Result<()> {
         use anyhow::Context as _;
-        for t in self.faults.drain(..) {
-            t.await.context("fault task panicked")??;
+        let outcome = async {
+            while !self.faults.is_empty() {
+                self.faults.remove(0).await.context("fault task panicked")??;
+            }
+            while !self.late_starts.is_empty() {
+                self.late_starts.remove(0).await.context("late start panicked")??;
+            }
+            anyhow::Ok(())
         }
-        for t in self.late_starts.drain(..) {
-            t.await.context("late start panicked")??;
+        .await;
+        if outcome.is_err() {
+            // One fault failed: the rest must not go on injecting into a torn-down run.
+            for t in self.faults.drain(..).chain(self.late_starts.drain(..)) {
+                t.abort();
+            }
+            return outcome;
         }
         wait_crash_restarts(s, replicas).await;
         Ok(())
@@ -98,6 +109,7 @@ fn start_late(s: &Scenario, log: &Log, replicas: &Replicas) -> Vec<tokio::task::
     }
     tasks
 }
+
 async fn wait_crash_restarts(s: &Scenario, replicas: &Replicas) {
     let deadline = Instant::now() + Duration::from_secs(30);
     for f in s.faults.iter().map(|f| f.get_ref()).filter(|f| f.kind == FaultKind::Crash && f.restart_after_ms.is_some()) {
@@ -112,20 +124,41 @@ async fn wait_crash_restarts(s: &Scenario, replicas: &Replicas) {
         }
     }
 }
+
 /// Record crashes as they happen; restart crashed replicas whose crash fault asks for it.
 async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, mut stop: watch::Receiver<bool>) {
+    let mut fired: std::collections::HashSet<String> = std::collections::HashSet::new();
     loop {
         for (name, r) in replicas.iter() {
-            let status = r.lock().await.exited();
+            // A replica whose lock a fault holds (an upgrade stopping and starting it) is
+            // being handled; the others must not wait for it.
+            let Ok(mut guard) = r.try_lock() else { continue };
+            let status = guard.exited();
+            let log_path = guard.log_path().to_path_buf();
+            drop(guard);
             let Some(status) = status else { continue };
             let service = name.rsplit_once('-').map(|(s, _)| s).unwrap_or(name);
             log.push(Event::Crash { replica: name.clone(), consumer: consumes(service), how: describe(status) });
-            let fault = s.faults.iter().map(|f| f.get_ref()).find(|f| f.kind == FaultKind::Crash && &f.target == name);
+            let fault = s
+                .faults
+                .iter()
+                .map(|f| f.get_ref())
+                .find(|f| f.kind == FaultKind::Crash && &f.target == name)
+                .filter(|_| !fired.contains(name));
             if fault.is_none() {
                 log.finding(format!("replica {name} exited ({}) with no fault targeting it; not restarted", describe(status)));
             }
             if let Some(f) = fault {
-                log.fault("crash", &format!("{name} at {}", f.failpoint.as_deref().unwrap_or("?")), Phase::Start);
+                fired.insert(name.clone());
+                let fp = f.failpoint.as_deref().unwrap_or("?");
+                let label = format!("{name} at {fp}");
+                log.fault("crash", &label, Phase::Start);
+                // The evidence: the node's own `failpoint.abort` for this crash point in its
+                // last incarnation — any other exit is not the fault that was asked for.
+                let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+                let last = text.rsplit_once("--- start ").map(|(_, l)| l).unwrap_or(&text);
+                let aborted = last.lines().any(|l| l.contains("event=\"failpoint.abort\"") && l.contains(&format!("failpoint=\"{fp}\"")));
+                log.evidence("crash", &label, aborted.then(|| format!("failpoint.abort {fp}, then {}", describe(status))));
                 if let Some(ms) = f.restart_after_ms {
                     let (r, log, name) = (r.clone(), log.clone(), name.clone());
                     tokio::spawn(async move {
@@ -148,8 +181,10 @@ async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, mut stop: wat
         }
     }
 }
+
 /// Held by an upgrade or downgrade from its stop to its replica's restart.
 static ROLLOUT: Mutex<()> = Mutex::const_new(());
+
 #[allow(clippy::too_many_arguments)]
 async fn inject(
     index: usize,
@@ -257,15 +292,16 @@ async fn inject(
             toxi.add_toxic(&proxy, &toxic).await?;
             tokio::time::sleep(hold).await;
             // Evidence before removal: what the toxic acted on while it was in place.
+            // Bytes it took in: a toxic on idle connections acted on nothing. A Toxiproxy
+            // without these counters gives no evidence either.
             let affected = toxi.proxy(&proxy).await?.affected;
             log.evidence(
                 kind,
                 &label,
-                match affected.get(&toxic.name) {
-                    Some(a) if a.bytes > 0 || a.connections > 0 => Some(format!("{} bytes, {} connections", a.bytes, a.connections)),
-                    Some(_) => None,
-                    None => Some("not counted by this Toxiproxy".into()),
-                },
+                affected
+                    .get(&toxic.name)
+                    .filter(|a| a.bytes > 0)
+                    .map(|a| format!("{} bytes over {} connections", a.bytes, a.connections)),
             );
             toxi.remove_toxic(&proxy, &toxic.name).await?;
         }

@@ -41,6 +41,7 @@ pub struct RunOptions {
     /// Print live progress lines to stderr.
     pub progress: bool,
 }
+
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct FaultRecord {
     pub kind: String,
@@ -51,13 +52,17 @@ pub struct FaultRecord {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub evidence: Option<String>,
 }
+
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct InvariantResult {
     pub name: String,
     pub expected: Expect,
-    /// The cause every violation must point at (`{ violate = "<cause>" }`).
+    /// The causes every violation must point at (`{ violate = [..] }`), and whether they
+    /// all did (absent when none is named or nothing was violated).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub cause: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub cause: Option<String>,
+    pub cause_met: Option<bool>,
     /// "held" | "violated"; absent when the checker could not decide.
     pub observed: Option<String>,
     pub counts: BTreeMap<String, u64>,
@@ -69,12 +74,14 @@ pub struct InvariantResult {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
+
 impl InvariantResult {
-    /// Observed as expected.
+    /// Observed as expected (and, for a twin naming its cause, violated for that cause).
     pub fn met(&self) -> bool {
-        self.observed.as_deref() == Some(expected_word(self.expected))
+        self.observed.as_deref() == Some(expected_word(self.expected)) && self.cause_met != Some(false)
     }
 }
+
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ScenarioResult {
     pub name: String,
@@ -97,6 +104,7 @@ pub struct ScenarioResult {
     #[serde(skip)]
     pub history: History,
 }
+
 /// The per-scenario seed: the scenario's own, else derived from the run seed and the name.
 pub fn scenario_seed(run_seed: u64, s: &Scenario) -> u64 {
     s.seed.unwrap_or_else(|| {
@@ -107,10 +115,12 @@ pub fn scenario_seed(run_seed: u64, s: &Scenario) -> u64 {
         h ^ run_seed
     })
 }
+
 type Replicas = Arc<BTreeMap<String, Arc<Mutex<Replica>>>>;
 fn consumes(service: &str) -> bool {
     service.parse::<craig_fleet::Service>().map(|s| !s.consumes().is_empty()).unwrap_or(false)
 }
+
 /// Run one scenario. Errors inside the run are reported in the result (inconclusive).
 pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> ScenarioResult {
     let run_clock = Instant::now();
@@ -192,6 +202,7 @@ pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> Scenari
     result.history = history;
     result
 }
+
 /// Why the run did too little to be trusted (None: every floor met): fewer acknowledged
 /// writes, absorbed redeliveries or dead letters than `[expect]` asks, or no write
 /// acknowledged after every fault healed.
@@ -228,6 +239,7 @@ fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<St
     }
     (!why.is_empty()).then(|| format!("below the activity floor: {}", why.join("; ")))
 }
+
 /// Mark the result inconclusive for `why`, unless an earlier reason already did (the first
 /// reason found is the one reported).
 fn inconclusive(result: &mut ScenarioResult, why: String) {
@@ -237,28 +249,28 @@ fn inconclusive(result: &mut ScenarioResult, why: String) {
         result.passed = false;
     }
 }
+
 fn expected_word(e: Expect) -> &'static str {
     match e {
         Expect::Hold => "held",
         Expect::Violate => "violated",
     }
 }
-/// What [`InvariantResult::observed`] says of a violation that does not all point at the
-/// expected cause: red, but not (only) for the documented reason.
-pub const OTHER_CAUSE: &str = "violated, not only by its cause";
+
 fn invariant_result(v: Verdict, expected: &Expectation) -> InvariantResult {
     let observed = match v.validity {
         Validity::Valid => Some("held".to_owned()),
-        Validity::Invalid => match &expected.cause {
-            Some(cause) if !v.all_point_at(cause) => Some(OTHER_CAUSE.to_owned()),
-            _ => Some("violated".to_owned()),
-        },
+        Validity::Invalid => Some("violated".to_owned()),
         Validity::Unknown => None,
     };
+    // Red, but for the documented reason? Only when every violation points at every cause.
+    let cause_met = (v.validity == Validity::Invalid && !expected.cause.is_empty())
+        .then(|| expected.cause.iter().all(|c| v.all_point_at(c)));
     InvariantResult {
         name: v.name,
         expected: expected.expect,
         cause: expected.cause.clone(),
+        cause_met,
         observed,
         counts: v.counts,
         witnesses: v.witnesses,
@@ -267,6 +279,7 @@ fn invariant_result(v: Verdict, expected: &Expectation) -> InvariantResult {
         error: v.error,
     }
 }
+
 async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: &mut ScenarioResult) -> anyhow::Result<()> {
     use anyhow::Context as _;
     let services: Vec<String> = s.fleet.keys().cloned().collect();
@@ -285,6 +298,7 @@ async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: 
     };
     outcome.and(stop)
 }
+
 async fn drive(
     s: &Scenario,
     opts: &RunOptions,
@@ -319,6 +333,9 @@ async fn drive(
     let (api_addr, api_task) = api::serve(FaultProxy::new(seed.rotate_left(17)), "127.0.0.1:0".parse()?).await?;
     let toxi = ToxiproxyClient::new(format!("http://{api_addr}"));
     let logs_dir = opts.report_dir.join("logs").join(&s.name);
+    // Fresh logs: the collector and the failpoint markers read them whole, and a report
+    // folder reused by an earlier run (ci/test's) must not lend its lines to this one.
+    let _ = std::fs::remove_dir_all(&logs_dir);
     std::fs::create_dir_all(&logs_dir)?;
     let program = opts.node_program.clone();
     let secret = format!("chaos-{seed:x}");
@@ -438,6 +455,7 @@ async fn drive(
     api_task.abort();
     Ok(())
 }
+
 /// `craig-node topology` through the same program the replicas run: the deploy step.
 async fn deploy_topology(program: &NodeProgram, amqp_url: &str) -> anyhow::Result<()> {
     let out = tokio::time::timeout(
@@ -457,6 +475,7 @@ async fn deploy_topology(program: &NodeProgram, amqp_url: &str) -> anyhow::Resul
     }
     Ok(())
 }
+
 /// Malformed rows written straight into the outbox (by hand, or by an older replica),
 /// older than anything the workload stages. Returns their ids.
 async fn stage_poison_rows(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> {
@@ -477,10 +496,13 @@ async fn stage_poison_rows(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> 
     }
     Ok(ids)
 }
+
 /// Bound on one poll of the sampler or the drain loop (a miss is "not quiet", not a hang).
 const PROBE: Duration = Duration::from_secs(3);
+
 /// Bound on a read whose result the verdict needs (its miss is an error of the run).
 const COLLECT: Duration = Duration::from_secs(30);
+
 /// Every database call of the runner, sampler and collector is bounded: a paused or
 /// black-holed database must not hang a run.
 async fn bounded<T, E: Into<anyhow::Error>>(
@@ -493,6 +515,7 @@ async fn bounded<T, E: Into<anyhow::Error>>(
         Err(_) => Err(anyhow::anyhow!("{what}: no answer within {limit:?}")),
     }
 }
+
 /// The folder for this scenario's own files inside the report.
 pub fn scenario_dir(report: &Path, name: &str) -> PathBuf {
     report.join("scenarios").join(name)
@@ -512,6 +535,37 @@ mod tests {
         assert_eq!(bounded(PROBE, "x", async { Ok::<_, sqlx::Error>(7) }).await.unwrap(), 7);
     }
 
+    #[test]
+    fn too_little_activity_is_inconclusive_with_the_reason() {
+        let s = crate::scenario::parse(
+            Path::new("t.toml"),
+            "name = \"t\"\namendment = \"x\"\n[fleet]\ncases = {}\n[workload]\nwrites = 4\nrate = 10\n\
+             [[faults]]\nkind = \"kill\"\ntarget = \"broker\"\nat = { after_ms = 1 }\nduration_ms = 1\n\
+             [expect]\nmin_redeliveries = 1\nno_loss = \"hold\"\n",
+        )
+        .unwrap();
+        let write = |h: &mut History, t, n: u128, outcome| {
+            h.push(t, Event::Write { referral: Uuid::from_u128(n), replica: "cases-1".into(), outcome, status: None })
+        };
+        let mut h = History::default();
+        write(&mut h, 10, 1, Outcome::Ok);
+        write(&mut h, 20, 2, Outcome::Ok);
+        h.push(30, Event::Healed);
+        let none = BTreeMap::new();
+        let why = below_floor(&s, &h, &none).unwrap();
+        assert!(why.contains("no write acknowledged after every fault healed (@30ms)"), "{why}");
+        assert!(why.contains("0 redeliveries absorbed"), "{why}");
+        write(&mut h, 40, 3, Outcome::Ok);
+        let metrics = BTreeMap::from([("rules-1".to_owned(), BTreeMap::from([("inbox_dedup_hits_total".to_owned(), 2.0)]))]);
+        assert_eq!(below_floor(&s, &h, &metrics), None, "3 acknowledged >= 4/2, one after the heal, 2 redeliveries");
+        let mut thin = History::default();
+        write(&mut thin, 10, 1, Outcome::Ok);
+        thin.push(30, Event::Healed);
+        write(&mut thin, 40, 3, Outcome::Failed);
+        let why = below_floor(&s, &thin, &metrics).unwrap();
+        assert!(why.contains("1 writes acknowledged, below min_acknowledged = 2"), "{why}");
+    }
+
     fn violated_by(culprits: &[(&str, u64)], violations: u64) -> Verdict {
         let mut v = Verdict::undecided("no_loss", "x");
         v.error = None;
@@ -524,14 +578,19 @@ mod tests {
     /// A twin is met only when every violation points at its documented cause.
     #[test]
     fn a_twin_violated_for_another_cause_is_not_met() {
-        let twin = Expectation { expect: Expect::Violate, cause: Some("compat:pre-1128".into()) };
-        let r = invariant_result(violated_by(&[("compat:pre-1128", 3), ("replica:cases-1", 3)], 3), &twin);
+        let twin = Expectation { expect: Expect::Violate, cause: vec!["compat:pre-1128".into(), "fault:toxic cases-1->broker".into()] };
+        let r = invariant_result(
+            violated_by(&[("compat:pre-1128", 3), ("replica:cases-1", 3), ("fault:toxic cases-1->broker", 3)], 3),
+            &twin,
+        );
         assert!(r.met(), "{r:?}");
-        let r = invariant_result(violated_by(&[("compat:pre-1128", 2), ("compat:current", 1)], 3), &twin);
-        assert_eq!(r.observed.as_deref(), Some(OTHER_CAUSE));
+        let r = invariant_result(violated_by(&[("compat:pre-1128", 2), ("compat:current", 1), ("fault:toxic cases-1->broker", 3)], 3), &twin);
+        assert_eq!((r.observed.as_deref(), r.cause_met), (Some("violated"), Some(false)));
         assert!(!r.met());
+        let r = invariant_result(violated_by(&[("compat:pre-1128", 3)], 3), &twin);
+        assert!(!r.met(), "every named cause must be pointed at, the fault too");
         // Without a cause, any violation meets a "violate".
-        let any = Expectation { expect: Expect::Violate, cause: None };
+        let any = Expectation { expect: Expect::Violate, cause: vec![] };
         assert!(invariant_result(violated_by(&[("compat:current", 1)], 1), &any).met());
     }
 }

@@ -25,6 +25,7 @@ pub(super) struct Log {
     /// that failed): each makes the scenario inconclusive, with the reason.
     pub(super) findings: Arc<std::sync::Mutex<Vec<String>>>,
 }
+
 impl Log {
     pub(super) fn new() -> Self {
         Self {

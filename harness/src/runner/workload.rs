@@ -124,6 +124,7 @@ async fn referrals(
     }
     while tasks.join_next().await.is_some() {}
 }
+
 /// A write staged in a transaction the harness rolls back: its event must never appear.
 async fn rolled_back_write(log: &Log, cases: &PgPool) {
     let referral = Uuid::now_v7();
