@@ -105,6 +105,12 @@ fn free_port() -> Result<u16, BackendError> {
     Err(BackendError::failed("finding a free port", format!("none free in {from}..{to} (outside the ephemeral range {lo}-{hi})")))
 }
 
+/// Whether a failed start says a port was already bound (PostgreSQL, RabbitMQ/Erlang).
+fn port_taken(error: &str) -> bool {
+    let e = error.to_ascii_lowercase();
+    e.contains("address already in use") || e.contains("eaddrinuse")
+}
+
 /// The port range [from, to) to pick private servers' ports from, given the ephemeral
 /// range `lo..=hi`: below it when there is room, else above it.
 fn non_ephemeral(lo: u32, hi: u32) -> (u32, u32) {
@@ -114,6 +120,13 @@ fn non_ephemeral(lo: u32, hi: u32) -> (u32, u32) {
 #[cfg(test)]
 mod port_tests {
     use super::*;
+
+    #[test]
+    fn a_taken_port_is_recognised_in_either_servers_words() {
+        assert!(port_taken("LOG:  could not bind IPv4 address \"127.0.0.1\": Address already in use"));
+        assert!(port_taken("{error,{listen_error,eaddrinuse}}"));
+        assert!(!port_taken("not ready after 30s"));
+    }
 
     #[test]
     fn private_server_ports_stay_out_of_the_ephemeral_range() {
@@ -234,8 +247,24 @@ pub struct LocalBackend {
 }
 
 impl LocalBackend {
+    /// Start both servers. Their ports are chosen free and then bound by the servers
+    /// themselves (they cannot be handed a socket); if another process takes a port in
+    /// between, the start is retried on fresh ports, up to three times.
     pub async fn start(services: &[&str]) -> Result<Self, BackendError> {
         reap_leftovers();
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match Self::start_once(services).await {
+                Err(e) if tries < 3 && port_taken(&e.to_string()) => {
+                    tracing::warn!(event = "chaos.port_taken", error = %e, "a private server's port was taken; retrying on fresh ports");
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn start_once(services: &[&str]) -> Result<Self, BackendError> {
         let root = std::env::temp_dir().join(format!(
             "craig-chaos-{}-{}",
             std::process::id(),

@@ -56,6 +56,15 @@ pub(crate) async fn run(
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
     let stop = kill.child_token();
+    // Counted live while both sides are connected (a `down` cuts what is live).
+    struct Live(Arc<super::Stats>);
+    impl Drop for Live {
+        fn drop(&mut self) {
+            self.0.live.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    stats.live.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let _live = Live(stats.clone());
     let up = Pump::new(Stream::Upstream, toxics.clone(), seed, stats.clone());
     let down = Pump::new(Stream::Downstream, toxics, seed ^ 0x9e37_79b9_7f4a_7c15, stats);
     let (a, b) = tokio::join!(

@@ -42,6 +42,10 @@ pub struct ProxyInfo {
     /// API; absent from a real Toxiproxy): a fault's evidence that it took effect.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub affected: BTreeMap<String, Affected>,
+    /// Live connections cut by disabling the proxy, over its lifetime (this proxy's
+    /// extension too): a `down` fault's evidence.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cut_connections: Option<u64>,
 }
 
 /// Bytes a toxic took in (dropped, delayed, sliced…) and connections it applied to.
@@ -51,10 +55,13 @@ pub struct Affected {
     pub connections: u64,
 }
 
-/// Per-toxic counters of one proxy, shared with its connections' pumps.
+/// Per-toxic counters of one proxy, shared with its connections' pumps, and its live and
+/// cut connections.
 #[derive(Default)]
 pub(crate) struct Stats {
     by_toxic: Mutex<HashMap<String, Affected>>,
+    pub(crate) live: AtomicU64,
+    cut: AtomicU64,
 }
 
 impl Stats {
@@ -109,6 +116,7 @@ impl Proxy {
                 let m = self.stats.by_toxic.lock().unwrap();
                 self.toxics.iter().map(|t| (t.name.clone(), m.get(&t.name).copied().unwrap_or_default())).collect()
             },
+            cut_connections: Some(self.stats.cut.load(Ordering::Relaxed)),
         }
     }
 
@@ -120,6 +128,7 @@ impl Proxy {
         if let Some(h) = self.accept.take() {
             h.abort();
         }
+        self.stats.cut.fetch_add(self.stats.live.load(Ordering::Relaxed), Ordering::Relaxed);
         self.conns.cancel();
         self.conns = CancellationToken::new();
     }

@@ -271,9 +271,21 @@ async fn inject(
             // Graceful: SIGTERM, the node's bounded drain, exit; then the other behaviour.
             let r = replicas.get(name).expect("validated").clone();
             let mut r = r.lock().await;
-            if r.pid().is_some() {
-                r.stop(Duration::from_secs(15)).await?;
-            }
+            let pid = r.pid();
+            let stopped = match pid {
+                Some(_) => Some(r.stop(Duration::from_secs(15)).await?),
+                None => None,
+            };
+            // Evidence: the old process exited by itself on SIGTERM (a stop that had to
+            // SIGKILL it was no graceful step of a rollout).
+            log.evidence(
+                kind,
+                &label,
+                match (pid, stopped) {
+                    (Some(p), Some(st)) if st.success() => Some(format!("pid {p} drained and exited ({})", describe(st))),
+                    _ => None,
+                },
+            );
             r.spec.compat = f.compat.clone().unwrap_or_default();
             r.spec.failpoints = None; // the marker served its purpose
             log.push(Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
@@ -281,7 +293,24 @@ async fn inject(
         }
         (FaultTarget::Replica(name), FaultKind::Pause) => {
             let r = replicas.get(name).expect("validated").clone();
+            let pid = r.lock().await.pid();
             r.lock().await.pause()?;
+            // Evidence: the kernel reports the process stopped (SIGSTOP lands asynchronously).
+            let stopped = |p: i32| {
+                std::fs::read_to_string(format!("/proc/{p}/stat"))
+                    .ok()
+                    .and_then(|st| st.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()))
+                    .is_some_and(|c| c == 'T' || c == 't')
+            };
+            let mut seen = false;
+            for _ in 0..50 {
+                if pid.is_some_and(stopped) {
+                    seen = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            log.evidence(kind, &label, pid.filter(|_| seen).map(|p| format!("pid {p} stopped")));
             tokio::time::sleep(hold).await;
             r.lock().await.resume()?;
         }
@@ -316,7 +345,18 @@ async fn inject(
         }
         (FaultTarget::Link { replica, to }, FaultKind::Down) => {
             let proxy = format!("{replica}->{to}");
-            toxi.set_enabled(&proxy, false).await?;
+            let before = toxi.proxy(&proxy).await?.cut_connections;
+            let after = toxi.set_enabled(&proxy, false).await?.cut_connections;
+            // Evidence: live connections it cut (new ones are refused while it is down,
+            // which the proxy cannot count).
+            log.evidence(
+                kind,
+                &label,
+                match (before, after) {
+                    (Some(b), Some(a)) if a > b => Some(format!("{} live connections cut", a - b)),
+                    _ => None,
+                },
+            );
             tokio::time::sleep(hold).await;
             toxi.set_enabled(&proxy, true).await?;
         }

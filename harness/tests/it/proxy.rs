@@ -391,7 +391,9 @@ async fn disabling_cuts_live_connections_and_refuses_new_ones_until_enabled() {
     live.write_all(b"hi").await.unwrap();
     wait_for(|| s.received() == b"hi").await;
 
-    rig.api.set_enabled("svc", false).await.unwrap();
+    assert_eq!(rig.api.proxy("svc").await.unwrap().cut_connections, Some(0));
+    let down = rig.api.set_enabled("svc", false).await.unwrap();
+    assert_eq!(down.cut_connections, Some(1), "the down fault's evidence: the live connection it cut");
     let (_, _) = read_to_end(&mut live).await;
     assert!(TcpStream::connect(&rig.listen).await.is_err(), "a disabled proxy does not listen");
 
