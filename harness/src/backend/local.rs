@@ -309,43 +309,34 @@ impl LocalBackend {
 
     /// Set a queue policy on the private broker (`rabbitmqctl -n <node>`, same HOME so the
     /// same Erlang cookie), `definition` being RabbitMQ's policy JSON.
-    pub fn set_policy(&self, name: &str, pattern: &str, definition: &serde_json::Value) -> Result<(), BackendError> {
-        self.rabbitmqctl(&["set_policy", "--apply-to", "queues", "--priority", "10", name, pattern, &definition.to_string()]).map(drop)
+    pub async fn set_policy(&self, name: &str, pattern: &str, definition: &serde_json::Value) -> Result<(), BackendError> {
+        self.rabbitmqctl(&["set_policy", "--apply-to", "queues", "--priority", "10", name, pattern, &definition.to_string()]).await.map(drop)
     }
 
-    pub fn clear_policy(&self, name: &str) -> Result<(), BackendError> {
-        self.rabbitmqctl(&["clear_policy", name]).map(drop)
+    pub async fn clear_policy(&self, name: &str) -> Result<(), BackendError> {
+        self.rabbitmqctl(&["clear_policy", name]).await.map(drop)
     }
 
-    /// Deliveries of `queues` not yet acked by their consumers. Async and bounded: the
-    /// child is killed when the caller's timeout drops it, and the CLI has its own timeout.
+    /// Deliveries of `queues` not yet acked by their consumers (the CLI has its own
+    /// timeout, and the child dies with a caller's timeout that drops it).
     pub async fn unacked(&self, queues: &[String]) -> Result<u64, BackendError> {
+        let out = self.rabbitmqctl(&["list_queues", "--timeout", "5", "-s", "name", "messages_unacknowledged"]).await?;
+        Ok(craig_sandbox::sum_listed(&out, queues))
+    }
+
+    /// `rabbitmqctl -n <node>` against the private broker (same HOME, so the same Erlang
+    /// cookie), async and killed when dropped; its stdout.
+    async fn rabbitmqctl(&self, args: &[&str]) -> Result<String, BackendError> {
         let ctl = rabbitmq_script()?.with_file_name("rabbitmqctl");
         let env = |k: &str| self.rmq.env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default();
         let out = tokio::process::Command::new(&ctl)
-            .args(["-n", &env("RABBITMQ_NODENAME"), "list_queues", "--timeout", "5", "-s", "name", "messages_unacknowledged"])
+            .args(["-n", &env("RABBITMQ_NODENAME")])
+            .args(args)
             .env("HOME", env("HOME"))
             .stdin(Stdio::null())
             .kill_on_drop(true)
             .output()
             .await
-            .map_err(|e| BackendError::failed(format!("running {}", ctl.display()), e))?;
-        if !out.status.success() {
-            return Err(BackendError::failed("rabbitmqctl list_queues", String::from_utf8_lossy(&out.stderr).trim().to_owned()));
-        }
-        Ok(craig_sandbox::sum_listed(&String::from_utf8_lossy(&out.stdout), queues))
-    }
-
-    fn rabbitmqctl(&self, args: &[&str]) -> Result<String, BackendError> {
-        let server = rabbitmq_script()?;
-        let ctl = server.with_file_name("rabbitmqctl");
-        let env = |k: &str| self.rmq.env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default();
-        let out = Command::new(&ctl)
-            .args(["-n", &env("RABBITMQ_NODENAME")])
-            .args(args)
-            .env("HOME", env("HOME"))
-            .stdin(Stdio::null())
-            .output()
             .map_err(|e| BackendError::failed(format!("running {}", ctl.display()), e))?;
         if out.status.success() {
             Ok(String::from_utf8_lossy(&out.stdout).into_owned())

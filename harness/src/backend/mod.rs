@@ -246,7 +246,7 @@ impl Backend {
     /// Set a RabbitMQ queue policy (`definition`: the policy JSON) on the run's broker.
     pub async fn set_policy(&mut self, name: &str, pattern: &str, definition: &serde_json::Value) -> Result<(), BackendError> {
         match self {
-            Backend::Local(b) => b.set_policy(name, pattern, definition),
+            Backend::Local(b) => b.set_policy(name, pattern, definition).await,
             Backend::External(b) => b.set_policy(name, pattern, definition).await,
             Backend::Containers(_) => Err(BackendError::Unsupported {
                 backend: "containers",
@@ -269,7 +269,7 @@ impl Backend {
 
     pub async fn clear_policy(&mut self, name: &str) -> Result<(), BackendError> {
         match self {
-            Backend::Local(b) => b.clear_policy(name),
+            Backend::Local(b) => b.clear_policy(name).await,
             Backend::External(b) => b.clear_policy(name).await,
             Backend::Containers(_) => Ok(()),
         }
