@@ -32,6 +32,7 @@ impl Schedule {
         backend: &Arc<Mutex<Backend>>,
         replicas: &Replicas,
         toxi: &ToxiproxyClient,
+        amqp_url: &str,
         writes: (watch::Receiver<u32>, u32),
         stop: watch::Receiver<bool>,
     ) -> Self {
@@ -52,6 +53,7 @@ impl Schedule {
                 backend.clone(),
                 replicas.clone(),
                 toxi.clone(),
+                amqp_url.to_owned(),
                 (writes.0.clone(), writes.1),
             )));
         }
@@ -194,6 +196,7 @@ async fn inject(
     backend: Arc<Mutex<Backend>>,
     replicas: Replicas,
     toxi: ToxiproxyClient,
+    amqp_url: String,
     (mut writes, total_writes): (watch::Receiver<u32>, u32),
 ) -> anyhow::Result<()> {
     match f.at {
@@ -237,7 +240,9 @@ async fn inject(
         _ => f.target.clone(),
     };
     let hold = Duration::from_millis(f.duration_ms.or(f.restart_after_ms).unwrap_or(0));
-    log.fault(kind, &label, Phase::Start);
+    if f.kind != FaultKind::QueueLimit {
+        log.fault(kind, &label, Phase::Start);
+    }
     match (&target, f.kind) {
         (FaultTarget::Broker | FaultTarget::Database, FaultKind::Kill) => {
             let t = if target == FaultTarget::Broker { Target::Broker } else { Target::Database };
@@ -339,7 +344,27 @@ async fn inject(
             let policy = format!("chaos-queue-limit-{index}");
             let pattern = format!("^{}$", queue.replace('.', "\\."));
             let definition = json!({ "max-length": f.max_length.expect("validated"), "overflow": "reject-publish" });
+            // The window starts when the limit is in force (rabbitmqctl takes a second or
+            // more), not when it was asked for. A limit first applied to a queue already over
+            // it makes RabbitMQ drop the head to craig.dlx even under reject-publish: a loss
+            // the fault itself caused, so it is a finding, never blamed on the system.
+            let asked = Instant::now();
+            let before = dlq_depth(&amqp_url).await;
             backend.lock().await.set_policy(&policy, &pattern, &definition).await?;
+            log.fault(kind, &label, Phase::Start);
+            let after = dlq_depth(&amqp_url).await;
+            log.evidence(kind, &label, Some(format!("policy in force {} ms after it was asked for", asked.elapsed().as_millis())));
+            if let (Some(b), Some(a)) = (before, after) {
+                if a > b {
+                    log.finding(format!(
+                        "queue_limit {label}: the limit landed on a backlog and RabbitMQ dead-lettered {} message(s) from the head of {queue} ({} → {} in {}); the fault itself lost them, so the run proves nothing about loss",
+                        a - b,
+                        b,
+                        a,
+                        craig_mq::topology::DLQ_QUEUE
+                    ));
+                }
+            }
             tokio::time::sleep(hold).await;
             backend.lock().await.clear_policy(&policy).await?;
         }
@@ -364,4 +389,16 @@ async fn inject(
     }
     log.fault(kind, &label, Phase::End);
     Ok(())
+}
+
+/// Ready messages in the DLQ, bounded; `None` when the broker did not say.
+async fn dlq_depth(amqp_url: &str) -> Option<u32> {
+    let probe = async {
+        let conn = craig_mq::publisher::connect(amqp_url, 5, "chaos-probe").await.ok()?;
+        let ch = conn.create_channel().await.ok()?;
+        let n = craig_mq::topology::queue_depth(&ch, craig_mq::topology::DLQ_QUEUE).await.ok();
+        let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "probe".into())).await;
+        n
+    };
+    tokio::time::timeout(Duration::from_secs(5), probe).await.ok().flatten()
 }

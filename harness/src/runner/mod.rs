@@ -407,7 +407,7 @@ async fn drive(
     let (writes_tx, writes_rx) = watch::channel(0u32);
     let sampler =
         tokio::spawn(sampler::sample(log.clone(), pools.clone(), stop_rx.clone(), opts.progress, (writes_rx.clone(), s.workload.writes)));
-    let mut schedule = faults::Schedule::start(s, log, &backend, &replicas, &toxi, (writes_rx, s.workload.writes), stop_rx);
+    let mut schedule = faults::Schedule::start(s, log, &backend, &replicas, &toxi, &ep.amqp_url, (writes_rx, s.workload.writes), stop_rx);
     let writer = workload::Writer { s, log, replicas: &replicas, cases: &cases_pool, secret: &secret };
     writer.write(seed, (0, s.workload.writes), writes_tx).await;
     schedule.healed(s, &replicas).await?;
