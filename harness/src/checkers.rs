@@ -432,6 +432,23 @@ pub fn effect_once(h: &History) -> Verdict {
             *reprocessed.entry(*envelope).or_default() += 1;
         }
     }
+    // For blaming a duplicate on the producer side: when each referral was written, and
+    // which replica stamped each envelope.
+    let mut written: HashMap<Uuid, u64> = HashMap::new();
+    let mut referral_of: HashMap<Uuid, Uuid> = HashMap::new();
+    let mut stampers: HashMap<Uuid, Vec<(u64, String)>> = HashMap::new();
+    for e in h.iter() {
+        match &e.event {
+            Event::Write { referral, .. } => {
+                written.entry(*referral).or_insert(e.t_ms);
+            }
+            Event::Effect { envelope, referral: Some(r), .. } => {
+                referral_of.insert(*envelope, *r);
+            }
+            Event::Stamped { envelope, replica, .. } => stampers.entry(*envelope).or_default().push((e.t_ms, replica.clone())),
+            _ => {}
+        }
+    }
     let mut used: HashMap<(usize, Option<String>), usize> = HashMap::new();
     let (mut duplicated, mut attributed, mut unattributed) = (0, 0, 0);
     for (envelope, runs) in &fx.by_envelope {
@@ -486,6 +503,22 @@ pub fn effect_once(h: &History) -> Verdict {
                             .filter(|(_, from, to)| *from <= second.0 && to.saturating_add(WINDOW_SLACK_MS) >= *t1)
                             .map(|(tag, ..)| tag.clone()),
                     );
+                    // And a fault of the PRODUCING service's replicas (the crash between
+                    // publish and stamp that re-published it) that began after the write and
+                    // before the second run: when the consumer lags, the first run comes after
+                    // that fault has healed.
+                    let producer = stampers.get(envelope).and_then(|s| s.first()).map(|(_, r)| service_of(r).to_owned());
+                    let since = referral_of.get(envelope).and_then(|r| written.get(r)).copied();
+                    if let (Some(producer), Some(since)) = (producer, since) {
+                        tags.extend(
+                            windows
+                                .iter()
+                                .filter(|(tag, from, _)| {
+                                    *from >= since && *from <= second.0 && fault_replica(tag).is_some_and(|r| service_of(r) == producer)
+                                })
+                                .map(|(tag, ..)| tag.clone()),
+                        );
+                    }
                     v.blame(tags);
                     let why = if candidates.is_empty() {
                         format!("no crash of {on}, database kill/pause or cut of its database link within {STAMP_DUE_MS} ms after the first run")
@@ -522,6 +555,19 @@ pub fn effect_once(h: &History) -> Verdict {
         Validity::Valid
     };
     v
+}
+
+/// `cases` of `cases-1`.
+fn service_of(replica: &str) -> &str {
+    replica.rsplit_once('-').map_or(replica, |(s, _)| s)
+}
+
+/// The replica a fault tag (`fault:<kind> <target>`) acts on: `cases-1` of `fault:crash
+/// cases-1` and of `fault:toxic cases-1->broker`; `None` for a server (`broker`, `database`).
+fn fault_replica(tag: &str) -> Option<&str> {
+    let target = tag.split_once(' ')?.1;
+    let replica = target.split("->").next()?;
+    (replica.contains('-') && !matches!(replica, "broker" | "database")).then_some(replica)
 }
 
 /// Everything drains within the bound after faults heal; no row stays claimed past its lease.
@@ -762,6 +808,35 @@ mod tests {
         let v = effect_once(&h);
         assert_eq!(v.violations, 3);
         assert!(!v.all_point_at("compat:pre-d2"), "{:?}", v.culprits);
+    }
+
+    /// 20-seed run finding: a producer crash between publish and stamp re-publishes a batch;
+    /// when the consumer lags, BOTH runs come after the crash has healed. The duplicate is
+    /// still blamed on that crash (it began after the write, before the second run, on the
+    /// producing service), and not on a crash of another service or one before the write.
+    #[test]
+    fn a_duplicate_is_blamed_on_the_producer_crash_that_republished_it_even_when_the_consumer_lags() {
+        let mut h = History::default();
+        started(&mut h, 0, "rules-1", &["pre-d2"]);
+        started(&mut h, 0, "cases-1", &[]);
+        h.push(50, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::x".into(), phase: Phase::Start });
+        h.push(60, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::x".into(), phase: Phase::End });
+        h.push(100, Event::Write { referral: id(1), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+        h.push(700, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::after_publish_before_stamp".into(), phase: Phase::Start });
+        h.push(720, Event::Fault { kind: "kill".into(), target: "security-1".into(), phase: Phase::Start });
+        h.push(1000, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::after_publish_before_stamp".into(), phase: Phase::End });
+        h.push(1010, Event::Fault { kind: "kill".into(), target: "security-1".into(), phase: Phase::End });
+        h.push(1340, Event::Effect { envelope: id(101), referral: Some(id(1)), service: "rules".into(), replica: Some("rules-1".into()) });
+        h.push(4000, Event::Stamped { envelope: id(101), replica: "cases-1".into(), compat: vec![] });
+        h.push(4750, Event::Effect { envelope: id(101), referral: Some(id(1)), service: "rules".into(), replica: Some("rules-1".into()) });
+        h.sort();
+        let v = effect_once(&h);
+        assert_eq!((v.validity, v.violations), (Validity::Invalid, 1));
+        assert!(v.all_point_at("compat:pre-d2"), "{:?}", v.culprits);
+        assert!(v.all_point_at("fault:crash cases-1"), "{:?}", v.culprits);
+        assert!(!v.all_point_at("fault:kill security-1"), "another service's fault is not a cause: {:?}", v.culprits);
+        assert_eq!(fault_replica("fault:toxic cases-1->broker"), Some("cases-1"));
+        assert_eq!(fault_replica("fault:kill broker"), None);
     }
 
     #[test]
