@@ -18,13 +18,16 @@ pub enum Compat {
     Pre965,
     /// #1128: locks held across publishes, no publisher confirms, one batch a tick.
     Pre1128,
+    /// #1156: the DLQ threshold event re-emits on every arrival over the threshold.
     Pre1156,
     Pre1179,
+    /// #1181: no per-occurrence idempotency; every DLQ delivery records a row.
     Pre1181,
     Pre1183,
     Pre1184,
     Pre1185,
     Pre1196,
+    /// #1197: the DLQ consumer logs a failure and acks anyway.
     Pre1197,
 }
 
@@ -52,7 +55,10 @@ impl Compat {
 
     /// Whether this build implements the mode.
     pub fn implemented(self) -> bool {
-        matches!(self, Compat::PreD1 | Compat::PreD2 | Compat::PreD3 | Compat::Pre1128)
+        matches!(
+            self,
+            Compat::PreD1 | Compat::PreD2 | Compat::PreD3 | Compat::Pre1128 | Compat::Pre1156 | Compat::Pre1181 | Compat::Pre1197
+        )
     }
 }
 
@@ -128,7 +134,7 @@ mod tests {
     #[test]
     fn parses_implemented_refuses_the_rest() {
         assert_eq!("pre-d2".parse::<Compat>(), Ok(Compat::PreD2));
-        assert_eq!("pre-1197".parse::<Compat>(), Err(CompatError::NotImplemented(Compat::Pre1197)));
+        assert_eq!("pre-1185".parse::<Compat>(), Err(CompatError::NotImplemented(Compat::Pre1185)));
         let err = "pre-9999".parse::<Compat>().unwrap_err();
         assert!(err.to_string().contains("pre-1197"), "{err}");
         for (name, mode) in NAMES {

@@ -6,6 +6,7 @@ pub mod cli;
 pub mod compat;
 pub mod node;
 pub mod rules;
+pub mod security;
 pub mod service;
 
 pub use compat::{Compat, CompatSet};

@@ -9,6 +9,7 @@ use axum::extract::FromRef;
 use axum::routing::get;
 use axum::{Json, Router};
 use craig_api::JwtKey;
+use craig_mq::dlq::{DlqConsumerConfig, DlqRetryConfig, subscribe_dlq};
 use craig_mq::subscriber::{SubscriberConfig, run_subscriber};
 use craig_mq::topology::{QueueSpec, consumer_queue};
 use craig_mq::{DrainMode, OutboxWorker, ServiceSettings};
@@ -19,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::compat::{Compat, CompatSet};
 use crate::service::Service;
-use crate::{cases, rules};
+use crate::{cases, rules, security};
 
 #[derive(Clone)]
 pub struct AppState {
@@ -235,17 +236,53 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
             retry_delay: Duration::from_millis(500),
             reconnect_delay: Duration::from_secs(1),
         };
-        let consumer = std::sync::Arc::new(rules::Consumer {
-            queue,
-            use_inbox: !opts.compat.has(Compat::PreD2),
-            replica: std::env::var("CRAIG_REPLICA").ok().filter(|r| !r.is_empty()),
-        });
-        let pool = pool.clone();
-        let handler = move |env| {
-            let (pool, consumer) = (pool.clone(), consumer.clone());
-            async move { rules::on_referral_created(&pool, &consumer, env).await }
+        let use_inbox = !opts.compat.has(Compat::PreD2);
+        match service {
+            Service::Rules => {
+                let consumer = std::sync::Arc::new(rules::Consumer {
+                    queue,
+                    use_inbox,
+                    replica: std::env::var("CRAIG_REPLICA").ok().filter(|r| !r.is_empty()),
+                });
+                let pool = pool.clone();
+                let handler = move |env| {
+                    let (pool, consumer) = (pool.clone(), consumer.clone());
+                    async move { rules::on_referral_created(&pool, &consumer, env).await }
+                };
+                tasks.spawn(run_subscriber(cfg, handler, shutdown.clone()));
+            }
+            Service::Security => {
+                let queue = std::sync::Arc::new(queue);
+                let pool = pool.clone();
+                let handler = move |env| {
+                    let (pool, queue) = (pool.clone(), queue.clone());
+                    async move { security::on_any_event(&pool, &queue, use_inbox, env).await }
+                };
+                tasks.spawn(run_subscriber(cfg, handler, shutdown.clone()));
+            }
+            Service::Cases | Service::Financial => unreachable!("{service} consumes nothing in this build"),
+        }
+    }
+    if service == Service::Security {
+        // §D3: the DLQ consumer (#1181 occurrence idempotency, #1197 no log-and-ack).
+        let mode = security::RecorderMode {
+            pre_1156: opts.compat.has(Compat::Pre1156),
+            pre_1181: opts.compat.has(Compat::Pre1181),
         };
-        tasks.spawn(run_subscriber(cfg, handler, shutdown.clone()));
+        let cfg = DlqConsumerConfig {
+            amqp_url: opts.settings.amqp_url.clone(),
+            prefetch: 32,
+            heartbeat_secs: opts.settings.publisher.heartbeat_secs,
+            reconnect_delay: Duration::from_secs(1),
+            retry: DlqRetryConfig::default(),
+            log_and_ack: opts.compat.has(Compat::Pre1197),
+        };
+        let pool = pool.clone();
+        let handler = move |d| {
+            let pool = pool.clone();
+            async move { security::on_dead_letter(&pool, d, mode).await }
+        };
+        tasks.spawn(subscribe_dlq(cfg, handler, shutdown.clone()));
     }
 
     while let Some(done) = tasks.join_next().await {

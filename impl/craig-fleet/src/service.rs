@@ -58,9 +58,10 @@ impl Service {
     pub fn consumes(self) -> &'static [&'static str] {
         match self {
             Service::Rules => &["case.referral_created"],
-            // financial (placement.activated) and security (#, DLQ) consumers arrive with
-            // the arbiter and DLQ work.
-            Service::Cases | Service::Financial | Service::Security => &[],
+            // security: the wildcard audit subscriber (and, beside it, the DLQ consumer).
+            Service::Security => &["#"],
+            // financial (placement.activated) arrives with the arbiter work.
+            Service::Cases | Service::Financial => &[],
         }
     }
 

@@ -10,11 +10,13 @@
 //! | [`inbox`] | §D2 idempotent inbox, #1180 boundary, #1196 consumer identity |
 //! | [`topology`] | §D3 DLX/DLQ wiring |
 //! | [`subscriber`] | §D3 consumer sessions, #1197 ack-failure posture |
+//! | [`dlq`] | §D3 DLQ consumer: #1181 occurrence tokens, #1196 queue identity, #1197 no log-and-ack |
 //! | [`metrics`] | the Prometheus instruments (CONTRACT § Metrics) |
 //! | [`settings`] | § Retention policy (#965/#1129), worker knobs |
 //! | [`crash`] | crash points for the harness (feature `failpoints`) |
 
 pub mod crash;
+pub mod dlq;
 pub mod envelope;
 pub mod inbox;
 pub mod metrics;

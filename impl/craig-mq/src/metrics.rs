@@ -11,6 +11,8 @@
 //! | `inbox_dedup_hits_total` | counter | deliveries the inbox absorbed (already processed) |
 //! | `inbox_processed_total` | counter | first executions of a handler |
 //! | `inbox_reprocessed_total` | counter | re-executions of an unstamped envelope (the #1180 window) |
+//! | `dlq_queue_depth` | gauge | the DLQ consumer, every second: ready messages on `craig-security.dlq` (#1199) |
+//! | `dlq_outcomes_total{outcome}` | counter | each DLQ delivery's fate (#1199): `recorded` (a new audit row, tokened or tokenless), `duplicate` (a redelivered occurrence absorbed), `quarantined` (malformed bytes or a divergent token, recorded as such), `retried`, `parked`, `captured` (confirmed capture publish), `acked_unrecorded` (compat `pre-1197` only) |
 //!
 //! ADR-022's LISTEN/NOTIFY abandonment criterion reads the first two (depth p95 > 500, lag
 //! p95 > 5 s over 24 h).
@@ -24,6 +26,12 @@ pub const OUTBOX_PUBLISH_ERRORS: &str = "outbox_publish_errors_total";
 pub const INBOX_DEDUP_HITS: &str = "inbox_dedup_hits_total";
 pub const INBOX_PROCESSED: &str = "inbox_processed_total";
 pub const INBOX_REPROCESSED: &str = "inbox_reprocessed_total";
+pub const DLQ_QUEUE_DEPTH: &str = "dlq_queue_depth";
+pub const DLQ_OUTCOMES: &str = "dlq_outcomes_total";
+
+/// Every `outcome` label `dlq_outcomes_total` can carry.
+pub const DLQ_OUTCOMES_LABELS: &[&str] =
+    &["recorded", "duplicate", "quarantined", "retried", "parked", "captured", "acked_unrecorded"];
 
 /// Every `kind` label `outbox_publish_errors_total` can carry.
 pub const PUBLISH_ERROR_KINDS: &[&str] = &["nacked", "confirm_timeout", "connection", "unroutable", "malformed"];
@@ -38,7 +46,13 @@ pub fn describe() {
     metrics::describe_counter!(INBOX_DEDUP_HITS, "Deliveries absorbed by the inbox (already processed)");
     metrics::describe_counter!(INBOX_PROCESSED, "Envelopes whose handler ran for the first time");
     metrics::describe_counter!(INBOX_REPROCESSED, "Envelopes re-run after a handler ran without its processed_at stamp (#1180)");
+    metrics::describe_gauge!(DLQ_QUEUE_DEPTH, "Ready dead letters on craig-security.dlq (sampled by the DLQ consumer)");
+    metrics::describe_counter!(DLQ_OUTCOMES, "DLQ deliveries by outcome (#1199); no event_type label (#1205 honesty note)");
     metrics::gauge!(OUTBOX_DEPTH).set(0.0);
+    metrics::gauge!(DLQ_QUEUE_DEPTH).set(0.0);
+    for outcome in DLQ_OUTCOMES_LABELS {
+        metrics::counter!(DLQ_OUTCOMES, "outcome" => *outcome).increment(0);
+    }
     for name in [OUTBOX_PUBLISHED, INBOX_DEDUP_HITS, INBOX_PROCESSED, INBOX_REPROCESSED] {
         metrics::counter!(name).increment(0);
     }
@@ -71,4 +85,15 @@ pub(crate) fn inbox(outcome: crate::inbox::InboxOutcome) {
         InboxOutcome::Duplicate => INBOX_DEDUP_HITS,
     };
     metrics::counter!(name).increment(1);
+}
+
+/// One DLQ delivery's outcome (`dlq_outcomes_total{outcome}`); `outcome` is one of
+/// [`DLQ_OUTCOMES_LABELS`].
+pub fn dlq_outcome(outcome: &'static str) {
+    debug_assert!(DLQ_OUTCOMES_LABELS.contains(&outcome), "unknown dlq outcome {outcome}");
+    metrics::counter!(DLQ_OUTCOMES, "outcome" => outcome).increment(1);
+}
+
+pub(crate) fn dlq_queue_depth(ready: u32) {
+    metrics::gauge!(DLQ_QUEUE_DEPTH).set(f64::from(ready));
 }

@@ -48,7 +48,7 @@ pub struct SubscriberConfig {
 }
 
 #[derive(Debug, thiserror::Error)]
-enum SessionError {
+pub(crate) enum SessionError {
     #[error("AMQP: {0}")]
     Amqp(#[from] lapin::Error),
     #[error("consumer stream ended (channel or connection closed)")]
@@ -63,7 +63,7 @@ enum SessionError {
 
 /// An ack or nack counts only when lapin actually sent it: `Ok(false)` is the ack failure
 /// #1197 says tears the session down, never a success.
-fn settled(op: &'static str, sent: Result<bool, lapin::Error>) -> Result<(), SessionError> {
+pub(crate) fn settled(op: &'static str, sent: Result<bool, lapin::Error>) -> Result<(), SessionError> {
     match sent {
         Ok(true) => Ok(()),
         Ok(false) => Err(SessionError::NotSettled(op)),
@@ -72,7 +72,7 @@ fn settled(op: &'static str, sent: Result<bool, lapin::Error>) -> Result<(), Ses
 }
 
 /// Bound on a session's set-up after the handshake.
-const SET_UP_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const SET_UP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Run consume sessions until `shutdown`. Each session error is logged and followed by a
 /// reconnect; the function returns only on shutdown.

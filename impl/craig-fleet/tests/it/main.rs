@@ -4,3 +4,4 @@ mod common;
 #[cfg(feature = "failpoints")]
 mod crash;
 mod node;
+mod security;

@@ -1,0 +1,284 @@
+//! The security service — ADR-022 §D3: the wildcard (`#`) audit subscriber writing
+//! `audit_log`, and the DLQ consumer on `craig-security.dlq` writing `dead_letter_audit`
+//! with #1181 per-occurrence idempotency and the #1156 exact-crossing threshold.
+//!
+//! [`record_dead_letter`] runs in ONE transaction per delivery:
+//! 1. a transaction-level advisory lock per `event_type` serializes the crossing decision
+//!    (two concurrent arrivals must not both see the count reach 11);
+//! 2. `INSERT … ON CONFLICT (occurrence_token) WHERE occurrence_token IS NOT NULL DO NOTHING`
+//!    — the #1181 arbiter;
+//! 3. a suppressed insert is classified (R7): the canonical row's immutable facts (envelope
+//!    id, queue, event type, envelope JSON) ALL match → a phantom, rolled back; otherwise
+//!    the claim is re-inserted TOKENLESS as a `divergent` quarantine row, logged at error,
+//!    and alert-inert on its own turn;
+//! 4. for an arrival that is in the window — decided in SQL on the database clock, with the
+//!    same expression as the count — the per-type count over the sliding hour, keyed on
+//!    `LEAST(COALESCE(occurred_at, dlq_received_at), dlq_received_at)`, is read; exactly at
+//!    the crossing (count = 11) `security.dlq.threshold_exceeded` is staged in the same
+//!    transaction (compat `pre-1156`: on every arrival over 10).
+//!
+//! The caller acks only after this commits (#1197).
+
+use craig_mq::dlq::{DeadLetterDelivery, OccurrenceToken};
+use craig_mq::{EventEnvelope, publish_in_tx};
+use serde_json::json;
+use sqlx::PgPool;
+
+/// The audit event of a burst (§D3, #1199: its only consumer is this service's own
+/// wildcard subscriber, which writes it to `audit_log`).
+pub const THRESHOLD_EXCEEDED: &str = "security.dlq.threshold_exceeded";
+
+/// §D3: "count > 10 within a 1-hour window for any single event_type".
+pub const THRESHOLD: i64 = 10;
+
+/// The window key (#1181 R5/R8), identical to the expression index's.
+const WINDOW_KEY: &str = "LEAST(COALESCE(occurred_at, dlq_received_at), dlq_received_at)";
+
+/// What [`record_dead_letter`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorded {
+    /// A new tokened occurrence.
+    Recorded,
+    /// A new row without a token (raw/foreign publish, or token material that could not be
+    /// trusted): each such delivery records.
+    Tokenless,
+    /// The body is not an envelope: its raw bytes are the row.
+    Malformed,
+    /// The token was already recorded with identical facts: nothing written.
+    Phantom,
+    /// The token was already recorded with OTHER facts: re-inserted tokenless (quarantine).
+    Divergent,
+}
+
+impl Recorded {
+    /// The `dlq_outcomes_total{outcome}` label (#1199).
+    pub fn outcome(self) -> &'static str {
+        match self {
+            Recorded::Recorded | Recorded::Tokenless => "recorded",
+            Recorded::Phantom => "duplicate",
+            Recorded::Malformed | Recorded::Divergent => "quarantined",
+        }
+    }
+}
+
+/// Behaviour switches for the compat twins.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RecorderMode {
+    /// `pre-1156`: the threshold event re-emits on every arrival over the threshold.
+    pub pre_1156: bool,
+    /// `pre-1181`: no occurrence idempotency (each delivery is its own occurrence).
+    pub pre_1181: bool,
+}
+
+/// The outcome and, when one was staged, the threshold event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordResult {
+    pub recorded: Recorded,
+    /// The in-window count for the event type after this arrival (when it was counted).
+    pub window_count: Option<i64>,
+    pub threshold_event: Option<uuid::Uuid>,
+}
+
+/// Record one DLQ delivery (see the module doc). An `Err` is a database failure: nothing
+/// was committed and the delivery must not be acked.
+pub async fn record_dead_letter(pool: &PgPool, d: &DeadLetterDelivery, mode: RecorderMode) -> Result<RecordResult, sqlx::Error> {
+    let token = if mode.pre_1181 { None } else { d.token.as_ref() };
+    let (disposition, kind) = match (&d.quarantine, token) {
+        (Some(_), _) => ("malformed", Recorded::Malformed),
+        (None, Some(_)) => ("recorded", Recorded::Recorded),
+        (None, None) => ("tokenless", Recorded::Tokenless),
+    };
+    let event_type = d.event_type();
+    let note = d.quarantine.clone().or_else(|| d.token_note.clone());
+
+    let mut tx = pool.begin().await?;
+    if let Some(et) = event_type {
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('craig.dlq.threshold:' || $1, 0))")
+            .bind(et)
+            .execute(&mut *tx)
+            .await?;
+    }
+    let inserted = insert_row(d, disposition, token, note).fetch_optional(&mut *tx).await?;
+
+    let (recorded, in_window) = match (inserted, token) {
+        (Some((_, in_window)), _) => (kind, in_window),
+        (None, None) => unreachable!("a tokenless insert cannot conflict"),
+        (None, Some(t)) => {
+            // Suppressed by the arbiter: classify against the canonical row (R7).
+            let same: bool = sqlx::query_scalar(
+                "SELECT envelope_id IS NOT DISTINCT FROM $2 AND original_queue IS NOT DISTINCT FROM $3 \
+                   AND event_type IS NOT DISTINCT FROM $4 AND envelope IS NOT DISTINCT FROM $5 \
+                 FROM dead_letter_audit WHERE occurrence_token = $1",
+            )
+            .bind(t.as_str())
+            .bind(d.envelope.as_ref().map(|e| e.id))
+            .bind(d.original_queue.as_deref())
+            .bind(event_type)
+            .bind(d.envelope.as_ref().map(sqlx::types::Json))
+            .fetch_one(&mut *tx)
+            .await?;
+            if same {
+                tx.rollback().await?;
+                tracing::info!(event = "security.dlq.duplicate_absorbed", token = %t,
+                    "redelivered occurrence already recorded with identical facts (phantom)");
+                return Ok(RecordResult { recorded: Recorded::Phantom, window_count: None, threshold_event: None });
+            }
+            let why = format!("token {t} already recorded with other immutable facts (divergent claim)");
+            insert_row(d, "divergent", None, Some(why)).fetch_one(&mut *tx).await?;
+            tx.commit().await?;
+            tracing::error!(event = "security.dlq.divergent_token", token = %t, routing_key = %d.routing_key,
+                "quarantined a divergent claim of a recorded occurrence token");
+            return Ok(RecordResult { recorded: Recorded::Divergent, window_count: None, threshold_event: None });
+        }
+    };
+
+    let mut result = RecordResult { recorded, window_count: None, threshold_event: None };
+    if let (Some(et), true) = (event_type, in_window) {
+        let count: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM dead_letter_audit WHERE event_type = $1 AND {WINDOW_KEY} > now() - interval '1 hour'"
+        )))
+        .bind(et)
+        .fetch_one(&mut *tx)
+        .await?;
+        result.window_count = Some(count);
+        let fire = if mode.pre_1156 { count > THRESHOLD } else { count == THRESHOLD + 1 };
+        if fire {
+            let ev = EventEnvelope::new(
+                THRESHOLD_EXCEEDED,
+                "security",
+                None,
+                json!({ "event_type": et, "count": count, "threshold": THRESHOLD, "window": "1h" }),
+            )
+            .expect("static event type and service are valid");
+            publish_in_tx(&mut tx, &ev).await?;
+            result.threshold_event = Some(ev.id);
+        }
+    }
+    tx.commit().await?;
+    tracing::warn!(event = "security.dlq.recorded", disposition, path = d.path.as_str(), routing_key = %d.routing_key,
+        event_type = event_type.unwrap_or("-"), token = token.map_or("-", OccurrenceToken::as_str),
+        window_count = result.window_count.unwrap_or(-1), "dead letter recorded");
+    if recorded == Recorded::Malformed {
+        tracing::error!(event = "security.dlq.quarantined", routing_key = %d.routing_key, bytes = d.raw.len(),
+            reason = d.quarantine.as_deref().unwrap_or(""), "malformed dead letter quarantined with its raw bytes");
+    }
+    if let Some(id) = result.threshold_event {
+        tracing::warn!(event = "security.dlq.threshold_exceeded", event_type = event_type.unwrap_or("-"),
+            count = result.window_count.unwrap_or(-1), envelope_id = %id);
+    }
+    Ok(result)
+}
+
+/// The audit row's INSERT behind the #1181 arbiter; returns the id and whether the row is
+/// in the threshold window (decided in SQL, on the database clock, with the count's key).
+fn insert_row<'a>(
+    d: &'a DeadLetterDelivery,
+    disposition: &'static str,
+    token: Option<&'a OccurrenceToken>,
+    note: Option<String>,
+) -> sqlx::query::QueryAs<'a, sqlx::Postgres, (uuid::Uuid, bool), sqlx::postgres::PgArguments> {
+    sqlx::query_as::<_, (uuid::Uuid, bool)>(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO dead_letter_audit (disposition, path, routing_key, original_queue, envelope_id, event_type, \
+         source_service, reason, envelope, raw_body, occurrence_token, occurred_at, note) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
+         ON CONFLICT (occurrence_token) WHERE occurrence_token IS NOT NULL DO NOTHING \
+         RETURNING id, {WINDOW_KEY} > now() - interval '1 hour'"
+    )))
+    .bind(disposition)
+    .bind(d.path.as_str())
+    .bind(&d.routing_key)
+    .bind(d.original_queue.as_deref())
+    .bind(d.envelope.as_ref().map(|e| e.id))
+    .bind(d.event_type())
+    .bind(d.envelope.as_ref().map(|e| e.source_service.as_str()))
+    .bind(d.reason.as_deref())
+    .bind(d.envelope.as_ref().map(sqlx::types::Json))
+    .bind(&d.raw)
+    .bind(token.map(OccurrenceToken::as_str))
+    .bind(d.occurred_at)
+    .bind(note)
+}
+
+/// The wildcard audit subscriber's effect: one `audit_log` row per envelope (behind the
+/// §D2 inbox, so a redelivery adds none).
+pub async fn record_audit(pool: &PgPool, env: &EventEnvelope) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO audit_log (envelope_id, event_type, source_service, aggregate_id, occurred_at, envelope) \
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(env.id)
+    .bind(&env.event_type)
+    .bind(&env.source_service)
+    .bind(env.aggregate_id)
+    .bind(env.occurred_at)
+    .bind(sqlx::types::Json(env))
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The DLQ consumer's handler (#1197 classification): a database that is unreachable parks
+/// the session; a row the database refuses as data (a parsed form it cannot store) is
+/// recorded again as a malformed quarantine of the raw bytes; only when even that fails is
+/// the delivery captured.
+pub async fn on_dead_letter(
+    pool: &PgPool,
+    d: DeadLetterDelivery,
+    mode: RecorderMode,
+) -> Result<(), craig_mq::dlq::DlqError<sqlx::Error>> {
+    use craig_mq::dlq::DlqError;
+    let refused_as_data = |e: &sqlx::Error| {
+        matches!(e, sqlx::Error::Encode(_))
+            || matches!(e, sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("22") || c.starts_with("23")))
+    };
+    let outcome = match record_dead_letter(pool, &d, mode).await {
+        Ok(r) => r,
+        Err(e) if refused_as_data(&e) => {
+            let why = format!("the database refused the parsed dead letter ({e}); recorded as raw bytes");
+            let raw_only = DeadLetterDelivery { envelope: None, token: None, occurred_at: None, quarantine: Some(why), ..d };
+            match record_dead_letter(pool, &raw_only, mode).await {
+                Ok(r) => r,
+                Err(e) if refused_as_data(&e) => return Err(DlqError::Permanent(e)),
+                Err(e) => return Err(transient(e)),
+            }
+        }
+        Err(e) => return Err(transient(e)),
+    };
+    craig_mq::metrics::dlq_outcome(outcome.recorded.outcome());
+    Ok(())
+}
+
+/// A connection that is gone parks the session; anything else is retried in the session
+/// first.
+fn transient(e: sqlx::Error) -> craig_mq::dlq::DlqError<sqlx::Error> {
+    use craig_mq::dlq::DlqError;
+    match &e {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Tls(_) => DlqError::TransientPark(e),
+        sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("57")) => DlqError::TransientPark(e),
+        _ => DlqError::TransientRetry(e),
+    }
+}
+
+/// The wildcard audit subscriber's handler: [`record_audit`] behind the §D2 inbox.
+pub async fn on_any_event(
+    pool: &PgPool,
+    queue: &str,
+    use_inbox: bool,
+    env: EventEnvelope,
+) -> Result<(), craig_mq::subscriber::HandlerError> {
+    use craig_mq::subscriber::HandlerError;
+    let classify = |e: sqlx::Error| match &e {
+        sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("22") || c.starts_with("23")) => {
+            HandlerError::Permanent(e.to_string())
+        }
+        sqlx::Error::Encode(_) => HandlerError::Permanent(e.to_string()),
+        _ => HandlerError::Transient(e.to_string()),
+    };
+    if !use_inbox {
+        return record_audit(pool, &env).await.map_err(classify);
+    }
+    match craig_mq::handle_idempotently(pool, &env, queue, |env| async move { record_audit(pool, &env).await }).await {
+        Ok(_) => Ok(()),
+        Err(craig_mq::InboxError::Db(e)) | Err(craig_mq::InboxError::Handler { source: e, .. }) => Err(classify(e)),
+    }
+}

@@ -1,0 +1,381 @@
+//! The security service on real PostgreSQL and RabbitMQ (issue 9; ADR-022 §D3 with #1156,
+//! #1181, #1197): the DLQ consumer's audit rows, occurrence idempotency, the threshold
+//! crossing, and hostile input.
+
+use std::time::Duration;
+
+use crate::common::*;
+use chrono::Utc;
+use craig_fleet::Service;
+use craig_fleet::security::{self, Recorded, RecorderMode};
+use craig_mq::dlq::{DeadLetterDelivery, DlxWrapper, OccurrenceToken};
+use craig_mq::topology::{DLQ_QUEUE, DLX_EXCHANGE};
+use craig_mq::EventEnvelope;
+use lapin::options::BasicPublishOptions;
+use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+const Q: &str = "craig-rules.events";
+const RK: &str = "dlq.craig-rules.events";
+
+fn envelope(event_type: &str) -> EventEnvelope {
+    EventEnvelope::new(event_type, "cases", None, json!({ "referral_id": Uuid::now_v7() })).unwrap()
+}
+
+fn x_death(queue: &str, count: i64, time: u64) -> FieldTable {
+    let mut entry = FieldTable::default();
+    entry.insert("queue".into(), AMQPValue::LongString(queue.into()));
+    entry.insert("reason".into(), AMQPValue::LongString("rejected".into()));
+    entry.insert("count".into(), AMQPValue::LongLongInt(count));
+    entry.insert("time".into(), AMQPValue::Timestamp(time));
+    let mut h = FieldTable::default();
+    h.insert("x-death".into(), AMQPValue::FieldArray(vec![AMQPValue::FieldTable(entry)].into()));
+    h
+}
+
+/// A broker-path dead letter of a fresh envelope, first death now.
+fn broker_dead_letter(event_type: &str) -> DeadLetterDelivery {
+    let env = envelope(event_type);
+    DeadLetterDelivery::read(&env.to_vec(), RK, Some(&x_death(Q, 1, Utc::now().timestamp() as u64)))
+}
+
+async fn rows(pool: &PgPool) -> Vec<(String, Option<String>, Option<Uuid>)> {
+    sqlx::query_as("SELECT disposition, occurrence_token, envelope_id FROM dead_letter_audit ORDER BY dlq_received_at, id")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+async fn threshold_events(pool: &PgPool) -> Vec<Value> {
+    sqlx::query_scalar("SELECT envelope->'payload' FROM event_outbox WHERE event_type = $1 ORDER BY created_at, id")
+        .bind(security::THRESHOLD_EXCEEDED)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// #1181: a redelivered occurrence (a DLQ ack failure) records once; the same token with
+/// other immutable facts is a divergent claim, re-inserted tokenless; compat pre-1181
+/// records every delivery.
+#[tokio::test]
+async fn an_occurrence_records_once_and_a_divergent_claim_is_quarantined() {
+    let fleet = Fleet::new("dlq-occurrence", &[Service::Security]).await;
+    let pool = fleet.pool(Service::Security).await;
+    let mode = RecorderMode::default();
+
+    let d = broker_dead_letter("case.referral_created");
+    let first = security::record_dead_letter(&pool, &d, mode).await.unwrap();
+    assert_eq!(first.recorded, Recorded::Recorded);
+    assert_eq!(security::record_dead_letter(&pool, &d, mode).await.unwrap().recorded, Recorded::Phantom);
+    let r = rows(&pool).await;
+    assert_eq!(r.len(), 1, "{r:?}");
+    assert_eq!(r[0].1.as_deref(), d.token.as_ref().map(OccurrenceToken::as_str));
+
+    // Same token, other envelope content: quarantined, never absorbed.
+    let mut forged = d.clone();
+    forged.envelope.as_mut().unwrap().payload = json!({ "forged": true });
+    assert_eq!(security::record_dead_letter(&pool, &forged, mode).await.unwrap().recorded, Recorded::Divergent);
+    let r = rows(&pool).await;
+    assert_eq!(r.len(), 2);
+    assert_eq!((r[1].0.as_str(), r[1].1.as_deref()), ("divergent", None));
+
+    // pre-1181: each delivery is its own occurrence.
+    let d2 = broker_dead_letter("case.referral_created");
+    let old = RecorderMode { pre_1181: true, ..Default::default() };
+    for _ in 0..2 {
+        assert_eq!(security::record_dead_letter(&pool, &d2, old).await.unwrap().recorded, Recorded::Tokenless);
+    }
+    let doubled = rows(&pool).await.iter().filter(|r| r.2 == d2.envelope.as_ref().map(|e| e.id)).count();
+    assert_eq!(doubled, 2);
+    pool.close().await;
+    fleet.finish().await;
+}
+
+/// #1156: exactly one `security.dlq.threshold_exceeded` at the crossing from 10 to 11, none
+/// for a sustained breach, one again after the window dropped back under; an arrival
+/// whose occurrence is outside the window is recorded but never counted as a crossing;
+/// compat pre-1156 re-emits on every arrival over 10.
+#[tokio::test]
+async fn the_threshold_fires_exactly_at_each_crossing() {
+    let fleet = Fleet::new("dlq-threshold", &[Service::Security]).await;
+    let pool = fleet.pool(Service::Security).await;
+    let mode = RecorderMode::default();
+    let et = "case.referral_created";
+
+    let mut counts = Vec::new();
+    for _ in 0..15 {
+        let r = security::record_dead_letter(&pool, &broker_dead_letter(et), mode).await.unwrap();
+        counts.push((r.window_count, r.threshold_event.is_some()));
+    }
+    let fired: Vec<i64> = counts.iter().filter(|(_, f)| *f).map(|(c, _)| c.unwrap()).collect();
+    assert_eq!(fired, vec![11], "{counts:?}");
+    assert_eq!(threshold_events(&pool).await.len(), 1);
+    // Another type has its own window.
+    for _ in 0..3 {
+        security::record_dead_letter(&pool, &broker_dead_letter("placement.activated"), mode).await.unwrap();
+    }
+    assert_eq!(threshold_events(&pool).await.len(), 1);
+
+    // A backlog from an outage: first death two hours ago. Recorded, not a crossing.
+    sqlx::query("UPDATE dead_letter_audit SET dlq_received_at = dlq_received_at - interval '2 hours', occurred_at = occurred_at - interval '2 hours'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut late = Vec::new();
+    for _ in 0..10 {
+        let env = envelope(et);
+        let two_hours_ago = (Utc::now().timestamp() - 7200) as u64;
+        late.push(DeadLetterDelivery::read(&env.to_vec(), RK, Some(&x_death(Q, 1, two_hours_ago))));
+    }
+    for d in late.iter().chain(late.iter().take(1)) {
+        let r = security::record_dead_letter(&pool, d, mode).await.unwrap();
+        assert_eq!(r.window_count, None, "an out-of-window arrival is not counted");
+    }
+    assert_eq!(threshold_events(&pool).await.len(), 1);
+
+    // The window dropped back under: a new burst crosses again, once.
+    for _ in 0..12 {
+        security::record_dead_letter(&pool, &broker_dead_letter(et), mode).await.unwrap();
+    }
+    let events = threshold_events(&pool).await;
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events[1]["count"], 11);
+    assert_eq!(events[1]["event_type"], et);
+
+    // pre-1156 on a fresh type: every arrival over 10 emits.
+    let old = RecorderMode { pre_1156: true, ..Default::default() };
+    for _ in 0..14 {
+        security::record_dead_letter(&pool, &broker_dead_letter("rule.evaluated"), old).await.unwrap();
+    }
+    let re_emitted = threshold_events(&pool).await.iter().filter(|p| p["event_type"] == "rule.evaluated").count();
+    assert_eq!(re_emitted, 4);
+    pool.close().await;
+    fleet.finish().await;
+}
+
+/// Concurrent arrivals of one type (two DLQ replicas, or prefetch) cross once: the crossing
+/// decision is serialized per event type.
+#[tokio::test]
+async fn concurrent_arrivals_cross_the_threshold_once() {
+    let fleet = Fleet::new("dlq-concurrent", &[Service::Security]).await;
+    let pool = fleet.pool(Service::Security).await;
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..24 {
+        let pool = pool.clone();
+        tasks.spawn(async move {
+            security::record_dead_letter(&pool, &broker_dead_letter("case.referral_created"), RecorderMode::default()).await.unwrap()
+        });
+    }
+    let mut fired = 0;
+    while let Some(r) = tasks.join_next().await {
+        fired += usize::from(r.unwrap().threshold_event.is_some());
+    }
+    assert_eq!(fired, 1);
+    assert_eq!(threshold_events(&pool).await.len(), 1);
+    pool.close().await;
+    fleet.finish().await;
+}
+
+/// #1181 R5/R8: the window count is served by the expression index.
+#[tokio::test]
+async fn the_window_count_uses_the_expression_index() {
+    let fleet = Fleet::new("dlq-explain", &[Service::Security]).await;
+    let pool = fleet.pool(Service::Security).await;
+    sqlx::query(
+        "INSERT INTO dead_letter_audit (disposition, path, routing_key, event_type, raw_body, dlq_received_at) \
+         SELECT 'tokenless', 'unknown', 'dlq.x', 'type.' || (g % 50), '\\x00', now() - (g || ' seconds')::interval \
+         FROM generate_series(1, 20000) g",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE dead_letter_audit").execute(&pool).await.unwrap();
+    let plan: Vec<String> = sqlx::query_scalar(
+        "EXPLAIN SELECT count(*) FROM dead_letter_audit WHERE event_type = 'type.7' \
+         AND LEAST(COALESCE(occurred_at, dlq_received_at), dlq_received_at) > now() - interval '1 hour'",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let plan = plan.join("\n");
+    assert!(plan.contains("dead_letter_audit_threshold_window"), "{plan}");
+    pool.close().await;
+    fleet.finish().await;
+}
+
+/// A typed AMQP value from the fixture notation (`{"S": "text"}`, `{"l": 1}`, …).
+fn amqp(v: &Value) -> AMQPValue {
+    let (kind, inner) = v.as_object().and_then(|o| o.iter().next()).expect("typed value");
+    match kind.as_str() {
+        "S" => AMQPValue::LongString(inner.as_str().unwrap().into()),
+        "Sx" => AMQPValue::LongString(LongString::from(hex(inner.as_str().unwrap()))),
+        "l" => AMQPValue::LongLongInt(inner.as_i64().unwrap()),
+        "T" => AMQPValue::Timestamp(inner.as_u64().unwrap()),
+        "t" => AMQPValue::Boolean(inner.as_bool().unwrap()),
+        "A" => AMQPValue::FieldArray(FieldArray::from(inner.as_array().unwrap().iter().map(amqp).collect::<Vec<_>>())),
+        "F" => {
+            let mut t = FieldTable::default();
+            for (k, v) in inner.as_object().unwrap() {
+                t.insert(ShortString::from(k.as_str()), amqp(v));
+            }
+            AMQPValue::FieldTable(t)
+        }
+        other => panic!("unknown AMQP type tag {other}"),
+    }
+}
+
+fn hex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+fn fixture_body(spec: &Value) -> Vec<u8> {
+    if let Some(t) = spec.get("text") {
+        return t.as_str().unwrap().as_bytes().to_vec();
+    }
+    if let Some(h) = spec.get("hex") {
+        return hex(h.as_str().unwrap());
+    }
+    let mut env = envelope("case.referral_created");
+    if let Some(over) = spec.get("envelope") {
+        if let Some(p) = over.get("payload") {
+            env.payload = p.clone();
+        }
+        return serde_json::to_vec(&env).unwrap();
+    }
+    let over = spec.get("wrapper").expect("text, hex, envelope or wrapper");
+    let token = OccurrenceToken::dlxcap(env.id, Q, Utc::now()).unwrap();
+    let mut w = serde_json::to_value(DlxWrapper::new(&token, Q, "retry cap", env.clone())).unwrap();
+    for (k, v) in over.as_object().unwrap() {
+        let v = match v.as_str() {
+            Some(s) => Value::String(s.replace("{id}", &env.id.to_string()).replace("{q}", Q)),
+            None => v.clone(),
+        };
+        w["_dlx"][k] = v;
+    }
+    serde_json::to_vec(&w).unwrap()
+}
+
+/// Issue 9, hostile input: every fixture under `fixtures/dead-letters/` published to
+/// `craig.dlx` ends as exactly one audit row with its expected disposition, and the DLQ is
+/// left empty (acked only after the row committed) with nothing captured.
+#[tokio::test]
+async fn every_hostile_dead_letter_ends_as_a_recorded_row() {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/dead-letters/hostile.json")).unwrap();
+    let cases: Value = serde_json::from_str(&text).unwrap();
+    let cases = cases["cases"].as_array().unwrap();
+
+    let fleet = Fleet::new("dlq-hostile", &[Service::Security]).await;
+    let pool = fleet.pool(Service::Security).await;
+    let node = fleet.start(Service::Security, &[], &[]).await;
+    eventually(Duration::from_secs(15), "DLQ declared", || async {
+        let (conn, ch) = fleet.channel().await;
+        let ok = craig_mq::topology::queue_depth(&ch, DLQ_QUEUE).await.is_ok();
+        let _ = conn.close(200, "bye".into()).await;
+        ok
+    })
+    .await;
+
+    let (conn, ch) = fleet.channel().await;
+    ch.confirm_select(Default::default()).await.unwrap();
+    let mut sent = Vec::new();
+    for case in cases {
+        let body = fixture_body(&case["body"]);
+        let mut props = lapin::BasicProperties::default().with_delivery_mode(2);
+        if !case["x_death"].is_null() {
+            let mut h = FieldTable::default();
+            h.insert("x-death".into(), amqp(&case["x_death"]));
+            props = props.with_headers(h);
+        }
+        let confirm = ch
+            .basic_publish(DLX_EXCHANGE.into(), RK.into(), BasicPublishOptions { mandatory: true, immediate: false }, &body, props)
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(confirm.is_ack(), "{}", case["name"]);
+        sent.push((case["name"].as_str().unwrap().to_owned(), case["expect"].as_str().unwrap().to_owned(), body));
+    }
+    let _ = conn.close(200, "bye".into()).await;
+
+    let n = sent.len() as i64;
+    eventually(Duration::from_secs(30), "every fixture recorded", || {
+        let pool = pool.clone();
+        async move { count(&pool, "SELECT count(*) FROM dead_letter_audit").await >= n }
+    })
+    .await;
+    eventually(Duration::from_secs(10), "DLQ empty", || async { fleet.depth(DLQ_QUEUE).await == 0 }).await;
+    let mut wrong = Vec::new();
+    for (name, expect, body) in &sent {
+        let got: Vec<(String, Option<String>)> =
+            sqlx::query_as("SELECT disposition, occurrence_token FROM dead_letter_audit WHERE raw_body = $1")
+                .bind(body)
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        let disposition = match got.as_slice() {
+            [(d, _)] => d.clone(),
+            other => format!("{} rows", other.len()),
+        };
+        if &disposition != expect {
+            wrong.push(format!("{name}: expected {expect}, got {disposition}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    assert_eq!(count(&pool, "SELECT count(*) FROM dead_letter_audit").await, n);
+    assert_eq!(fleet.depth(craig_mq::dlq::CAPTURE_QUEUE).await, 0, "nothing needed capturing");
+    let metrics = reqwest::get(format!("{}/metrics", node.base)).await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("dlq_outcomes_total{outcome=\"quarantined\"}"), "{metrics}");
+    assert!(metrics.contains("dlq_queue_depth"), "{metrics}");
+    assert_eq!(node.stop().await.code(), Some(0));
+    pool.close().await;
+    fleet.finish().await;
+}
+
+/// §D3 end to end: a rules handler's permanent failure is nacked, the broker dead-letters it
+/// under `dlq.craig-rules.events`, and security records it with its `xdeath:` token, the
+/// consumer queue and the first death's time; the wildcard subscriber audits every event.
+#[tokio::test]
+async fn a_broker_dead_letter_reaches_the_audit_with_its_occurrence_token() {
+    let fleet = Fleet::new("dlq-e2e", &[Service::Rules, Service::Security]).await;
+    let rules = fleet.start(Service::Rules, &[], &[]).await;
+    let sec = fleet.start(Service::Security, &[], &[]).await;
+    let pool = fleet.pool(Service::Security).await;
+    eventually(Duration::from_secs(15), "queues declared", || async {
+        let (conn, ch) = fleet.channel().await;
+        let ok = craig_mq::topology::queue_depth(&ch, "craig-rules.events").await.is_ok()
+            && craig_mq::topology::queue_depth(&ch, "craig-security.events").await.is_ok();
+        let _ = conn.close(200, "bye".into()).await;
+        ok
+    })
+    .await;
+    // No referral_id: the rules handler fails permanently.
+    let poison = EventEnvelope::new("case.referral_created", "cases", None, json!({ "subject": "x" })).unwrap();
+    let publisher = craig_mq::Publisher::connect(fleet.sandbox.amqp_url(), Default::default()).await.unwrap();
+    publisher.publish(&poison).await.unwrap();
+    publisher.close().await;
+    eventually(Duration::from_secs(20), "dead letter recorded", || {
+        let pool = pool.clone();
+        async move { count(&pool, "SELECT count(*) FROM dead_letter_audit").await == 1 }
+    })
+    .await;
+    let (disposition, path, queue, token, occurred): (String, String, Option<String>, Option<String>, Option<chrono::DateTime<Utc>>) =
+        sqlx::query_as("SELECT disposition, path, original_queue, occurrence_token, occurred_at FROM dead_letter_audit")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((disposition.as_str(), path.as_str(), queue.as_deref()), ("recorded", "broker", Some(Q)));
+    let token = token.unwrap();
+    assert!(token.starts_with(&format!("xdeath:{}:{Q}:rejected:1:", poison.id)), "{token}");
+    assert!(occurred.is_some());
+    eventually(Duration::from_secs(20), "audit_log has the event", || {
+        let pool = pool.clone();
+        async move { count(&pool, "SELECT count(*) FROM audit_log WHERE event_type = 'case.referral_created'").await == 1 }
+    })
+    .await;
+    assert_eq!(sec.stop().await.code(), Some(0));
+    assert_eq!(rules.stop().await.code(), Some(0));
+    pool.close().await;
+    fleet.finish().await;
+}
