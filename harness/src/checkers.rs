@@ -449,6 +449,8 @@ pub fn effect_once(h: &History) -> Verdict {
             _ => {}
         }
     }
+    let republish = republishers(h);
+    let mut republished: HashSet<(Uuid, usize)> = HashSet::new();
     let mut used: HashMap<(usize, Option<String>), usize> = HashMap::new();
     let (mut duplicated, mut attributed, mut unattributed) = (0, 0, 0);
     for (envelope, runs) in &fx.by_envelope {
@@ -494,30 +496,42 @@ pub fn effect_once(h: &History) -> Verdict {
                             tags.extend(culprit_tags(r, h.compat_at(r, t)));
                         }
                     }
-                    // And every fault in force at some point between the two runs (the
-                    // producer crash that re-published it, say: it may fire a few ms before
-                    // the consumer ran the batch the first time).
+                    // And every fault in force at some point between the two runs that can
+                    // make the broker redeliver to the first run's replica: one of that
+                    // replica (a crash or cut before its ack) or of a server. Another
+                    // replica's fault is not a cause.
                     tags.extend(
                         windows
                             .iter()
-                            .filter(|(_, from, to)| *from <= second.0 && to.saturating_add(WINDOW_SLACK_MS) >= *t1)
+                            .filter(|(tag, from, to)| {
+                                *from <= second.0
+                                    && to.saturating_add(WINDOW_SLACK_MS) >= *t1
+                                    && fault_replica(tag).is_none_or(|f| Some(f) == r1.as_deref())
+                            })
                             .map(|(tag, ..)| tag.clone()),
                     );
                     // And a fault of the PRODUCING service's replicas (the crash between
                     // publish and stamp that re-published it) that began after the write and
                     // before the second run: when the consumer lags, the first run comes after
                     // that fault has healed.
-                    let producer = stampers.get(envelope).and_then(|s| s.first()).map(|(_, r)| service_of(r).to_owned());
+                    // Only a fault that can re-publish (see `republishers`), and only one
+                    // that began before the envelope's first stamp: once stamped, the outbox
+                    // never publishes it again.
+                    let first_stamp = stampers.get(envelope).and_then(|s| s.first());
                     let since = referral_of.get(envelope).and_then(|r| written.get(r)).copied();
-                    if let (Some(producer), Some(since)) = (producer, since) {
-                        tags.extend(
-                            windows
-                                .iter()
-                                .filter(|(tag, from, _)| {
-                                    *from >= since && *from <= second.0 && fault_replica(tag).is_some_and(|r| service_of(r) == producer)
-                                })
-                                .map(|(tag, ..)| tag.clone()),
-                        );
+                    if let (Some((stamped, by)), Some(since)) = (first_stamp, since) {
+                        let producer = service_of(by);
+                        let until = second.0.min(stamped.saturating_add(WINDOW_SLACK_MS));
+                        // One re-publish is one extra delivery: a fault explains at most one
+                        // duplicate of an envelope.
+                        for (i, (tag, from)) in republish.iter().enumerate() {
+                            if (since..=until).contains(from)
+                                && fault_replica(tag).is_some_and(|r| service_of(r) == producer)
+                                && republished.insert((*envelope, i))
+                            {
+                                tags.push(tag.clone());
+                            }
+                        }
                     }
                     v.blame(tags);
                     let why = if candidates.is_empty() {
@@ -555,6 +569,30 @@ pub fn effect_once(h: &History) -> Verdict {
         Validity::Valid
     };
     v
+}
+
+/// Faults of a producer replica that can make its outbox publish an envelope a second time
+/// (ADR #1128: published, not stamped, re-claimed after the lease): a crash at
+/// `outbox::after_publish_before_stamp` (a crash at another point cannot: before the publish
+/// nothing went out, the inbox points are the consumer's), a kill or pause at any point, a
+/// cut or toxic on its links (a lost confirm, a failed stamp). As `(culprit tag, start)`.
+fn republishers(h: &History) -> Vec<(String, u64)> {
+    h.iter()
+        .filter_map(|e| match &e.event {
+            Event::Fault { kind, target, phase: Phase::Start } => {
+                let can = match kind.as_str() {
+                    "crash" => target.split_once(" at ").is_none_or(|(_, p)| p == "outbox::after_publish_before_stamp"),
+                    "kill" | "pause" | "toxic" | "down" => true,
+                    _ => false,
+                };
+                let base = target.split(" (").next().unwrap_or(target);
+                let base = base.split(" at ").next().unwrap_or(base);
+                let tag = format!("fault:{kind} {base}");
+                (can && fault_replica(&tag).is_some()).then_some((tag, e.t_ms))
+            }
+            _ => None,
+        })
+        .collect()
 }
 
 /// `cases` of `cases-1`.
@@ -769,8 +807,10 @@ mod tests {
         let mut h = History::default();
         started(&mut h, 0, "rules-1", &["pre-d2"]);
         started(&mut h, 0, "rules-2", &[]);
+        h.push(50, Event::Write { referral: id(1), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
         h.push(90, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::after_publish_before_stamp".into(), phase: Phase::Start });
         h.push(150, Event::Fault { kind: "crash".into(), target: "cases-1 restarted".into(), phase: Phase::End });
+        h.push(300, Event::Stamped { envelope: id(1), replica: "cases-1".into(), compat: vec![] });
         run(&mut h, 100, "rules-2");
         run(&mut h, 420, "rules-1");
         run(&mut h, 500, "rules-2");
@@ -779,7 +819,7 @@ mod tests {
         assert_eq!(v.violations, 2);
         assert_eq!(v.culprits["compat:pre-d2"], 1, "{:?}", v.culprits);
         assert_eq!(v.culprits["compat:current"], 2);
-        assert_eq!(v.culprits["fault:crash cases-1"], 1, "the crash (ended @150ms) lies between the first two runs only");
+        assert_eq!(v.culprits["fault:crash cases-1"], 1, "one re-publish explains one duplicate, the first");
         assert!(!v.all_point_at("compat:pre-d2"));
     }
 
@@ -835,6 +875,26 @@ mod tests {
         assert!(v.all_point_at("compat:pre-d2"), "{:?}", v.culprits);
         assert!(v.all_point_at("fault:crash cases-1"), "{:?}", v.culprits);
         assert!(!v.all_point_at("fault:kill security-1"), "another service's fault is not a cause: {:?}", v.culprits);
+
+        // Not a cause: a producer crash at a point before the publish, or one after the
+        // envelope's first stamp (a stamped row is never published again).
+        let mut h = History::default();
+        started(&mut h, 0, "rules-1", &["pre-d2"]);
+        started(&mut h, 0, "cases-1", &[]);
+        h.push(100, Event::Write { referral: id(1), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+        h.push(700, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::after_claim".into(), phase: Phase::Start });
+        h.push(1000, Event::Fault { kind: "crash".into(), target: "cases-1 restarted".into(), phase: Phase::End });
+        h.push(1340, Event::Effect { envelope: id(101), referral: Some(id(1)), service: "rules".into(), replica: Some("rules-1".into()) });
+        h.push(2000, Event::Stamped { envelope: id(101), replica: "cases-1".into(), compat: vec![] });
+        h.push(3000, Event::Fault { kind: "kill".into(), target: "cases-1".into(), phase: Phase::Start });
+        h.push(3100, Event::Fault { kind: "kill".into(), target: "cases-1".into(), phase: Phase::End });
+        h.push(4750, Event::Effect { envelope: id(101), referral: Some(id(1)), service: "rules".into(), replica: Some("rules-1".into()) });
+        h.sort();
+        let v = effect_once(&h);
+        assert_eq!((v.validity, v.violations), (Validity::Invalid, 1));
+        assert!(v.all_point_at("compat:pre-d2"), "{:?}", v.culprits);
+        assert!(!v.all_point_at("fault:crash cases-1"), "a crash before the publish re-publishes nothing: {:?}", v.culprits);
+        assert!(!v.all_point_at("fault:kill cases-1"), "a kill after the stamp re-publishes nothing: {:?}", v.culprits);
         assert_eq!(fault_replica("fault:toxic cases-1->broker"), Some("cases-1"));
         assert_eq!(fault_replica("fault:kill broker"), None);
     }
