@@ -348,21 +348,27 @@ async fn inject(
             // more), not when it was asked for. A limit first applied to a queue already over
             // it makes RabbitMQ drop the head to craig.dlx even under reject-publish: a loss
             // the fault itself caused, so it is a finding, never blamed on the system.
+            //
+            // Those head drops are told apart from every other dead letter (a poison row's
+            // reject, say) by a probe: a private queue bound on craig.dlx to this queue's
+            // dead-letter key, whose copies carry RabbitMQ's x-death reason `maxlen`.
+            let probe = HeadDropProbe::open(&amqp_url, queue).await;
+            if let Err(e) = &probe {
+                log.finding(format!("queue_limit {label}: cannot watch for head drops ({e}); a loss in this run may be the fault's own"));
+            }
             let asked = Instant::now();
-            let before = dlq_depth(&amqp_url).await;
             backend.lock().await.set_policy(&policy, &pattern, &definition).await?;
             log.fault(kind, &label, Phase::Start);
-            let after = dlq_depth(&amqp_url).await;
             log.evidence(kind, &label, Some(format!("policy in force {} ms after it was asked for", asked.elapsed().as_millis())));
-            if let (Some(b), Some(a)) = (before, after) {
-                if a > b {
-                    log.finding(format!(
-                        "queue_limit {label}: the limit landed on a backlog and RabbitMQ dead-lettered {} message(s) from the head of {queue} ({} → {} in {}); the fault itself lost them, so the run proves nothing about loss",
-                        a - b,
-                        b,
-                        a,
-                        craig_mq::topology::DLQ_QUEUE
-                    ));
+            tokio::time::sleep(hold).await;
+            if let Ok(probe) = probe {
+                match probe.head_drops().await {
+                    Ok(0) => {}
+                    Ok(n) => log.finding(format!(
+                        "queue_limit {label}: the limit landed on a backlog and RabbitMQ dropped {n} message(s) from the head of {queue} to {} (x-death reason maxlen); the fault itself lost them, so the run proves nothing about loss",
+                        craig_mq::topology::DLX_EXCHANGE
+                    )),
+                    Err(e) => log.finding(format!("queue_limit {label}: cannot read the head-drop probe ({e}); a loss in this run may be the fault's own")),
                 }
             }
             tokio::time::sleep(hold).await;
@@ -391,14 +397,115 @@ async fn inject(
     Ok(())
 }
 
-/// Ready messages in the DLQ, bounded; `None` when the broker did not say.
-async fn dlq_depth(amqp_url: &str) -> Option<u32> {
-    let probe = async {
-        let conn = craig_mq::publisher::connect(amqp_url, 5, "chaos-probe").await.ok()?;
-        let ch = conn.create_channel().await.ok()?;
-        let n = craig_mq::topology::queue_depth(&ch, craig_mq::topology::DLQ_QUEUE).await.ok();
-        let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "probe".into())).await;
+/// Watches one queue's dead letters for head drops (x-death reason `maxlen`) while a
+/// `queue_limit` is in force: an exclusive server-named queue bound on `craig.dlx` to
+/// `dlq.<queue>`, gone with its connection. Every broker call is bounded.
+struct HeadDropProbe {
+    conn: lapin::Connection,
+    ch: lapin::Channel,
+    probe: String,
+    queue: String,
+}
+
+impl HeadDropProbe {
+    const BOUND: Duration = Duration::from_secs(5);
+
+    async fn open(amqp_url: &str, queue: &str) -> Result<Self, String> {
+        use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+        use lapin::types::FieldTable;
+        use craig_mq::topology::{DLX_EXCHANGE, dlq_routing_key};
+        let set_up = async {
+            let conn = craig_mq::publisher::connect(amqp_url, 5, "chaos-head-drop-probe").await.map_err(|e| e.to_string())?;
+            let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
+            // Passive: the probe never creates topology a real deployment would lack.
+            let passive = ExchangeDeclareOptions { passive: true, ..Default::default() };
+            ch.exchange_declare(DLX_EXCHANGE.into(), lapin::ExchangeKind::Topic, passive, FieldTable::default())
+                .await
+                .map_err(|e| format!("{DLX_EXCHANGE} is not there: {e}"))?;
+            let q = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
+            let probe = ch.queue_declare("".into(), q, FieldTable::default()).await.map_err(|e| e.to_string())?.name().to_string();
+            ch.queue_bind(probe.as_str().into(), DLX_EXCHANGE.into(), dlq_routing_key(queue).as_str().into(), QueueBindOptions::default(), FieldTable::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(HeadDropProbe { conn, ch, probe, queue: queue.to_owned() })
+        };
+        tokio::time::timeout(Self::BOUND, set_up).await.map_err(|_| format!("no answer within {:?}", Self::BOUND))?
+    }
+
+    /// Dead letters of the watched queue whose latest x-death says `maxlen`; closes the probe.
+    async fn head_drops(self) -> Result<u32, String> {
+        let count = async {
+            let mut n = 0;
+            while let Some(m) = self
+                .ch
+                .basic_get(self.probe.as_str().into(), lapin::options::BasicGetOptions { no_ack: true })
+                .await
+                .map_err(|e| e.to_string())?
+            {
+                let death = m
+                    .delivery
+                    .properties
+                    .headers()
+                    .as_ref()
+                    .and_then(|h| h.inner().get("x-death"))
+                    .and_then(|x| craig_mq::dlq::latest_death(x).ok());
+                if death.is_some_and(|d| d.reason == "maxlen" && d.queue == self.queue) {
+                    n += 1;
+                }
+            }
+            Ok::<u32, String>(n)
+        };
+        let n = tokio::time::timeout(Self::BOUND, count).await.map_err(|_| format!("no answer within {:?}", Self::BOUND))?;
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.conn.close(200, "probe".into())).await;
         n
-    };
-    tokio::time::timeout(Duration::from_secs(5), probe).await.ok().flatten()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use craig_mq::topology::{QueueSpec, declare_consumer_queue, queue_depth};
+    use lapin::BasicProperties;
+    use lapin::options::{BasicGetOptions, BasicNackOptions, BasicPublishOptions};
+
+    /// The review's case: a limit applied to a queue already over it drops the head to
+    /// craig.dlx (reason `maxlen`); the probe counts exactly those, not a consumer's reject
+    /// of another message of the same queue.
+    #[tokio::test]
+    async fn the_probe_counts_head_drops_of_a_limit_landing_on_a_backlog_and_nothing_else() {
+        let sandbox = craig_sandbox::Sandbox::create("chaos-faults::head_drop_probe", &[]).await.unwrap();
+        let conn = craig_mq::publisher::connect(sandbox.amqp_url(), 30, "test").await.unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        let queue = "craig-rules.events";
+        declare_consumer_queue(&ch, &QueueSpec { queue: queue.into(), bindings: vec!["k".into()], with_dlx: true }).await.unwrap();
+        for i in 0..10u8 {
+            ch.basic_publish("".into(), queue.into(), BasicPublishOptions::default(), &[i], BasicProperties::default()).await.unwrap();
+        }
+        let probe = HeadDropProbe::open(sandbox.amqp_url(), queue).await.expect("probe opens");
+        // One rejected by a consumer: a dead letter of this queue, but no head drop.
+        let m = ch.basic_get(queue.into(), BasicGetOptions::default()).await.unwrap().expect("a message");
+        m.delivery.acker.nack(BasicNackOptions { requeue: false, ..Default::default() }).await.unwrap();
+        sandbox
+            .set_policy("limit", &format!("^{}$", queue.replace('.', "\\.")), &json!({ "max-length": 3, "overflow": "reject-publish" }))
+            .await
+            .unwrap();
+        for _ in 0..100 {
+            if queue_depth(&ch, queue).await.unwrap() <= 3 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(queue_depth(&ch, queue).await.unwrap(), 3);
+        assert_eq!(probe.head_drops().await, Ok(6), "10 published, 1 rejected, 3 kept");
+        let _ = conn.close(200, "bye".into()).await;
+        sandbox.destroy().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_probe_without_the_dead_letter_exchange_says_why() {
+        let sandbox = craig_sandbox::Sandbox::create("chaos-faults::probe_no_dlx", &[]).await.unwrap();
+        let err = HeadDropProbe::open(sandbox.amqp_url(), "craig-rules.events").await.err().expect("no craig.dlx yet");
+        assert!(err.contains("craig.dlx is not there"), "{err}");
+        sandbox.destroy().await.unwrap();
+    }
 }
