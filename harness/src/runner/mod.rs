@@ -235,7 +235,7 @@ fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<St
         why.push(format!("{redeliveries} redeliveries absorbed by an inbox (inbox_dedup_hits_total), below min_redeliveries = {}", f.redeliveries));
     }
     if f.dead_letters > 0 && dead.unwrap_or(0) < f.dead_letters {
-        why.push(format!("{} dead letters in {}, below min_dead_letters = {}", dead.map_or("unknown".into(), |d| d.to_string()), craig_mq::topology::DLQ_QUEUE, f.dead_letters));
+        why.push(format!("{} dead letters (in {} or dead_letter_audit), below min_dead_letters = {}", dead.map_or("unknown".into(), |d| d.to_string()), craig_mq::topology::DLQ_QUEUE, f.dead_letters));
     }
     (!why.is_empty()).then(|| format!("below the activity floor: {}", why.join("; ")))
 }

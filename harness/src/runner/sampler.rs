@@ -73,7 +73,7 @@ pub(super) async fn sample(
 /// Liveness: how long after every fault healed until the system is quiet — nothing
 /// pending in any outbox (but the poison rows), no ready message in any consumer queue, no
 /// delivery unacked, and the effect count unchanged for a full second — within the bound.
-/// Records `Drained` and the DLQ's depth.
+/// Records `Drained` and the dead letters (in the DLQ or already audited).
 pub(super) async fn drain(
     s: &Scenario,
     log: &Log,
@@ -138,8 +138,18 @@ pub(super) async fn drain(
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     log.push(Event::Drained { after_ms: drained_after, bound_ms: s.liveness_bound_ms, pending: pending_total, unacked_unknown });
-    if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(5), dead_letters(amqp_url)).await {
-        log.push(Event::DeadLetters { count: n });
+    // Dead letters so far: those still in the DLQ plus those the security service has
+    // already taken off it into dead_letter_audit (§D3), one row per delivery it received.
+    let waiting = tokio::time::timeout(Duration::from_secs(5), dead_letters(amqp_url)).await.ok().and_then(Result::ok);
+    let audited = match pools.get("security") {
+        Some(p) => bounded(PROBE, "dead-letter audit count", sqlx::query_scalar::<_, i64>("SELECT count(*) FROM dead_letter_audit").fetch_one(p))
+            .await
+            .ok()
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
+        None => Some(0),
+    };
+    if let (Some(w), Some(a)) = (waiting, audited) {
+        log.push(Event::DeadLetters { count: w.saturating_add(a) });
     }
 }
 
