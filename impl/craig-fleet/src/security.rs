@@ -10,7 +10,10 @@
 //! 3. a suppressed insert is classified (R7): the canonical row's immutable facts (envelope
 //!    id, queue, event type, envelope JSON) ALL match → a phantom, rolled back; otherwise
 //!    the claim is re-inserted TOKENLESS as a `divergent` quarantine row, logged at error,
-//!    and alert-inert on its own turn;
+//!    and alert-inert on its own turn. It still counts in later arrivals' windows (it has
+//!    an event type), so a divergent row that is itself the 11th crosses SILENTLY: the next
+//!    arrival counts 12, not 11, and does not fire. That is R7's "alert-inert" as written
+//!    (the metrics rule's honesty note names the same gap);
 //! 4. for an arrival that is in the window — decided in SQL on the database clock, with the
 //!    same expression as the count — the per-type count over the sliding hour, keyed on
 //!    `LEAST(COALESCE(occurred_at, dlq_received_at), dlq_received_at)`, is read; exactly at
@@ -79,17 +82,90 @@ pub struct RecordResult {
     pub threshold_event: Option<uuid::Uuid>,
 }
 
+/// One `dead_letter_audit` row as it will be written.
+struct Row<'a> {
+    disposition: &'static str,
+    path: &'static str,
+    routing_key: String,
+    original_queue: Option<String>,
+    envelope_id: Option<uuid::Uuid>,
+    event_type: Option<String>,
+    source_service: Option<String>,
+    reason: Option<String>,
+    envelope: Option<&'a EventEnvelope>,
+    raw: &'a [u8],
+    token: Option<&'a OccurrenceToken>,
+    occurred_at: Option<chrono::DateTime<chrono::Utc>>,
+    note: Option<String>,
+}
+
+impl<'a> Row<'a> {
+    /// The row of a delivery as read.
+    fn parsed(d: &'a DeadLetterDelivery, token: Option<&'a OccurrenceToken>) -> Self {
+        let disposition = match (&d.quarantine, token) {
+            (Some(_), _) => "malformed",
+            (None, Some(_)) => "recorded",
+            (None, None) => "tokenless",
+        };
+        Row {
+            disposition,
+            path: d.path.as_str(),
+            routing_key: d.routing_key.clone(),
+            original_queue: d.original_queue.clone(),
+            envelope_id: d.envelope.as_ref().map(|e| e.id),
+            event_type: d.event_type().map(str::to_owned),
+            source_service: d.envelope.as_ref().map(|e| e.source_service.clone()),
+            reason: d.reason.clone(),
+            envelope: d.envelope.as_ref(),
+            raw: &d.raw,
+            token,
+            occurred_at: d.occurred_at,
+            note: d.quarantine.clone().or_else(|| d.token_note.clone()),
+        }
+    }
+
+    /// The fallback when the database refused the parsed row as data (a NUL in a text
+    /// field or in the JSON, say): a `malformed` quarantine that keeps the raw bytes and
+    /// the typed facts PostgreSQL cannot refuse (envelope id, a NUL-free event type, so the
+    /// #1156 window still counts it) and drops every free-text field that came off the wire
+    /// (reason, original queue, the envelope JSON); the routing key is kept with any NUL
+    /// replaced. Tokenless: each such delivery records.
+    fn raw_only(d: &'a DeadLetterDelivery, why: String) -> Self {
+        let clean = |s: &str| (!s.contains('\0')).then(|| s.to_owned());
+        Row {
+            disposition: "malformed",
+            path: d.path.as_str(),
+            routing_key: d.routing_key.replace('\0', "\u{fffd}"),
+            original_queue: None,
+            envelope_id: d.envelope.as_ref().map(|e| e.id),
+            event_type: d.event_type().and_then(clean),
+            source_service: d.envelope.as_ref().and_then(|e| clean(&e.source_service)),
+            reason: None,
+            envelope: None,
+            raw: &d.raw,
+            token: None,
+            occurred_at: d.occurred_at,
+            note: Some(why),
+        }
+    }
+}
+
 /// Record one DLQ delivery (see the module doc). An `Err` is a database failure: nothing
 /// was committed and the delivery must not be acked.
 pub async fn record_dead_letter(pool: &PgPool, d: &DeadLetterDelivery, mode: RecorderMode) -> Result<RecordResult, sqlx::Error> {
     let token = if mode.pre_1181 { None } else { d.token.as_ref() };
-    let (disposition, kind) = match (&d.quarantine, token) {
-        (Some(_), _) => ("malformed", Recorded::Malformed),
-        (None, Some(_)) => ("recorded", Recorded::Recorded),
-        (None, None) => ("tokenless", Recorded::Tokenless),
+    record_row(pool, d, Row::parsed(d, token), mode).await
+}
+
+async fn record_row(pool: &PgPool, d: &DeadLetterDelivery, row: Row<'_>, mode: RecorderMode) -> Result<RecordResult, sqlx::Error> {
+    let kind = match (row.disposition, row.token) {
+        ("malformed", _) => Recorded::Malformed,
+        (_, Some(_)) => Recorded::Recorded,
+        (_, None) => Recorded::Tokenless,
     };
-    let event_type = d.event_type();
-    let note = d.quarantine.clone().or_else(|| d.token_note.clone());
+    let (disposition, token) = (row.disposition, row.token);
+    let event_type = row.event_type.clone();
+    let event_type = event_type.as_deref();
 
     let mut tx = pool.begin().await?;
     if let Some(et) = event_type {
@@ -98,7 +174,11 @@ pub async fn record_dead_letter(pool: &PgPool, d: &DeadLetterDelivery, mode: Rec
             .execute(&mut *tx)
             .await?;
     }
-    let inserted = insert_row(d, disposition, token, note).fetch_optional(&mut *tx).await?;
+    // Receipt time and the window's reference: read AFTER the lock, on the database's
+    // clock, so an arrival that waited for the lock is not dated before the one it waited
+    // for (now() is the transaction's start), and the gate and the count use one instant.
+    let at: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(&mut *tx).await?;
+    let inserted = insert_row(&row, at).fetch_optional(&mut *tx).await?;
 
     let (recorded, in_window) = match (inserted, token) {
         (Some((_, in_window)), _) => (kind, in_window),
@@ -111,10 +191,10 @@ pub async fn record_dead_letter(pool: &PgPool, d: &DeadLetterDelivery, mode: Rec
                  FROM dead_letter_audit WHERE occurrence_token = $1",
             )
             .bind(t.as_str())
-            .bind(d.envelope.as_ref().map(|e| e.id))
-            .bind(d.original_queue.as_deref())
+            .bind(row.envelope_id)
+            .bind(row.original_queue.as_deref())
             .bind(event_type)
-            .bind(d.envelope.as_ref().map(sqlx::types::Json))
+            .bind(row.envelope.map(sqlx::types::Json))
             .fetch_one(&mut *tx)
             .await?;
             if same {
@@ -124,7 +204,8 @@ pub async fn record_dead_letter(pool: &PgPool, d: &DeadLetterDelivery, mode: Rec
                 return Ok(RecordResult { recorded: Recorded::Phantom, window_count: None, threshold_event: None });
             }
             let why = format!("token {t} already recorded with other immutable facts (divergent claim)");
-            insert_row(d, "divergent", None, Some(why)).fetch_one(&mut *tx).await?;
+            let divergent = Row { disposition: "divergent", token: None, note: Some(why), ..row };
+            insert_row(&divergent, at).fetch_one(&mut *tx).await?;
             tx.commit().await?;
             tracing::error!(event = "security.dlq.divergent_token", token = %t, routing_key = %d.routing_key,
                 "quarantined a divergent claim of a recorded occurrence token");
@@ -135,9 +216,10 @@ pub async fn record_dead_letter(pool: &PgPool, d: &DeadLetterDelivery, mode: Rec
     let mut result = RecordResult { recorded, window_count: None, threshold_event: None };
     if let (Some(et), true) = (event_type, in_window) {
         let count: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-            "SELECT count(*) FROM dead_letter_audit WHERE event_type = $1 AND {WINDOW_KEY} > now() - interval '1 hour'"
+            "SELECT count(*) FROM dead_letter_audit WHERE event_type = $1 AND {WINDOW_KEY} > $2 - interval '1 hour'"
         )))
         .bind(et)
+        .bind(at)
         .fetch_one(&mut *tx)
         .await?;
         result.window_count = Some(count);
@@ -169,34 +251,34 @@ pub async fn record_dead_letter(pool: &PgPool, d: &DeadLetterDelivery, mode: Rec
     Ok(result)
 }
 
-/// The audit row's INSERT behind the #1181 arbiter; returns the id and whether the row is
-/// in the threshold window (decided in SQL, on the database clock, with the count's key).
+/// The audit row's INSERT behind the #1181 arbiter, received `at`; returns the id and
+/// whether the row is in the threshold window (decided in SQL, with the count's key and
+/// reference instant).
 fn insert_row<'a>(
-    d: &'a DeadLetterDelivery,
-    disposition: &'static str,
-    token: Option<&'a OccurrenceToken>,
-    note: Option<String>,
+    row: &'a Row<'a>,
+    at: chrono::DateTime<chrono::Utc>,
 ) -> sqlx::query::QueryAs<'a, sqlx::Postgres, (uuid::Uuid, bool), sqlx::postgres::PgArguments> {
     sqlx::query_as::<_, (uuid::Uuid, bool)>(sqlx::AssertSqlSafe(format!(
         "INSERT INTO dead_letter_audit (disposition, path, routing_key, original_queue, envelope_id, event_type, \
-         source_service, reason, envelope, raw_body, occurrence_token, occurred_at, note) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
+         source_service, reason, envelope, raw_body, occurrence_token, occurred_at, note, dlq_received_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
          ON CONFLICT (occurrence_token) WHERE occurrence_token IS NOT NULL DO NOTHING \
-         RETURNING id, {WINDOW_KEY} > now() - interval '1 hour'"
+         RETURNING id, {WINDOW_KEY} > $14 - interval '1 hour'"
     )))
-    .bind(disposition)
-    .bind(d.path.as_str())
-    .bind(&d.routing_key)
-    .bind(d.original_queue.as_deref())
-    .bind(d.envelope.as_ref().map(|e| e.id))
-    .bind(d.event_type())
-    .bind(d.envelope.as_ref().map(|e| e.source_service.as_str()))
-    .bind(d.reason.as_deref())
-    .bind(d.envelope.as_ref().map(sqlx::types::Json))
-    .bind(&d.raw)
-    .bind(token.map(OccurrenceToken::as_str))
-    .bind(d.occurred_at)
-    .bind(note)
+    .bind(row.disposition)
+    .bind(row.path)
+    .bind(&row.routing_key)
+    .bind(row.original_queue.as_deref())
+    .bind(row.envelope_id)
+    .bind(row.event_type.as_deref())
+    .bind(row.source_service.as_deref())
+    .bind(row.reason.as_deref())
+    .bind(row.envelope.map(sqlx::types::Json))
+    .bind(row.raw)
+    .bind(row.token.map(OccurrenceToken::as_str))
+    .bind(row.occurred_at)
+    .bind(row.note.clone())
+    .bind(at)
 }
 
 /// The wildcard audit subscriber's effect: one `audit_log` row per envelope (behind the
@@ -235,8 +317,7 @@ pub async fn on_dead_letter(
         Ok(r) => r,
         Err(e) if refused_as_data(&e) => {
             let why = format!("the database refused the parsed dead letter ({e}); recorded as raw bytes");
-            let raw_only = DeadLetterDelivery { envelope: None, token: None, occurred_at: None, quarantine: Some(why), ..d };
-            match record_dead_letter(pool, &raw_only, mode).await {
+            match record_row(pool, &d, Row::raw_only(&d, why), mode).await {
                 Ok(r) => r,
                 Err(e) if refused_as_data(&e) => return Err(DlqError::Permanent(e)),
                 Err(e) => return Err(transient(e)),

@@ -97,8 +97,8 @@ impl OccurrenceToken {
             let (Some(time), Some(count), Some(reason), Some(queue)) = (time, count, reason, queue) else {
                 return Err(bad());
             };
-            let count: i64 = count.parse().map_err(|_| bad())?;
-            let time_ok = time.parse::<i64>().is_ok_and(|t| t >= 0);
+            let count = canonical_number(count).ok_or_else(bad)?;
+            let time_ok = canonical_number(time).is_some();
             if id.is_nil() || queue.is_empty() || !XDEATH_REASONS.contains(&reason) || !(1..=MAX_XDEATH_COUNT).contains(&count) || !time_ok {
                 return Err(bad());
             }
@@ -107,7 +107,7 @@ impl OccurrenceToken {
             let bad = || TokenError::Grammar { prefix: "dlxcap", grammar: DLXCAP_GRAMMAR };
             let (id, rest) = split_id(rest).ok_or_else(bad)?;
             let (queue, micros) = rest.rsplit_once(':').ok_or_else(bad)?;
-            let micros_ok = micros.parse::<i64>().is_ok_and(|t| t >= 0) && !micros.starts_with('+');
+            let micros_ok = canonical_number(micros).is_some();
             if id.is_nil() || queue.is_empty() || !micros_ok {
                 return Err(bad());
             }
@@ -141,6 +141,13 @@ impl fmt::Display for OccurrenceToken {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
     }
+}
+
+/// A non-negative decimal in its one canonical spelling (no sign, no leading zero, fits
+/// `i64`): one occurrence, one token — `007` and `+7` would otherwise name `7` again.
+fn canonical_number(s: &str) -> Option<i64> {
+    let n: i64 = s.parse().ok()?;
+    (n >= 0 && n.to_string() == s).then_some(n)
 }
 
 /// `{uuid}:{rest}` → (uuid, rest), the UUID in its 36-character hyphenated form.
@@ -244,11 +251,13 @@ pub struct DeadLetterDelivery {
 impl DeadLetterDelivery {
     /// Read a DLQ delivery. Never fails: see the module doc for what degrades to what.
     pub fn read(raw: &[u8], routing_key: &str, headers: Option<&FieldTable>) -> Self {
+        // The queue the delivery was dead-lettered from, as craig.dlx routed it.
+        let routed_from = routing_key.strip_prefix(DLQ_ROUTING_PREFIX).filter(|q| !q.is_empty()).map(str::to_owned);
         let mut d = DeadLetterDelivery {
             raw: raw.to_vec(),
             routing_key: routing_key.to_owned(),
             path: DeadLetterPath::Unknown,
-            original_queue: routing_key.strip_prefix(DLQ_ROUTING_PREFIX).filter(|q| !q.is_empty()).map(str::to_owned),
+            original_queue: routed_from.clone(),
             envelope: None,
             token: None,
             occurred_at: None,
@@ -301,35 +310,41 @@ impl DeadLetterDelivery {
             },
         }
 
-        // x-death outranks the wrapper (#1181).
-        match headers.and_then(|h| h.inner().get("x-death")) {
-            None => {
+        // A VALID x-death outranks the wrapper (#1181); an unusable one is no history at all,
+        // so the wrapper's token (if any) still names the occurrence.
+        let death = headers.and_then(|h| h.inner().get("x-death")).map(latest_death);
+        match death {
+            None | Some(Err(_)) => {
+                if let Some(Err(why)) = &death {
+                    notes.push(format!("x-death unusable: {why}"));
+                    if wrapper_token.is_none() {
+                        d.path = DeadLetterPath::Broker;
+                    }
+                }
                 if let Some((t, surfaced_at)) = wrapper_token {
                     d.token = Some(t);
                     d.occurred_at = Some(surfaced_at);
                 }
             }
-            Some(xdeath) => {
+            Some(Ok(death)) => {
                 d.path = DeadLetterPath::Broker;
-                match latest_death(xdeath) {
-                    Err(why) => notes.push(format!("x-death unusable: {why}")),
-                    Ok(death) => {
-                        d.reason = Some(death.reason.clone());
-                        let from = d.original_queue.clone();
-                        if from.as_deref() != Some(death.queue.as_str()) {
-                            notes.push(format!(
-                                "latest x-death names queue {:?}, the delivery was dead-lettered from {:?}",
-                                death.queue, from
-                            ));
-                        } else if let Some(env) = &d.envelope {
-                            match OccurrenceToken::xdeath(env.id, &death.queue, &death.reason, death.count, death.time) {
-                                Ok(t) => {
-                                    d.token = Some(t);
-                                    d.occurred_at = (death.count == 1).then(|| Utc.timestamp_opt(death.time as i64, 0).single()).flatten();
-                                }
-                                Err(e) => notes.push(format!("x-death token rejected: {e}")),
-                            }
+                d.reason = Some(death.reason.clone());
+                // Compared with the queue craig.dlx routed it from, never with a
+                // wrapper's claim: a wrapped envelope dead-lettered again by the
+                // broker is that queue's occurrence (#1181 precedence).
+                if routed_from.as_deref() != Some(death.queue.as_str()) {
+                    notes.push(format!(
+                        "latest x-death names queue {:?}, the delivery was dead-lettered from {:?}",
+                        death.queue, routed_from
+                    ));
+                } else if let Some(env) = &d.envelope {
+                    d.original_queue = Some(death.queue.clone());
+                    match OccurrenceToken::xdeath(env.id, &death.queue, &death.reason, death.count, death.time) {
+                        Ok(t) => {
+                            d.token = Some(t);
+                            d.occurred_at = (death.count == 1).then(|| Utc.timestamp_opt(death.time as i64, 0).single()).flatten();
                         }
+                        Err(e) => notes.push(format!("x-death token rejected: {e}")),
                     }
                 }
             }
@@ -446,6 +461,7 @@ pub struct DlqRetryConfig {
     max_attempts: u32,
     retry_delay: Duration,
     park_delay: Duration,
+    max_parks: u32,
 }
 
 /// Why a [`DlqRetryConfig`] was refused.
@@ -457,6 +473,8 @@ pub enum DlqConfigError {
     RetryDelay(Duration),
     #[error("park_delay must be at least retry_delay ({retry:?}) and at most 10 min, got {park:?}")]
     ParkDelay { park: Duration, retry: Duration },
+    #[error("max_parks must be 1..=10000, got {0}")]
+    Parks(u32),
 }
 
 impl DlqRetryConfig {
@@ -470,7 +488,20 @@ impl DlqRetryConfig {
         if park_delay < retry_delay || park_delay > Duration::from_secs(600) {
             return Err(DlqConfigError::ParkDelay { park: park_delay, retry: retry_delay });
         }
-        Ok(Self { max_attempts, retry_delay, park_delay })
+        Ok(Self { max_attempts, retry_delay, park_delay, max_parks: DEFAULT_MAX_PARKS })
+    }
+    /// How many times ONE delivery may park the session before it is captured instead: a
+    /// delivery that fails "transiently" forever (a statement timeout on that row, say)
+    /// must not hold the healthy dead letters behind it (default [`DEFAULT_MAX_PARKS`]).
+    /// Captured is not lost: its raw bytes and the reason wait in [`CAPTURE_QUEUE`].
+    pub fn with_max_parks(self, max_parks: u32) -> Result<Self, DlqConfigError> {
+        if !(1..=10_000).contains(&max_parks) {
+            return Err(DlqConfigError::Parks(max_parks));
+        }
+        Ok(Self { max_parks, ..self })
+    }
+    pub fn max_parks(&self) -> u32 {
+        self.max_parks
     }
     pub fn max_attempts(&self) -> u32 {
         self.max_attempts
@@ -486,6 +517,41 @@ impl DlqRetryConfig {
 impl Default for DlqRetryConfig {
     fn default() -> Self {
         Self::new(3, Duration::from_millis(200), Duration::from_secs(2)).expect("valid defaults")
+    }
+}
+
+/// Parks one delivery may cause before it is captured ([`DlqRetryConfig::with_max_parks`]):
+/// with the default 2 s park, about a minute of a failure that only this delivery sees.
+pub const DEFAULT_MAX_PARKS: u32 = 30;
+
+/// Parks per delivery, kept across sessions (a park requeues the delivery and may end the
+/// session): keyed by a hash of routing key and body, bounded.
+#[derive(Default)]
+struct ParkCounts(std::collections::HashMap<u64, u32>);
+
+impl ParkCounts {
+    const MAX_TRACKED: usize = 4096;
+
+    fn key(dl: &DeadLetterDelivery) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        dl.routing_key.hash(&mut h);
+        dl.raw.hash(&mut h);
+        h.finish()
+    }
+
+    /// Count one more park of `dl`; the total so far.
+    fn park(&mut self, dl: &DeadLetterDelivery) -> u32 {
+        if self.0.len() >= Self::MAX_TRACKED {
+            self.0.clear();
+        }
+        let n = self.0.entry(Self::key(dl)).or_default();
+        *n += 1;
+        *n
+    }
+
+    fn settled(&mut self, dl: &DeadLetterDelivery) {
+        self.0.remove(&Self::key(dl));
     }
 }
 
@@ -526,8 +592,9 @@ where
     Fut: Future<Output = Result<(), DlqError<E>>>,
     E: std::error::Error + 'static,
 {
+    let mut parks = ParkCounts::default();
     loop {
-        match dlq_session(&cfg, &handler, &shutdown).await {
+        match dlq_session(&cfg, &handler, &mut parks, &shutdown).await {
             Ok(()) => return,
             Err(e) => tracing::warn!(event = "security.dlq.session_ended", queue = DLQ_QUEUE, error = %e),
         }
@@ -538,7 +605,12 @@ where
     }
 }
 
-async fn dlq_session<H, Fut, E>(cfg: &DlqConsumerConfig, handler: &H, shutdown: &CancellationToken) -> Result<(), DlqSessionError>
+async fn dlq_session<H, Fut, E>(
+    cfg: &DlqConsumerConfig,
+    handler: &H,
+    parks: &mut ParkCounts,
+    shutdown: &CancellationToken,
+) -> Result<(), DlqSessionError>
 where
     H: Fn(DeadLetterDelivery) -> Fut,
     Fut: Future<Output = Result<(), DlqError<E>>>,
@@ -586,7 +658,7 @@ where
             Some(Err(e)) => break Err(e.into()),
             None => break Err(SessionError::StreamEnded.into()),
         };
-        if let Err(e) = dispatch_dlq(cfg, handler, &capture, delivery, shutdown).await {
+        if let Err(e) = dispatch_dlq(cfg, handler, &capture, delivery, parks, shutdown).await {
             break Err(e);
         }
     };
@@ -599,6 +671,7 @@ async fn dispatch_dlq<H, Fut, E>(
     handler: &H,
     capture: &lapin::Channel,
     delivery: lapin::message::Delivery,
+    parks: &mut ParkCounts,
     shutdown: &CancellationToken,
 ) -> Result<(), DlqSessionError>
 where
@@ -612,6 +685,7 @@ where
     loop {
         let err = match handler(dl.clone()).await {
             Ok(()) => {
+                parks.settled(&dl);
                 settled("ack", delivery.acker.ack(BasicAckOptions::default()).await)?;
                 return Ok(());
             }
@@ -632,7 +706,16 @@ where
                 tokio::time::sleep(cfg.retry.retry_delay).await;
             }
             DlqError::TransientRetry(e) | DlqError::TransientPark(e) => {
-                tracing::warn!(event = "security.dlq.parked", attempt, routing_key = %dl.routing_key, error = %e,
+                let n = parks.park(&dl);
+                if n > cfg.retry.max_parks {
+                    // This delivery alone has kept failing for max_parks parks: set it aside
+                    // so the dead letters behind it are recorded (it is captured, not lost).
+                    let why = format!("parked {} times without being recorded; last error: {e}", n - 1);
+                    capture_delivery(capture, &delivery, &dl, &why).await?;
+                    parks.settled(&dl);
+                    return Ok(());
+                }
+                tracing::warn!(event = "security.dlq.parked", attempt, parks = n, routing_key = %dl.routing_key, error = %e,
                     park = ?cfg.retry.park_delay, "parking the session; the delivery is requeued, not acked");
                 crate::metrics::dlq_outcome("parked");
                 tokio::select! {
@@ -643,28 +726,42 @@ where
                 return Ok(());
             }
             DlqError::Permanent(e) => {
-                tracing::error!(event = "security.dlq.capture", routing_key = %dl.routing_key, error = %e,
-                    bytes = dl.raw.len(), "capturing a dead letter that can never be recorded");
-                let mut headers = delivery.properties.headers().clone().unwrap_or_default();
-                headers.insert("x-craig-capture-reason".into(), AMQPValue::LongString(e.to_string().into()));
-                headers.insert("x-craig-dlq-routing-key".into(), AMQPValue::LongString(dl.routing_key.as_str().into()));
-                let props = lapin::BasicProperties::default().with_delivery_mode(2).with_headers(headers);
-                let confirm = async {
-                    capture
-                        .basic_publish("".into(), CAPTURE_QUEUE.into(), BasicPublishOptions { mandatory: true, immediate: false }, &dl.raw, props)
-                        .await?
-                        .await
-                };
-                match tokio::time::timeout(Duration::from_secs(10), confirm).await {
-                    Ok(Ok(lapin::Confirmation::Ack(None))) => {}
-                    other => return Err(DlqSessionError::Capture(format!("{other:?}"))),
-                }
-                crate::metrics::dlq_outcome("captured");
-                settled("ack", delivery.acker.ack(BasicAckOptions::default()).await)?;
+                capture_delivery(capture, &delivery, &dl, &e.to_string()).await?;
+                parks.settled(&dl);
                 return Ok(());
             }
         }
     }
+}
+
+/// Publish the raw delivery to [`CAPTURE_QUEUE`] with its reason, and ack it only once the
+/// broker confirmed the capture (#1197).
+async fn capture_delivery(
+    capture: &lapin::Channel,
+    delivery: &lapin::message::Delivery,
+    dl: &DeadLetterDelivery,
+    reason: &str,
+) -> Result<(), DlqSessionError> {
+    use crate::subscriber::settled;
+    tracing::error!(event = "security.dlq.capture", routing_key = %dl.routing_key, reason,
+        bytes = dl.raw.len(), "capturing a dead letter that cannot be recorded");
+    let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+    headers.insert("x-craig-capture-reason".into(), AMQPValue::LongString(reason.into()));
+    headers.insert("x-craig-dlq-routing-key".into(), AMQPValue::LongString(dl.routing_key.as_str().into()));
+    let props = lapin::BasicProperties::default().with_delivery_mode(2).with_headers(headers);
+    let confirm = async {
+        capture
+            .basic_publish("".into(), CAPTURE_QUEUE.into(), BasicPublishOptions { mandatory: true, immediate: false }, &dl.raw, props)
+            .await?
+            .await
+    };
+    match tokio::time::timeout(Duration::from_secs(10), confirm).await {
+        Ok(Ok(lapin::Confirmation::Ack(None))) => {}
+        other => return Err(DlqSessionError::Capture(format!("{other:?}"))),
+    }
+    crate::metrics::dlq_outcome("captured");
+    settled("ack", delivery.acker.ack(BasicAckOptions::default()).await)?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -721,6 +818,10 @@ mod tests {
             format!("dlxcap:{id}:{Q}"),
             format!("dlxcap:{id}:{Q}:+5"),
             format!("dlxcap:{id}:{Q}:1.5"),
+            // One occurrence, one spelling: no leading zeros.
+            format!("dlxcap:{id}:{Q}:0017"),
+            format!("xdeath:{id}:{Q}:rejected:01:1"),
+            format!("xdeath:{id}:{Q}:rejected:1:0017"),
             format!("other:{id}:{Q}:1"),
             format!("xdeath:{id}:{Q} x:rejected:1:1"),
             format!("xdeath:{id}:{Q}\u{e9}:rejected:1:1"),
@@ -770,6 +871,37 @@ mod tests {
         let d = DeadLetterDelivery::read(&body, RK, Some(&h));
         assert_eq!(d.path, DeadLetterPath::Broker);
         assert!(d.token.as_ref().unwrap().as_str().starts_with("xdeath:"));
+    }
+
+    /// Audit finding: the broker dead-letters a wrapped envelope again from the queue the
+    /// routing key names, while the wrapper claims another: the x-death is compared with the
+    /// routed queue (not the wrapper's claim), and that queue becomes the row's.
+    #[test]
+    fn a_re_dead_lettered_wrapper_is_the_routed_queues_occurrence() {
+        let e = env();
+        let earlier = "craig-financial.events";
+        let body = DlxWrapper::new(&OccurrenceToken::dlxcap(e.id, earlier, Utc::now()).unwrap(), earlier, "retry cap", e.clone()).to_vec();
+        let h = headers(vec![death(Q.as_bytes(), "rejected", AMQPValue::LongLongInt(1), AMQPValue::Timestamp(1_700_000_000))]);
+        let d = DeadLetterDelivery::read(&body, RK, Some(&h));
+        assert_eq!(d.path, DeadLetterPath::Broker);
+        assert_eq!(d.token.as_ref().unwrap().as_str(), format!("xdeath:{}:{Q}:rejected:1:1700000000", e.id));
+        assert_eq!(d.original_queue.as_deref(), Some(Q));
+        assert_eq!(d.reason.as_deref(), Some("rejected"));
+    }
+
+    /// Audit finding: an x-death that cannot be read is no history; it must not strip a
+    /// valid wrapper of its token (only a VALID x-death outranks it).
+    #[test]
+    fn an_unusable_x_death_leaves_the_wrapper_token_in_force() {
+        let e = env();
+        let token = OccurrenceToken::dlxcap(e.id, Q, Utc::now()).unwrap();
+        let body = DlxWrapper::new(&token, Q, "retry cap", e.clone()).to_vec();
+        let mut h = FieldTable::default();
+        h.insert(ShortString::from("x-death"), AMQPValue::LongString("garbage".into()));
+        let d = DeadLetterDelivery::read(&body, RK, Some(&h));
+        assert_eq!((d.path, d.token.as_ref()), (DeadLetterPath::App, Some(&token)));
+        assert!(d.occurred_at.is_some());
+        assert!(d.token_note.as_deref().unwrap().contains("x-death unusable"));
     }
 
     #[test]

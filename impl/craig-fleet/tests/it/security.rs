@@ -295,7 +295,8 @@ async fn every_hostile_dead_letter_ends_as_a_recorded_row() {
             .await
             .unwrap();
         assert!(confirm.is_ack(), "{}", case["name"]);
-        sent.push((case["name"].as_str().unwrap().to_owned(), case["expect"].as_str().unwrap().to_owned(), body));
+        let keeps = case["keeps_envelope_id"].as_bool().unwrap_or(false);
+        sent.push((case["name"].as_str().unwrap().to_owned(), case["expect"].as_str().unwrap().to_owned(), body, keeps));
     }
     let _ = conn.close(200, "bye".into()).await;
 
@@ -307,7 +308,7 @@ async fn every_hostile_dead_letter_ends_as_a_recorded_row() {
     .await;
     eventually(Duration::from_secs(10), "DLQ empty", || async { fleet.depth(DLQ_QUEUE).await == 0 }).await;
     let mut wrong = Vec::new();
-    for (name, expect, body) in &sent {
+    for (name, expect, body, keeps) in &sent {
         let got: Vec<(String, Option<String>)> =
             sqlx::query_as("SELECT disposition, occurrence_token FROM dead_letter_audit WHERE raw_body = $1")
                 .bind(body)
@@ -320,6 +321,18 @@ async fn every_hostile_dead_letter_ends_as_a_recorded_row() {
         };
         if &disposition != expect {
             wrong.push(format!("{name}: expected {expect}, got {disposition}"));
+        }
+        if *keeps {
+            let kept: Option<bool> = sqlx::query_scalar(
+                "SELECT envelope_id IS NOT NULL AND event_type IS NOT NULL FROM dead_letter_audit WHERE raw_body = $1",
+            )
+            .bind(body)
+            .fetch_optional(&pool)
+            .await
+            .unwrap();
+            if kept != Some(true) {
+                wrong.push(format!("{name}: the envelope id and event type were not kept on the raw-bytes row"));
+            }
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
@@ -377,5 +390,80 @@ async fn a_broker_dead_letter_reaches_the_audit_with_its_occurrence_token() {
     assert_eq!(sec.stop().await.code(), Some(0));
     assert_eq!(rules.stop().await.code(), Some(0));
     pool.close().await;
+    fleet.finish().await;
+}
+
+/// Audit finding (#1197 with "a failure of one row never slows the healthy rows behind
+/// it"): a delivery whose handler parks forever is captured after `max_parks` parks, with
+/// the reason; the healthy dead letters behind it are recorded.
+#[tokio::test]
+async fn a_delivery_that_parks_forever_is_captured_and_the_rest_recorded() {
+    use craig_mq::dlq::{CAPTURE_QUEUE, DlqConsumerConfig, DlqError, DlqRetryConfig, subscribe_dlq};
+    use std::sync::{Arc, Mutex};
+
+    let fleet = Fleet::new("dlq-park-cap", &[]).await;
+    let (conn, ch) = fleet.channel().await;
+    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
+    let stuck = envelope("case.referral_created");
+    let healthy: Vec<EventEnvelope> = (0..3).map(|_| envelope("case.referral_created")).collect();
+    for env in std::iter::once(&stuck).chain(&healthy) {
+        ch.basic_publish(DLX_EXCHANGE.into(), RK.into(), BasicPublishOptions::default(), &env.to_vec(), Default::default())
+            .await
+            .unwrap();
+    }
+    let _ = conn.close(200, "bye".into()).await;
+
+    let retry = DlqRetryConfig::new(1, Duration::from_millis(5), Duration::from_millis(20)).unwrap().with_max_parks(3).unwrap();
+    let cfg = DlqConsumerConfig {
+        amqp_url: fleet.sandbox.amqp_url().to_owned(),
+        prefetch: 1,
+        heartbeat_secs: 10,
+        reconnect_delay: Duration::from_millis(100),
+        retry,
+        log_and_ack: false,
+    };
+    let recorded = Arc::new(Mutex::new(Vec::new()));
+    let (seen, stuck_id) = (recorded.clone(), stuck.id);
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let task = tokio::spawn(subscribe_dlq(
+        cfg,
+        move |d: DeadLetterDelivery| {
+            let seen = seen.clone();
+            async move {
+                let id = d.envelope.as_ref().map(|e| e.id);
+                if id == Some(stuck_id) {
+                    return Err(DlqError::TransientPark(std::io::Error::other("statement timeout on this row")));
+                }
+                seen.lock().unwrap().extend(id);
+                Ok(())
+            }
+        },
+        shutdown.clone(),
+    ));
+    eventually(Duration::from_secs(20), "the stuck delivery captured", || async {
+        // The session declares the capture queue; until then there is nothing to count.
+        let (conn, ch) = fleet.channel().await;
+        let n = craig_mq::topology::queue_depth(&ch, CAPTURE_QUEUE).await.unwrap_or(0);
+        let _ = conn.close(200, "bye".into()).await;
+        n == 1
+    })
+    .await;
+    eventually(Duration::from_secs(20), "the healthy ones recorded", || {
+        let recorded = recorded.clone();
+        async move { recorded.lock().unwrap().len() == 3 }
+    })
+    .await;
+    assert_eq!(fleet.depth(DLQ_QUEUE).await, 0);
+    let (conn, ch) = fleet.channel().await;
+    let m = ch.basic_get(CAPTURE_QUEUE.into(), lapin::options::BasicGetOptions { no_ack: true }).await.unwrap().expect("captured");
+    assert_eq!(m.delivery.data, stuck.to_vec(), "captured with its raw bytes");
+    let reason = match m.delivery.properties.headers().as_ref().and_then(|h| h.inner().get("x-craig-capture-reason").cloned()) {
+        Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        other => panic!("no capture reason: {other:?}"),
+    };
+    assert!(reason.starts_with("parked 3 times"), "{reason}");
+    let _ = conn.close(200, "bye".into()).await;
+    shutdown.cancel();
+    task.await.unwrap();
     fleet.finish().await;
 }
