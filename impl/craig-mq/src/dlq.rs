@@ -616,7 +616,7 @@ where
     Fut: Future<Output = Result<(), DlqError<E>>>,
     E: std::error::Error + 'static,
 {
-    use crate::subscriber::{SET_UP_TIMEOUT, SessionError};
+    use crate::subscriber::SessionError;
     let conn = crate::publisher::connect(&cfg.amqp_url, cfg.heartbeat_secs, DLQ_QUEUE).await?;
     let set_up = async {
         let ch = conn.create_channel().await?;
@@ -628,27 +628,28 @@ where
         ch.basic_qos(cfg.prefetch, BasicQosOptions::default()).await?;
         let consumer =
             ch.basic_consume(DLQ_QUEUE.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
-        Ok::<_, lapin::Error>((ch, capture, consumer))
+        // The depth gauge's passive declares get a channel of their own: a declare that
+        // fails closes ITS channel, never the one holding the unacked deliveries.
+        let gauge = conn.create_channel().await?;
+        Ok::<_, lapin::Error>((ch, capture, consumer, gauge))
     };
-    let (ch, capture, mut consumer) = match tokio::time::timeout(SET_UP_TIMEOUT, set_up).await {
-        Ok(r) => r?,
-        Err(_) => {
-            let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "set-up timed out".into())).await;
-            return Err(SessionError::SetUpTimeout(SET_UP_TIMEOUT).into());
-        }
-    };
+    let (ch, capture, mut consumer, gauge) = crate::subscriber::bounded_set_up(&conn, set_up).await?;
     tracing::info!(event = "security.dlq.started", queue = DLQ_QUEUE);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    // A slow handler must not be followed by a burst of catch-up ticks.
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let result = loop {
         let next = tokio::select! {
             _ = shutdown.cancelled() => break Ok(()),
             next = consumer.next() => next,
             _ = tick.tick() => {
-                if !(conn.status().connected() && ch.status().connected()) {
+                if !crate::subscriber::alive(&conn, &ch) {
                     break Err(SessionError::StreamEnded.into());
                 }
-                if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(2), crate::topology::queue_depth(&ch, DLQ_QUEUE)).await {
-                    crate::metrics::dlq_queue_depth(n);
+                if gauge.status().connected() {
+                    if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(2), crate::topology::queue_depth(&gauge, DLQ_QUEUE)).await {
+                        crate::metrics::dlq_queue_depth(n);
+                    }
                 }
                 continue;
             }
@@ -686,7 +687,7 @@ where
         let err = match handler(dl.clone()).await {
             Ok(()) => {
                 parks.settled(&dl);
-                settled("ack", delivery.acker.ack(BasicAckOptions::default()).await)?;
+                settled("ack", delivery.acker.ack(BasicAckOptions::default())).await?;
                 return Ok(());
             }
             Err(e) => e,
@@ -695,7 +696,7 @@ where
             // Compat pre-1197: the retired log-and-ack posture (a forensic loss).
             tracing::warn!(event = "security.dlq.log_and_ack", routing_key = %dl.routing_key, error = %err);
             crate::metrics::dlq_outcome("acked_unrecorded");
-            settled("ack", delivery.acker.ack(BasicAckOptions::default()).await)?;
+            settled("ack", delivery.acker.ack(BasicAckOptions::default())).await?;
             return Ok(());
         }
         match err {
@@ -722,7 +723,7 @@ where
                     _ = shutdown.cancelled() => {}
                     _ = tokio::time::sleep(cfg.retry.park_delay) => {}
                 }
-                settled("nack", delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await)?;
+                settled("nack", delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() })).await?;
                 return Ok(());
             }
             DlqError::Permanent(e) => {
@@ -760,7 +761,7 @@ async fn capture_delivery(
         other => return Err(DlqSessionError::Capture(format!("{other:?}"))),
     }
     crate::metrics::dlq_outcome("captured");
-    settled("ack", delivery.acker.ack(BasicAckOptions::default()).await)?;
+    settled("ack", delivery.acker.ack(BasicAckOptions::default())).await?;
     Ok(())
 }
 

@@ -59,20 +59,56 @@ pub(crate) enum SessionError {
     /// poisoned, so the broker never got the settlement (#1197: an ack failure).
     #[error("basic.{0} was not sent: the delivery's channel is closed or the acker already used")]
     NotSettled(&'static str),
+    #[error("basic.{0} did not complete within {1:?} (a connection being recovered)")]
+    SettleTimeout(&'static str, Duration),
 }
 
 /// An ack or nack counts only when lapin actually sent it: `Ok(false)` is the ack failure
-/// #1197 says tears the session down, never a success.
-pub(crate) fn settled(op: &'static str, sent: Result<bool, lapin::Error>) -> Result<(), SessionError> {
-    match sent {
-        Ok(true) => Ok(()),
-        Ok(false) => Err(SessionError::NotSettled(op)),
-        Err(e) => Err(SessionError::Amqp(e)),
+/// #1197 says tears the session down, never a success. It is bounded by [`SETTLE_TIMEOUT`]:
+/// on a connection lapin is still trying to recover the ack's future may never resolve,
+/// and a session awaiting it would stop consuming for good (found by the 20-seed run:
+/// `broker-kill` stalled 2 of 20 times with the queue full and the session never ended).
+pub(crate) async fn settled(
+    op: &'static str,
+    sent: impl Future<Output = Result<bool, lapin::Error>>,
+) -> Result<(), SessionError> {
+    match tokio::time::timeout(SETTLE_TIMEOUT, sent).await {
+        Ok(Ok(true)) => Ok(()),
+        Ok(Ok(false)) => Err(SessionError::NotSettled(op)),
+        Ok(Err(e)) => Err(SessionError::Amqp(e)),
+        Err(_) => Err(SessionError::SettleTimeout(op, SETTLE_TIMEOUT)),
     }
 }
 
+/// Bound on one ack or nack.
+pub(crate) const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Bound on a session's set-up after the handshake.
 pub(crate) const SET_UP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Run a consume session's set-up (channels, declarations, qos, consume) within
+/// [`SET_UP_TIMEOUT`]: a broker that accepts the connection and then stops answering
+/// (mid-boot, killed) must end the session, not park it. On timeout the connection is
+/// closed (bounded) before the error returns.
+pub(crate) async fn bounded_set_up<T>(
+    conn: &lapin::Connection,
+    set_up: impl Future<Output = Result<T, lapin::Error>>,
+) -> Result<T, SessionError> {
+    match tokio::time::timeout(SET_UP_TIMEOUT, set_up).await {
+        Ok(r) => Ok(r?),
+        Err(_) => {
+            let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "set-up timed out".into())).await;
+            Err(SessionError::SetUpTimeout(SET_UP_TIMEOUT))
+        }
+    }
+}
+
+/// The liveness tick's test: a consumer stream is expected to end when its connection
+/// fails, but a session must not rely on it (one that silently stopped delivering would
+/// strand the queue behind it).
+pub(crate) fn alive(conn: &lapin::Connection, ch: &lapin::Channel) -> bool {
+    conn.status().connected() && ch.status().connected()
+}
 
 /// Run consume sessions until `shutdown`. Each session error is logged and followed by a
 /// reconnect; the function returns only on shutdown.
@@ -101,8 +137,6 @@ where
 {
     let queue = cfg.spec.queue.as_str();
     let conn = connect(&cfg.amqp_url, cfg.heartbeat_secs, queue).await?;
-    // The set-up is bounded like the handshake: a broker that accepts the connection and
-    // then stops answering (mid-boot, killed) must end the session, not park it.
     let set_up = async {
         let ch = conn.create_channel().await?;
         topology::declare_consumer_queue(&ch, &cfg.spec).await?;
@@ -111,24 +145,15 @@ where
             ch.basic_consume(queue.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
         Ok::<_, lapin::Error>((ch, consumer))
     };
-    let (ch, mut consumer) = match tokio::time::timeout(SET_UP_TIMEOUT, set_up).await {
-        Ok(r) => r?,
-        Err(_) => {
-            let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "set-up timed out".into())).await;
-            return Err(SessionError::SetUpTimeout(SET_UP_TIMEOUT));
-        }
-    };
+    let (ch, mut consumer) = bounded_set_up(&conn, set_up).await?;
     tracing::info!(event = "subscriber.started", queue);
     let mut liveness = tokio::time::interval(Duration::from_secs(1));
     let result = loop {
         let next = tokio::select! {
             _ = shutdown.cancelled() => break Ok(()),
             next = consumer.next() => next,
-            // A consumer stream is expected to end when its connection fails; this check
-            // does not rely on it (a session that silently stopped delivering would strand
-            // the queue behind it).
             _ = liveness.tick() => {
-                if conn.status().connected() && ch.status().connected() {
+                if alive(&conn, &ch) {
                     continue;
                 }
                 break Err(SessionError::StreamEnded);
@@ -158,21 +183,21 @@ where
         Err(e) => {
             tracing::error!(event = "subscriber.malformed_envelope", queue, error = %e, bytes = delivery.data.len(),
                 "dead-lettering malformed delivery with its raw bytes");
-            settled("nack", delivery.acker.nack(BasicNackOptions { requeue: false, ..Default::default() }).await)?;
+            settled("nack", delivery.acker.nack(BasicNackOptions { requeue: false, ..Default::default() })).await?;
             return Ok(());
         }
     };
     match handler(envelope.clone()).await {
-        Ok(()) => settled("ack", delivery.acker.ack(BasicAckOptions::default()).await)?,
+        Ok(()) => settled("ack", delivery.acker.ack(BasicAckOptions::default())).await?,
         Err(HandlerError::Transient(why)) => {
             tracing::warn!(event = "subscriber.transient_failure", queue, envelope_id = %envelope.id, error = %why);
             tokio::time::sleep(cfg.retry_delay).await;
-            settled("nack", delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await)?;
+            settled("nack", delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() })).await?;
         }
         Err(HandlerError::Permanent(why)) => {
             tracing::error!(event = "subscriber.permanent_failure", queue, envelope_id = %envelope.id, error = %why,
                 "dead-lettering to craig.dlx");
-            settled("nack", delivery.acker.nack(BasicNackOptions { requeue: false, ..Default::default() }).await)?;
+            settled("nack", delivery.acker.nack(BasicNackOptions { requeue: false, ..Default::default() })).await?;
         }
     }
     Ok(())
@@ -182,11 +207,16 @@ where
 mod tests {
     use super::*;
 
-    #[test]
-    fn an_ack_that_was_not_sent_is_a_failure() {
-        assert!(settled("ack", Ok(true)).is_ok());
-        let err = settled("ack", Ok(false)).unwrap_err();
+    #[tokio::test]
+    async fn an_ack_that_was_not_sent_or_never_completes_is_a_failure() {
+        assert!(settled("ack", std::future::ready(Ok(true))).await.is_ok());
+        let err = settled("ack", std::future::ready(Ok(false))).await.unwrap_err();
         assert!(matches!(err, SessionError::NotSettled("ack")), "{err}");
-        assert!(settled("nack", Err(lapin::ErrorKind::InvalidChannelState(lapin::ChannelState::Closed, "test").into())).is_err());
+        let closed = lapin::ErrorKind::InvalidChannelState(lapin::ChannelState::Closed, "test").into();
+        assert!(settled("nack", std::future::ready(Err(closed))).await.is_err());
+        // An ack whose future never resolves (a connection lapin is recovering) ends in a
+        // typed error, so the session is torn down instead of stalling for good.
+        let err = settled("ack", std::future::pending()).await.unwrap_err();
+        assert!(matches!(err, SessionError::SettleTimeout("ack", _)), "{err}");
     }
 }
