@@ -9,6 +9,8 @@
 //! | `no_phantom` | an effect exists for a write that failed, was rolled back, or was never attempted |
 //! | `effect_once` | an envelope's effect ran twice and no consumer crash or consumer-database fault sits between the two runs (#1180 attribution) |
 //! | `liveness` | the outbox did not drain within the bound after faults healed, or a row stayed claimed past its lease |
+//! | `dlq_occurrence_once` | a dead letter that reached `craig.dlx` has no audit row, or one occurrence has two; or an envelope both took effect and was dead-lettered |
+//! | `threshold_crossing_once` | the `security.dlq.threshold_exceeded` events per type differ from the crossings (10 → 11 in the sliding hour) of the recorded occurrences |
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -129,10 +131,11 @@ impl Verdict {
     }
 }
 
-pub const INVARIANTS: &[&str] = &["no_loss", "no_phantom", "effect_once", "liveness"];
+pub const INVARIANTS: &[&str] =
+    &["no_loss", "no_phantom", "effect_once", "liveness", "dlq_occurrence_once", "threshold_crossing_once"];
 /// Checkers that blame every violation on a replica and its compat mode
 /// ([`Verdict::culprits`]), so a scenario can name the cause it must be violated for.
-pub const ATTRIBUTING: &[&str] = &["no_loss", "effect_once"];
+pub const ATTRIBUTING: &[&str] = &["no_loss", "effect_once", "dlq_occurrence_once", "threshold_crossing_once"];
 
 /// Run one checker by name (None: no such checker).
 pub fn check(name: &str, h: &History) -> Option<Verdict> {
@@ -141,6 +144,8 @@ pub fn check(name: &str, h: &History) -> Option<Verdict> {
         "no_phantom" => no_phantom,
         "effect_once" => effect_once,
         "liveness" => liveness,
+        "dlq_occurrence_once" => dlq_occurrence_once,
+        "threshold_crossing_once" => threshold_crossing_once,
         _ => return None,
     };
     Some(match std::panic::catch_unwind(|| f(h)) {
@@ -385,9 +390,14 @@ fn window_faults(h: &History) -> Vec<WindowFault> {
             Event::Fault { kind, target, phase } => {
                 // A toxic's label is "<replica>->database (<type> <stream>)".
                 let link = target.split(" (").next().unwrap_or(target);
+                // Only a toxic that can break the stamp's statement opens the window: one that
+                // drops, stalls or cuts the link (a latency, bandwidth or slicer toxic delays
+                // the stamp but it still lands).
+                let toxic_type = target.split_once(" (").and_then(|(_, t)| t.split_whitespace().next()).unwrap_or("");
+                let breaks = kind == "down" || matches!(toxic_type, "timeout" | "reset_peer" | "limit_data");
                 let opener = match (kind.as_str(), link) {
                     ("kill" | "pause", "database") => Opener::Database,
-                    ("down" | "toxic", l) => match l.strip_suffix("->database") {
+                    ("down" | "toxic", l) if breaks => match l.strip_suffix("->database") {
                         Some(r) => Opener::Link { replica: r.to_owned() },
                         None => continue,
                     },
@@ -420,16 +430,19 @@ fn window_faults(h: &History) -> Vec<WindowFault> {
 ///   within [`STAMP_DUE_MS`] after the first execution (and before the second);
 /// - that fault has not already excused [`HANDLER_CONCURRENCY`] re-executions of that replica;
 /// - the system corroborates it: the inbox reported reprocessing that envelope
-///   (`Event::Reprocessed`, from `inbox.reprocessed`). Timing alone never excuses.
+///   (`Event::Reprocessed`, from `inbox.reprocessed`) — logged by the replica that ran the
+///   re-execution, within [`STAMP_DUE_MS`] after it, each report excusing one re-run.
+///   Timing alone never excuses.
 pub fn effect_once(h: &History) -> Verdict {
     let mut v = Verdict::new("effect_once");
     let fx = effects(h);
     let faults = window_faults(h);
     let windows = h.fault_windows();
-    let mut reprocessed: HashMap<Uuid, usize> = HashMap::new();
+    // The inbox's own word, per envelope: (time, replica, already used for an excuse).
+    let mut reprocessed: HashMap<Uuid, Vec<(u64, String, bool)>> = HashMap::new();
     for e in h.iter() {
-        if let Event::Reprocessed { envelope, .. } = &e.event {
-            *reprocessed.entry(*envelope).or_default() += 1;
+        if let Event::Reprocessed { envelope, replica } = &e.event {
+            reprocessed.entry(*envelope).or_default().push((e.t_ms, replica.clone(), false));
         }
     }
     // For blaming a duplicate on the producer side: when each referral was written, and
@@ -464,11 +477,19 @@ pub fn effect_once(h: &History) -> Verdict {
             let candidates: Vec<usize> =
                 (0..faults.len()).filter(|&i| faults[i].opens(*t1, r1.as_deref()) && faults[i].from <= *t2).collect();
             let free = candidates.iter().copied().find(|&i| used.get(&(i, r1.clone())).copied().unwrap_or(0) < HANDLER_CONCURRENCY);
-            let corroborated = reprocessed.get(envelope).copied().unwrap_or(0) > 0;
+            // Corroboration of THIS re-run: the replica that ran it logged `inbox.reprocessed`
+            // for the envelope right after it (the line follows the stamp), once per re-run.
+            let r2 = pair[1].1.as_deref();
+            let report = reprocessed.get(envelope).and_then(|reports| {
+                reports.iter().position(|(t, r, spent)| {
+                    !spent && r2.is_none_or(|r2| r2 == r) && (t2.saturating_sub(WINDOW_SLACK_MS)..=t2 + STAMP_DUE_MS).contains(t)
+                })
+            });
+            let corroborated = report.is_some();
             match (free, corroborated) {
                 (Some(i), true) => {
                     *used.entry((i, r1.clone())).or_default() += 1;
-                    *reprocessed.get_mut(envelope).expect("counted above") -= 1;
+                    reprocessed.get_mut(envelope).expect("found above")[report.expect("corroborated")].2 = true;
                     attributed += 1;
                     v.witness(format!(
                         "envelope {envelope} ran on {on} @{t1}ms and again @{t2}ms after {}; the inbox reported the reprocess (#1180 window)",
@@ -608,6 +629,248 @@ fn fault_replica(tag: &str) -> Option<&str> {
     (replica.contains('-') && !matches!(replica, "broker" | "database")).then_some(replica)
 }
 
+/// What a dead-letter violation was, as a cause tag (`kind:<name>`) a twin can name, so a
+/// twin is red for its documented cause and not for any violation of the same checker.
+pub const VIOLATION_KINDS: &[&str] =
+    &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing"];
+
+/// Which faults can cause a dead-letter violation of a kind, by the fault tag.
+#[derive(Clone, Copy)]
+enum Through {
+    /// Losing a record: the recorder itself (crash, kill, pause) or its database.
+    Database,
+    /// Recording twice: a DLQ ack that failed: the recorder itself or its broker.
+    Broker,
+    /// Nothing but the behaviour that ran.
+    Nothing,
+}
+
+/// The cause tags of a dead-letter violation of `kind`: the kind; every replica of
+/// `service` with the compat it ran last (the audit row does not say which replica wrote
+/// it); and the faults that can cause that kind ([`Through`]) on that service's replicas,
+/// their links, or the server in question.
+fn dead_letter_tags(h: &History, kind: &str, service: &str, through: Through) -> Vec<String> {
+    debug_assert!(VIOLATION_KINDS.contains(&kind));
+    let end = h.iter().last().map_or(0, |e| e.t_ms);
+    let mut tags = vec![format!("kind:{kind}")];
+    let mut seen = HashSet::new();
+    for e in h.iter() {
+        if let Event::Started { replica, .. } = &e.event {
+            if service_of(replica) == service && seen.insert(replica.clone()) {
+                tags.extend(culprit_tags(replica, h.compat_at(replica, end)));
+            }
+        }
+    }
+    let server = match through {
+        Through::Database => "database",
+        Through::Broker => "broker",
+        Through::Nothing => return tags,
+    };
+    tags.extend(h.fault_windows().into_iter().map(|(tag, ..)| tag).filter(|tag| {
+        let target = tag.split_once(' ').map_or("", |(_, t)| t);
+        match fault_replica(tag) {
+            None => target == server,
+            Some(r) => service_of(r) == service && (target == r || target.ends_with(&format!("->{server}"))),
+        }
+    }));
+    tags
+}
+
+/// Every dead-lettered occurrence has exactly one audit row (§D3 with #1181): none lost,
+/// none doubled. The truth is the harness's tap on `craig.dlx` (`Event::DeadLettered`):
+/// - a tokened occurrence (one token, however many deliveries carried it: a retried
+///   surface, a DLQ redelivery) needs exactly one row: the row with its token, or one
+///   tokenless/quarantine row of one of its deliveries' bytes;
+/// - a tokenless delivery needs at least one row of its bytes (tokenless publishes keep
+///   pre-C2 duplicate rows by the ADR's own bound: extras are counted, not violations);
+/// - an audit row of bytes that never reached `craig.dlx` is a violation (a record of
+///   nothing);
+/// - completed XOR dead-lettered: an envelope that took effect on `rules` must not also be
+///   dead-lettered from `craig-rules.events`, unless the inbox reported re-running it.
+pub fn dlq_occurrence_once(h: &History) -> Verdict {
+    let mut v = Verdict::new("dlq_occurrence_once");
+    let mut taps_by_token: BTreeMap<String, HashSet<String>> = BTreeMap::new();
+    let mut tokenless_taps: BTreeMap<String, usize> = BTreeMap::new();
+    let mut tapped_keys: HashSet<String> = HashSet::new();
+    let mut dead_from_rules: HashSet<Uuid> = HashSet::new();
+    let mut taps = 0;
+    let mut rows: Vec<(&str, Option<&str>, &str)> = Vec::new();
+    for e in h.iter() {
+        match &e.event {
+            Event::DeadLettered { key, token, envelope, queue } => {
+                taps += 1;
+                tapped_keys.insert(key.clone());
+                match token {
+                    Some(t) => {
+                        taps_by_token.entry(t.clone()).or_default().insert(key.clone());
+                    }
+                    None => *tokenless_taps.entry(key.clone()).or_default() += 1,
+                }
+                if let (Some(env), Some("craig-rules.events")) = (envelope, queue.as_deref()) {
+                    dead_from_rules.insert(*env);
+                }
+            }
+            Event::Audited { key, token, disposition, .. } => rows.push((key.as_str(), token.as_deref(), disposition.as_str())),
+            _ => {}
+        }
+    }
+    let mut used = vec![false; rows.len()];
+    let (mut lost, mut doubled) = (0, 0);
+    for (token, keys) in &taps_by_token {
+        let mine: Vec<usize> = (0..rows.len())
+            .filter(|&i| !used[i] && (rows[i].1 == Some(token.as_str()) || (rows[i].1.is_none() && keys.contains(rows[i].0))))
+            .collect();
+        for &i in &mine {
+            used[i] = true;
+        }
+        match mine.len() {
+            1 => {}
+            0 => {
+                lost += 1;
+                v.blame(dead_letter_tags(h, "lost", "security", Through::Database));
+                v.witness(format!("occurrence {token} reached craig.dlx and has no audit row (lost)"));
+            }
+            n => {
+                doubled += 1;
+                v.blame(dead_letter_tags(h, "doubled", "security", Through::Broker));
+                let dispositions: Vec<&str> = mine.iter().map(|&i| rows[i].2).collect();
+                v.witness(format!("occurrence {token} has {n} audit rows ({}): one occurrence recorded more than once", dispositions.join(", ")));
+            }
+        }
+    }
+    let mut tokenless_extra = 0;
+    for (key, n) in &tokenless_taps {
+        let mine: Vec<usize> = (0..rows.len()).filter(|&i| !used[i] && rows[i].1.is_none() && rows[i].0 == key).collect();
+        for &i in &mine {
+            used[i] = true;
+        }
+        if mine.len() < *n {
+            lost += 1;
+            v.blame(dead_letter_tags(h, "lost", "security", Through::Database));
+            v.witness(format!("tokenless dead letter {key} reached craig.dlx {n} time(s) and has {} audit row(s) (lost)", mine.len()));
+        } else {
+            tokenless_extra += mine.len() - n;
+        }
+    }
+    let mut unexplained = 0;
+    for (i, (key, token, disposition)) in rows.iter().enumerate() {
+        if !used[i] {
+            unexplained += 1;
+            v.blame(dead_letter_tags(h, "unexplained", "security", Through::Nothing));
+            let what = token.map_or_else(|| format!("bytes {key}"), |t| format!("token {t}"));
+            let why = if tapped_keys.contains(*key) { "a further row of a delivery already recorded" } else { "nothing with these bytes reached craig.dlx" };
+            v.witness(format!("audit row ({disposition}) of {what}: {why}"));
+        }
+    }
+    // Completed XOR dead-lettered.
+    let mut both = 0;
+    let reprocessed: HashSet<Uuid> =
+        h.iter().filter_map(|e| if let Event::Reprocessed { envelope, .. } = &e.event { Some(*envelope) } else { None }).collect();
+    let effected: HashSet<Uuid> = h
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::Effect { envelope, service, .. } if service == "rules" => Some(*envelope),
+            _ => None,
+        })
+        .collect();
+    for env in dead_from_rules.intersection(&effected) {
+        if !reprocessed.contains(env) {
+            both += 1;
+            v.blame(dead_letter_tags(h, "completed_and_dead_lettered", "rules", Through::Nothing));
+            v.witness(format!("envelope {env} took effect on rules AND was dead-lettered from craig-rules.events, with no redelivery in between"));
+        }
+    }
+    v.count("dead_lettered", taps);
+    v.count("occurrences", taps_by_token.len() + tokenless_taps.values().sum::<usize>());
+    v.count("audit_rows", rows.len());
+    v.count("lost", lost);
+    v.count("doubled", doubled);
+    v.count("unexplained_rows", unexplained);
+    v.count("tokenless_extra_rows", tokenless_extra);
+    v.count("completed_and_dead_lettered", both);
+    v.validity = if v.violations > 0 {
+        Validity::Invalid
+    } else if taps == 0 {
+        v.error = Some("nothing to check: no dead letter reached craig.dlx".into());
+        Validity::Unknown
+    } else {
+        Validity::Valid
+    };
+    v
+}
+
+/// Exactly one `security.dlq.threshold_exceeded` per crossing per event type (§D3 #1156,
+/// re-keyed by #1181 R5/R8). The crossings are re-derived from the audit rows, one per
+/// occurrence (the first row of a token; a duplicate row is `dlq_occurrence_once`'s
+/// finding, and must not make a crossing here): taken in order of receipt, a row in the
+/// window (its key `LEAST(COALESCE(occurred_at, received), received)` within the hour
+/// before its receipt) that brings its type's in-window count to exactly 11 is a crossing —
+/// unless it is a divergent quarantine row, alert-inert on its own turn (R7). The events
+/// staged must match per type, no more (a re-emit) and no fewer (a missed crossing).
+pub fn threshold_crossing_once(h: &History) -> Verdict {
+    const HOUR_MS: i64 = 3_600_000;
+    const CROSSING: usize = 11;
+    let mut v = Verdict::new("threshold_crossing_once");
+    let mut seen_tokens: HashSet<&str> = HashSet::new();
+    let mut rows: Vec<(i64, i64, &str, &str)> = Vec::new();
+    let mut all_rows = 0;
+    for e in h.iter() {
+        if let Event::Audited { token, disposition, event_type: Some(et), received_epoch_ms, window_epoch_ms, .. } = &e.event {
+            all_rows += 1;
+            if token.as_deref().is_some_and(|t| !seen_tokens.insert(t)) {
+                continue;
+            }
+            rows.push((*received_epoch_ms, *window_epoch_ms, et.as_str(), disposition.as_str()));
+        }
+    }
+    rows.sort_by_key(|r| r.0);
+    let mut expected: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut per_type: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+    for (received, window, et, disposition) in &rows {
+        let keys = per_type.entry(*et).or_default();
+        keys.push(*window);
+        expected.entry(*et).or_default();
+        if *window > received - HOUR_MS {
+            let count = keys.iter().filter(|k| **k > received - HOUR_MS).count();
+            if count == CROSSING && *disposition != "divergent" {
+                *expected.get_mut(*et).expect("inserted above") += 1;
+            }
+        }
+    }
+    let mut observed: BTreeMap<String, usize> = BTreeMap::new();
+    for e in h.iter() {
+        if let Event::ThresholdExceeded { event_type, .. } = &e.event {
+            *observed.entry(event_type.clone()).or_default() += 1;
+        }
+    }
+    let types: std::collections::BTreeSet<String> = expected.keys().map(|k| k.to_string()).chain(observed.keys().cloned()).collect();
+    for et in &types {
+        let want = expected.get(et.as_str()).copied().unwrap_or(0);
+        let got = observed.get(et).copied().unwrap_or(0);
+        if want != got {
+            v.blame(dead_letter_tags(h, if got > want { "re_emitted" } else { "missed_crossing" }, "security", Through::Nothing));
+            let occurrences = per_type.get(et.as_str()).map_or(0, Vec::len);
+            v.witness(format!(
+                "{et}: {occurrences} recorded occurrence(s) cross the threshold {want} time(s), but {got} threshold event(s) were emitted{}",
+                if got > want { " (re-emitted during a sustained breach)" } else { " (a crossing went unannounced)" }
+            ));
+        }
+    }
+    v.count("audit_rows", all_rows);
+    v.count("occurrences", rows.len());
+    v.count("crossings", expected.values().sum());
+    v.count("threshold_events", observed.values().sum());
+    v.validity = if v.violations > 0 {
+        Validity::Invalid
+    } else if rows.is_empty() {
+        v.error = Some("nothing to check: no dead letter was audited".into());
+        Validity::Unknown
+    } else {
+        Validity::Valid
+    };
+    v
+}
+
 /// Everything drains within the bound after faults heal; no row stays claimed past its lease.
 ///
 /// The only rows excused from draining are the poison rows the harness itself wrote
@@ -708,6 +971,139 @@ mod tests {
 
     fn started(h: &mut History, t: u64, replica: &str, compat: &[&str]) {
         h.push(t, Event::Started { replica: replica.into(), compat: compat.iter().map(|c| c.to_string()).collect() });
+    }
+
+    fn tapped(h: &mut History, key: &str, token: Option<&str>) {
+        h.push(10, Event::DeadLettered { key: key.into(), token: token.map(str::to_owned), envelope: None, queue: None });
+    }
+
+    fn audited(h: &mut History, key: &str, token: Option<&str>, disposition: &str, event_type: &str, received: i64) {
+        h.push(
+            20,
+            Event::Audited {
+                key: key.into(),
+                disposition: disposition.into(),
+                token: token.map(str::to_owned),
+                envelope: None,
+                event_type: Some(event_type.into()),
+                received_epoch_ms: received,
+                window_epoch_ms: received,
+            },
+        );
+    }
+
+    /// Issue 9: one row per occurrence holds; a DLQ redelivery recorded twice (pre-1181: no
+    /// token at the recorder, so a tokenless row of the same bytes) is doubled; a dead
+    /// letter with no row is lost (pre-1197's log-and-ack); a row of bytes that never
+    /// reached craig.dlx is unexplained. Each is blamed on the recorder's compat.
+    #[test]
+    fn dlq_occurrence_once_finds_lost_doubled_and_unexplained_rows() {
+        let mut h = History::default();
+        started(&mut h, 0, "security-1", &[]);
+        tapped(&mut h, "k1", Some("xdeath:1"));
+        tapped(&mut h, "k2", Some("dlxcap:2"));
+        // A retried surface: the same token in other bytes (surfaced_at differs).
+        tapped(&mut h, "k2b", Some("dlxcap:2"));
+        tapped(&mut h, "k3", None);
+        audited(&mut h, "k1", Some("xdeath:1"), "recorded", "a", 1);
+        audited(&mut h, "k2", Some("dlxcap:2"), "recorded", "a", 2);
+        audited(&mut h, "k3", None, "tokenless", "a", 3);
+        h.sort();
+        let v = dlq_occurrence_once(&h);
+        assert_eq!(v.validity, Validity::Valid, "{v:?}");
+        assert_eq!((v.counts["occurrences"], v.counts["audit_rows"]), (3, 3));
+
+        let mut doubled = History::default();
+        started(&mut doubled, 0, "security-1", &["pre-1181"]);
+        tapped(&mut doubled, "k1", Some("xdeath:1"));
+        audited(&mut doubled, "k1", None, "tokenless", "a", 1);
+        audited(&mut doubled, "k1", None, "tokenless", "a", 2);
+        doubled.sort();
+        let v = dlq_occurrence_once(&doubled);
+        assert_eq!((v.validity, v.counts["doubled"]), (Validity::Invalid, 1), "{v:?}");
+        assert!(v.all_point_at("compat:pre-1181") && v.all_point_at("kind:doubled"), "{:?}", v.culprits);
+
+        let mut lost = History::default();
+        started(&mut lost, 0, "security-1", &["pre-1197"]);
+        lost.push(5, Event::Fault { kind: "down".into(), target: "security-1->database".into(), phase: Phase::Start });
+        lost.push(50, Event::Fault { kind: "down".into(), target: "security-1->database".into(), phase: Phase::End });
+        lost.push(6, Event::Fault { kind: "kill".into(), target: "rules-1".into(), phase: Phase::Start });
+        tapped(&mut lost, "k1", Some("xdeath:1"));
+        tapped(&mut lost, "k2", Some("xdeath:2"));
+        audited(&mut lost, "k2", Some("xdeath:2"), "recorded", "a", 2);
+        audited(&mut lost, "zz", Some("xdeath:9"), "recorded", "a", 3);
+        lost.sort();
+        let v = dlq_occurrence_once(&lost);
+        assert_eq!((v.counts["lost"], v.counts["unexplained_rows"]), (1, 1), "{v:?}");
+        assert!(v.all_point_at("compat:pre-1197"), "{:?}", v.culprits);
+        // Each violation carries its own kind; a twin naming `kind:lost` is not met by the
+        // unexplained row, and the link cut is blamed for the loss only.
+        assert_eq!((v.culprits["kind:lost"], v.culprits["kind:unexplained"]), (1, 1), "{:?}", v.culprits);
+        assert_eq!(v.culprits["fault:down security-1->database"], 1, "{:?}", v.culprits);
+        assert!(!v.all_point_at("kind:lost"));
+        assert!(!v.culprits.contains_key("fault:kill rules-1"), "another service's fault is no cause: {:?}", v.culprits);
+
+        assert_eq!(dlq_occurrence_once(&History::default()).validity, Validity::Unknown);
+    }
+
+    /// Completed XOR dead-lettered: an envelope that took effect and was also dead-lettered
+    /// from the same consumer queue is a violation unless the inbox re-ran it in between.
+    #[test]
+    fn an_envelope_both_handled_and_dead_lettered_is_a_violation() {
+        let mut h = History::default();
+        started(&mut h, 0, "security-1", &[]);
+        h.push(1, Event::Effect { envelope: id(1), referral: None, service: "rules".into(), replica: Some("rules-1".into()) });
+        h.push(2, Event::DeadLettered { key: "k1".into(), token: Some("xdeath:1".into()), envelope: Some(id(1)), queue: Some("craig-rules.events".into()) });
+        audited(&mut h, "k1", Some("xdeath:1"), "recorded", "a", 1);
+        h.sort();
+        let v = dlq_occurrence_once(&h);
+        assert_eq!(v.counts["completed_and_dead_lettered"], 1, "{v:?}");
+        h.push(3, Event::Reprocessed { envelope: id(1), replica: "rules-1".into() });
+        assert_eq!(dlq_occurrence_once(&h).validity, Validity::Valid);
+    }
+
+    /// #1156: one event per crossing, counted over occurrences (not duplicate rows); a
+    /// re-emit during a sustained breach (pre-1156) and a missed crossing are violations;
+    /// a divergent row that is itself the 11th crosses silently (R7 alert-inert); rows an
+    /// hour apart cross again.
+    #[test]
+    fn threshold_crossing_once_counts_crossings_of_occurrences() {
+        let hour = 3_600_000;
+        let build = |events: usize, compat: &[&str], divergent_11th: bool| {
+            let mut h = History::default();
+            started(&mut h, 0, "security-1", compat);
+            for i in 0..13i64 {
+                let t = format!("xdeath:{i}");
+                let disposition = if divergent_11th && i == 10 { "divergent" } else { "recorded" };
+                audited(&mut h, &format!("k{i}"), Some(&t), disposition, "case.referral_created", 1_000 + i);
+            }
+            // A duplicate row of an occurrence already counted: not a crossing of its own.
+            audited(&mut h, "k0", Some("xdeath:0"), "recorded", "case.referral_created", 2_000);
+            for _ in 0..events {
+                h.push(30, Event::ThresholdExceeded { event_type: "case.referral_created".into(), count: 11 });
+            }
+            h.sort();
+            h
+        };
+        let v = threshold_crossing_once(&build(1, &[], false));
+        assert_eq!((v.validity, v.counts["crossings"]), (Validity::Valid, 1), "{v:?}");
+        let v = threshold_crossing_once(&build(3, &["pre-1156"], false));
+        assert_eq!(v.validity, Validity::Invalid);
+        assert!(v.all_point_at("compat:pre-1156") && v.all_point_at("kind:re_emitted"), "{:?}", v.culprits);
+        let v = threshold_crossing_once(&build(0, &[], false));
+        assert!(v.all_point_at("kind:missed_crossing"), "a missed crossing: {:?}", v.culprits);
+        let v = threshold_crossing_once(&build(0, &[], true));
+        assert_eq!((v.validity, v.counts["crossings"]), (Validity::Valid, 0), "the divergent 11th is alert-inert: {v:?}");
+
+        // 11 in one hour, then 11 more two hours later: two crossings.
+        let mut h = History::default();
+        for i in 0..22i64 {
+            let at = if i < 11 { i } else { 2 * hour + i };
+            audited(&mut h, &format!("k{i}"), Some(&format!("xdeath:{i}")), "recorded", "t", at);
+        }
+        h.push(30, Event::ThresholdExceeded { event_type: "t".into(), count: 11 });
+        let v = threshold_crossing_once(&h);
+        assert_eq!((v.counts["crossings"], v.validity), (2, Validity::Invalid), "{v:?}");
     }
 
     fn staged(h: &mut History, env: u128, referral: u128) {
@@ -1016,6 +1412,29 @@ mod tests {
         assert!(v.witnesses.iter().any(|w| w.contains("already excused 1 re-execution(s) of rules-1")), "{:?}", v.witnesses);
     }
 
+    /// Audit finding: the inbox's report corroborates only the re-run it follows, on the
+    /// replica that ran it, and only once.
+    #[test]
+    fn a_reprocess_report_corroborates_only_its_own_rerun() {
+        let base = |h: &mut History| {
+            effect_on(h, 10, 101, "rules-1");
+            crash(h, 15, "rules-1");
+            effect_on(h, 900, 101, "rules-2");
+        };
+        for (t, replica, why) in [(905, "rules-1", "another replica's report"), (5, "rules-2", "a report before the re-run")] {
+            let mut h = History::default();
+            base(&mut h);
+            reprocessed(&mut h, t, 101, replica);
+            h.sort();
+            assert_eq!(effect_once(&h).validity, Validity::Invalid, "{why} corroborates nothing");
+        }
+        let mut h = History::default();
+        base(&mut h);
+        reprocessed(&mut h, 905, 101, "rules-2");
+        h.sort();
+        assert_eq!(effect_once(&h).validity, Validity::Valid);
+    }
+
     #[test]
     fn timing_alone_never_excuses_and_a_late_fault_is_outside_the_window() {
         // The right crash, but the inbox never said it re-ran an unstamped envelope.
@@ -1050,12 +1469,17 @@ mod tests {
         effect_on(&mut h, 4_000, 103, "rules-1");
         h.push(4_010, Event::Fault { kind: "toxic".into(), target: "rules-1->database (timeout downstream)".into(), phase: Phase::Start });
         effect_on(&mut h, 5_000, 103, "rules-1");
-        for env in [101, 102, 103] {
-            reprocessed(&mut h, 5_500, env, "rules-1");
+        for (env, t) in [(101, 1_000), (102, 3_000), (103, 5_000)] {
+            reprocessed(&mut h, t + 5, env, "rules-1");
         }
+        // A latency toxic on the link only delays the stamp: it opens no window.
+        effect_on(&mut h, 6_000, 104, "rules-1");
+        h.push(6_010, Event::Fault { kind: "toxic".into(), target: "rules-1->database (latency downstream)".into(), phase: Phase::Start });
+        effect_on(&mut h, 7_000, 104, "rules-1");
+        reprocessed(&mut h, 7_005, 104, "rules-1");
         h.sort();
         let v = effect_once(&h);
-        assert_eq!((v.counts["crash_window_reexecutions"], v.counts["unattributed"]), (2, 1), "{:?}", v.witnesses);
+        assert_eq!((v.counts["crash_window_reexecutions"], v.counts["unattributed"]), (2, 2), "{:?}", v.witnesses);
         assert!(v.witnesses.iter().any(|w| w.contains("after kill database @12ms")), "{:?}", v.witnesses);
         assert!(v.witnesses.iter().any(|w| w.contains("after toxic rules-1->database (timeout downstream) @4010ms")), "{:?}", v.witnesses);
     }

@@ -62,8 +62,38 @@ pub enum Event {
     /// Every fault has healed and every crashed replica is back: the after-heal writes
     /// start here.
     Healed,
-    /// Messages in the DLQ at the end of the run.
+    /// Dead letters at the end of the run: still in the DLQ plus already audited.
     DeadLetters { count: u32 },
+    /// A dead letter as the harness's own tap on `craig.dlx` saw it (a copy bound `dlq.#`;
+    /// the system's path is untouched): the occurrence it names, read exactly as the DLQ
+    /// consumer reads it (`craig_mq::dlq::DeadLetterDelivery`). `key` is a digest of the
+    /// routing key and body, which the audit row keeps byte for byte.
+    DeadLettered {
+        key: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        envelope: Option<Uuid>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        queue: Option<String>,
+    },
+    /// A `dead_letter_audit` row (§D3), read at the end: `key` as for
+    /// [`Event::DeadLettered`]; times in epoch ms on the database's clock (the window's).
+    Audited {
+        key: String,
+        disposition: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        envelope: Option<Uuid>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event_type: Option<String>,
+        received_epoch_ms: i64,
+        /// `LEAST(COALESCE(occurred_at, dlq_received_at), dlq_received_at)` (#1181 R5/R8).
+        window_epoch_ms: i64,
+    },
+    /// A `security.dlq.threshold_exceeded` event the security service staged (#1156).
+    ThresholdExceeded { event_type: String, count: i64 },
     /// A fault began or ended.
     Fault { kind: String, target: String, phase: Phase },
     /// A replica process died (crash point, kill). `consumer` is true for consuming services.
@@ -85,6 +115,17 @@ pub enum Event {
     Poison { envelope: Uuid, service: String },
     /// A row still claimed past its lease at the end.
     Stuck { envelope: Uuid, service: String, claimed_ms_ago: i64 },
+}
+
+/// The identity of one dead-letter delivery's bytes: a digest of its routing key and body,
+/// which the tap sees and the audit row keeps (`routing_key`, `raw_body`) byte for byte.
+pub fn dead_letter_key(routing_key: &str, body: &[u8]) -> String {
+    use std::hash::{Hash, Hasher};
+    // SipHash with fixed keys: stable within a build, which is all a run needs.
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    routing_key.hash(&mut h);
+    body.hash(&mut h);
+    format!("{:016x}", h.finish())
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -25,6 +25,8 @@
 //! rollback_share = 0.1      # extra writes the harness stages and rolls back
 //! poison_rows = 1           # malformed cases outbox rows, older than everything, written
 //!                           # by hand before the workload: they must stay pending, refused
+//! dead_letters = 30         # envelopes staged in cases' outbox that rules refuses for good
+//!                           # (no referral_id): each is dead-lettered to craig.dlx (§D3)
 //! after_heal = 20           # writes made once every fault has healed (default 20)
 //!
 //! [[faults]]
@@ -52,7 +54,9 @@
 //! min_redeliveries = 1      # letters): a run below one is inconclusive
 //! no_loss = "hold"          # hold | violate
 //! effect_once = { violate = "compat:pre-d2" }  # violated, and every witness points at
-//!                                              # that cause (or "replica:<name>")
+//!                                              # that cause (or "replica:<name>", or
+//!                                              # "kind:<what>" of a dead-letter violation:
+//!                                              # lost, doubled, unexplained, re_emitted, …)
 //! ```
 
 use std::collections::BTreeMap;
@@ -242,6 +246,10 @@ pub struct Workload {
     /// Malformed outbox rows written by hand into cases' outbox before the workload.
     #[serde(default)]
     pub poison_rows: u32,
+    /// Envelopes staged in cases' outbox (through the outbox, as cases would) that the rules
+    /// handler refuses permanently: each is nacked and dead-lettered (§D3 broker path).
+    #[serde(default)]
+    pub dead_letters: u32,
     /// Writes made once every fault has healed (and every crashed replica is back), at
     /// `rate`: the run must show the system working again, not only surviving. At least 1
     /// when the scenario has faults.
@@ -364,11 +372,12 @@ impl TryFrom<toml::Value> for Expectation {
     type Error = String;
     fn try_from(v: toml::Value) -> Result<Self, String> {
         const SHAPE: &str =
-            "expected \"hold\", \"violate\" or { violate = \"<cause>\" | [\"<cause>\", ...] } with causes compat:<mode>, replica:<name>, fault:<kind> <target>";
+            "expected \"hold\", \"violate\" or { violate = \"<cause>\" | [\"<cause>\", ...] } with causes compat:<mode>, replica:<name>, fault:<kind> <target>, kind:<violation kind>";
         let cause_ok = |c: &str| {
             c.strip_prefix("compat:").is_some_and(|m| m.parse::<craig_fleet::Compat>().is_ok())
                 || c.strip_prefix("replica:").is_some_and(|r| !r.is_empty())
                 || c.strip_prefix("fault:").is_some_and(|f| f.split_once(' ').is_some_and(|(k, t)| !k.is_empty() && !t.is_empty()))
+                || c.strip_prefix("kind:").is_some_and(|k| crate::checkers::VIOLATION_KINDS.contains(&k))
         };
         match v {
             toml::Value::String(w) => match w.as_str() {

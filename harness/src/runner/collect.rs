@@ -28,6 +28,9 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
         for (envelope, referral, published, attempts, at, last_error) in rows {
             log.push_at(log.rel_db(at), Event::Staged { envelope, referral, service: svc.clone(), published, attempts, last_error });
         }
+        if svc == "security" {
+            collect_dead_letters(log, pool).await?;
+        }
         if svc == "rules" {
             let rows: Vec<(Uuid, Option<Uuid>, i64, Option<String>)> = bounded(
                 COLLECT,
@@ -42,6 +45,56 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
                 log.push_at(log.rel_db(at), Event::Effect { envelope, referral, service: "rules".into(), replica });
             }
         }
+    }
+    Ok(())
+}
+
+/// The security service's record (§D3): every `dead_letter_audit` row, keyed by its bytes
+/// as the tap keys a delivery, and every staged `security.dlq.threshold_exceeded`.
+async fn collect_dead_letters(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
+    type Row = (String, Vec<u8>, String, Option<String>, Option<Uuid>, Option<String>, i64, i64);
+    let rows: Vec<Row> = bounded(
+        COLLECT,
+        "reading dead_letter_audit",
+        sqlx::query_as(
+            "SELECT routing_key, raw_body, disposition, occurrence_token, envelope_id, event_type, \
+                    (EXTRACT(EPOCH FROM dlq_received_at) * 1000)::int8, \
+                    (EXTRACT(EPOCH FROM LEAST(COALESCE(occurred_at, dlq_received_at), dlq_received_at)) * 1000)::int8 \
+             FROM dead_letter_audit ORDER BY dlq_received_at, id",
+        )
+        .fetch_all(pool),
+    )
+    .await?;
+    for (routing_key, raw, disposition, token, envelope, event_type, received, window) in rows {
+        log.push_at(
+            log.rel_db(received),
+            Event::Audited {
+                key: crate::history::dead_letter_key(&routing_key, &raw),
+                disposition,
+                token,
+                envelope,
+                event_type,
+                received_epoch_ms: received,
+                window_epoch_ms: window,
+            },
+        );
+    }
+    let events: Vec<(Option<String>, Option<i64>, i64)> = bounded(
+        COLLECT,
+        "reading threshold events",
+        sqlx::query_as(
+            "SELECT envelope->'payload'->>'event_type', (envelope->'payload'->>'count')::int8, \
+                    (EXTRACT(EPOCH FROM created_at) * 1000)::int8 \
+             FROM event_outbox WHERE event_type = 'security.dlq.threshold_exceeded'",
+        )
+        .fetch_all(pool),
+    )
+    .await?;
+    for (event_type, count, at) in events {
+        log.push_at(
+            log.rel_db(at),
+            Event::ThresholdExceeded { event_type: event_type.unwrap_or_default(), count: count.unwrap_or(-1) },
+        );
     }
     Ok(())
 }

@@ -29,6 +29,7 @@ mod collect;
 mod faults;
 mod record;
 mod sampler;
+mod tap;
 mod workload;
 
 use record::Log;
@@ -403,6 +404,13 @@ async fn drive(
     for envelope in &poison {
         log.push(Event::Poison { envelope: *envelope, service: "cases".into() });
     }
+    // The dead-letter checkers need the truth of what reached craig.dlx: the harness's own
+    // tap, bound before the workload makes any.
+    let tapped = s.expect.keys().any(|k| k == "dlq_occurrence_once" || k == "threshold_crossing_once");
+    if tapped {
+        tap::open(&ep.amqp_url, Duration::from_secs(15)).await?;
+    }
+    stage_dead_letters(&cases_pool, s.workload.dead_letters).await?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let (writes_tx, writes_rx) = watch::channel(0u32);
     let sampler =
@@ -449,6 +457,9 @@ async fn drive(
     }
     collect::collect(log, &pools).await?;
     collect::collect_logs(log, &logs_dir);
+    if tapped {
+        tap::read(&ep.amqp_url, log).await?;
+    }
     for p in pools.values() {
         p.close().await;
     }
@@ -473,6 +484,22 @@ async fn deploy_topology(program: &NodeProgram, amqp_url: &str) -> anyhow::Resul
     if !out.status.success() {
         anyhow::bail!("craig-node topology failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
     }
+    Ok(())
+}
+
+/// `dead_letters` envelopes staged through cases' outbox, valid but without the
+/// `referral_id` the rules handler needs: rules refuses each permanently and the broker
+/// dead-letters it under `dlq.craig-rules.events` (§D3 broker path).
+async fn stage_dead_letters(cases: &PgPool, n: u32) -> anyhow::Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let mut tx = bounded(COLLECT, "staging dead letters", cases.begin()).await?;
+    for i in 0..n {
+        let env = craig_mq::EventEnvelope::new("case.referral_created", "cases", None, json!({ "subject": format!("chaos dead letter {i}") }))?;
+        bounded(COLLECT, "staging a dead letter", craig_mq::publish_in_tx(&mut tx, &env)).await?;
+    }
+    bounded(COLLECT, "staging dead letters", tx.commit()).await?;
     Ok(())
 }
 
