@@ -21,11 +21,13 @@ pub enum Compat {
     /// #1156: the DLQ threshold event re-emits on every arrival over the threshold.
     Pre1156,
     Pre1179,
-    /// #1181: no per-occurrence idempotency; every DLQ delivery records a row.
+    /// #1181: no per-occurrence idempotency; every DLQ delivery records a row, and the app
+    /// path mints its token per call.
     Pre1181,
     Pre1183,
     Pre1184,
     Pre1185,
+    /// #1196: the app dead-letter path keyed by the producer (`dlq.craig-<source_service>`).
     Pre1196,
     /// #1197: the DLQ consumer logs a failure and acks anyway.
     Pre1197,
@@ -57,7 +59,14 @@ impl Compat {
     pub fn implemented(self) -> bool {
         matches!(
             self,
-            Compat::PreD1 | Compat::PreD2 | Compat::PreD3 | Compat::Pre1128 | Compat::Pre1156 | Compat::Pre1181 | Compat::Pre1197
+            Compat::PreD1
+                | Compat::PreD2
+                | Compat::PreD3
+                | Compat::Pre1128
+                | Compat::Pre1156
+                | Compat::Pre1181
+                | Compat::Pre1196
+                | Compat::Pre1197
         )
     }
 }

@@ -4,6 +4,7 @@
 pub mod cases;
 pub mod cli;
 pub mod compat;
+pub mod db_error;
 pub mod node;
 pub mod rules;
 pub mod security;

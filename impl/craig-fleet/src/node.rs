@@ -239,10 +239,19 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
         let use_inbox = !opts.compat.has(Compat::PreD2);
         match service {
             Service::Rules => {
+                let app_path = use_inbox.then(|| {
+                    let mode = craig_mq::inbox::SurfaceMode {
+                        producer_keyed: opts.compat.has(Compat::Pre1196),
+                        token_per_call: opts.compat.has(Compat::Pre1181),
+                    };
+                    let surface = craig_mq::inbox::Surface::new(&opts.settings.amqp_url, opts.settings.publisher, mode);
+                    (craig_mq::inbox::RetryCap::new(opts.settings.inbox_retry_cap), surface)
+                });
                 let consumer = std::sync::Arc::new(rules::Consumer {
                     queue,
                     use_inbox,
                     replica: std::env::var("CRAIG_REPLICA").ok().filter(|r| !r.is_empty()),
+                    app_path,
                 });
                 let pool = pool.clone();
                 let handler = move |env| {

@@ -308,11 +308,9 @@ pub async fn on_dead_letter(
     d: DeadLetterDelivery,
     mode: RecorderMode,
 ) -> Result<(), craig_mq::dlq::DlqError<sqlx::Error>> {
+    use crate::db_error::{DbFailure, classify};
     use craig_mq::dlq::DlqError;
-    let refused_as_data = |e: &sqlx::Error| {
-        matches!(e, sqlx::Error::Encode(_))
-            || matches!(e, sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("22") || c.starts_with("23")))
-    };
+    let refused_as_data = |e: &sqlx::Error| classify(e) == DbFailure::Data;
     let outcome = match record_dead_letter(pool, &d, mode).await {
         Ok(r) => r,
         Err(e) if refused_as_data(&e) => {
@@ -332,11 +330,11 @@ pub async fn on_dead_letter(
 /// A connection that is gone parks the session; anything else is retried in the session
 /// first.
 fn transient(e: sqlx::Error) -> craig_mq::dlq::DlqError<sqlx::Error> {
+    use crate::db_error::{DbFailure, classify};
     use craig_mq::dlq::DlqError;
-    match &e {
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Tls(_) => DlqError::TransientPark(e),
-        sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("57")) => DlqError::TransientPark(e),
-        _ => DlqError::TransientRetry(e),
+    match classify(&e) {
+        DbFailure::Unreachable => DlqError::TransientPark(e),
+        DbFailure::Data | DbFailure::Other => DlqError::TransientRetry(e),
     }
 }
 
@@ -347,14 +345,7 @@ pub async fn on_any_event(
     use_inbox: bool,
     env: EventEnvelope,
 ) -> Result<(), craig_mq::subscriber::HandlerError> {
-    use craig_mq::subscriber::HandlerError;
-    let classify = |e: sqlx::Error| match &e {
-        sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("22") || c.starts_with("23")) => {
-            HandlerError::Permanent(e.to_string())
-        }
-        sqlx::Error::Encode(_) => HandlerError::Permanent(e.to_string()),
-        _ => HandlerError::Transient(e.to_string()),
-    };
+    let classify = crate::db_error::handler_error;
     if !use_inbox {
         return record_audit(pool, &env).await.map_err(classify);
     }

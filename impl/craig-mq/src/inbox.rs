@@ -14,6 +14,11 @@
 //! (two replicas, before either stamps) can likewise both run it. Handlers with
 //! non-replayable side effects must carry their own arbiter (ADR-022 #1179).
 //! Exactly-once is the #1178 redesign, not this module.
+//!
+//! **The retry cap and the app path (§D3, #1196, #1181).** A consumer counts transient
+//! failures per envelope ([`RetryCap`]); at the cap it calls [`Surface::surface_to_dlx`]
+//! with its own queue name, which publishes the `_dlx` wrapper to `craig.dlx` under
+//! `dlq.<consumer-queue>` with a token derived from this inbox's `received_at`.
 
 use std::future::Future;
 
@@ -99,4 +104,127 @@ where
     }
     crate::metrics::inbox(outcome);
     Ok(outcome)
+}
+
+// ---------------------------------------------------------------------------------------
+// The retry cap and the app dead-letter path (§D3 with #1196, #1181)
+// ---------------------------------------------------------------------------------------
+
+/// Transient failures per envelope, so a handler that keeps failing one envelope is
+/// surfaced to `craig.dlx` after `cap` attempts instead of being requeued forever (§D3 app
+/// path). Kept in memory per consumer: a restart starts the count again, so the cap is a
+/// lower bound on attempts, never an upper one (nothing is surfaced early).
+#[derive(Debug)]
+pub struct RetryCap {
+    cap: u32,
+    failures: std::sync::Mutex<std::collections::HashMap<uuid::Uuid, u32>>,
+}
+
+impl RetryCap {
+    /// Envelopes tracked at once; past it the counts start over (lower bound, see above).
+    const MAX_TRACKED: usize = 100_000;
+
+    pub fn new(cap: u32) -> Self {
+        Self { cap: cap.max(1), failures: Default::default() }
+    }
+
+    pub fn cap(&self) -> u32 {
+        self.cap
+    }
+
+    /// Count one more transient failure of `id`; `true` once it has failed `cap` times.
+    pub fn failed(&self, id: uuid::Uuid) -> bool {
+        let mut m = self.failures.lock().expect("retry-cap lock");
+        if m.len() >= Self::MAX_TRACKED {
+            m.clear();
+        }
+        let n = m.entry(id).or_default();
+        *n += 1;
+        *n >= self.cap
+    }
+
+    /// `id` succeeded or was surfaced: forget it.
+    pub fn settled(&self, id: uuid::Uuid) {
+        self.failures.lock().expect("retry-cap lock").remove(&id);
+    }
+}
+
+/// The behaviours the compat twins bring back on the app path.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SurfaceMode {
+    /// `pre-1196`: keyed by the PRODUCER (`craig-<source_service>`), not the consumer queue.
+    pub producer_keyed: bool,
+    /// `pre-1181`: the token is minted per call (now), so a retried surface of the same
+    /// failure is a second occurrence.
+    pub token_per_call: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SurfaceError {
+    #[error("inbox database error: {0}")]
+    Db(#[from] sqlx::Error),
+    /// The token derives from the inbox row (#1181); without one there is nothing stable to
+    /// name the occurrence by, so the envelope is not surfaced (it stays on its queue).
+    #[error("envelope {0} has no inbox row to derive its occurrence token from")]
+    NoInboxRow(uuid::Uuid),
+    #[error("occurrence token: {0}")]
+    Token(#[from] crate::dlq::TokenError),
+    #[error("dead-letter publish: {0}")]
+    Publish(#[from] crate::publisher::PublishError),
+}
+
+/// The app path's publisher to `craig.dlx`: connected on first use, replaced when a
+/// timeout or connection error poisoned it.
+pub struct Surface {
+    amqp_url: String,
+    cfg: crate::publisher::PublisherConfig,
+    mode: SurfaceMode,
+    publisher: tokio::sync::Mutex<Option<crate::publisher::Publisher>>,
+}
+
+impl Surface {
+    pub fn new(amqp_url: &str, cfg: crate::publisher::PublisherConfig, mode: SurfaceMode) -> Self {
+        Self { amqp_url: amqp_url.to_owned(), cfg, mode, publisher: tokio::sync::Mutex::new(None) }
+    }
+
+    /// `surface_to_dlx` (§D3, #1196, #1181): publish `envelope` in the versioned `_dlx`
+    /// wrapper (`v: 1`) to `craig.dlx` under `dlq.<consumer_queue>`, with `original_queue` =
+    /// the consumer queue and `source_service` as provenance only, and wait for the
+    /// broker's confirm. Its token is `dlxcap:{envelope_id}:{consumer_queue}:{received_at}`
+    /// from the inbox row, which exists before any publish: a retried surface (a lost
+    /// confirm, an ack that failed after it) re-derives the same token and the DLQ consumer
+    /// absorbs the duplicate. `Ok` means the dead letter is on `craig.dlx`; only then may
+    /// the delivery be acked.
+    pub async fn surface_to_dlx(
+        &self,
+        db: &PgPool,
+        envelope: &EventEnvelope,
+        consumer_queue: &str,
+        reason: &str,
+    ) -> Result<crate::dlq::OccurrenceToken, SurfaceError> {
+        let key = if self.mode.producer_keyed { format!("craig-{}", envelope.source_service) } else { consumer_queue.to_owned() };
+        let received_at: Option<chrono::DateTime<chrono::Utc>> =
+            sqlx::query_scalar("SELECT received_at FROM event_inbox WHERE envelope_id = $1")
+                .bind(envelope.id)
+                .fetch_optional(db)
+                .await?;
+        let received_at = received_at.ok_or(SurfaceError::NoInboxRow(envelope.id))?;
+        let at = if self.mode.token_per_call { chrono::Utc::now() } else { received_at };
+        let token = crate::dlq::OccurrenceToken::dlxcap(envelope.id, &key, at)?;
+        let body = crate::dlq::DlxWrapper::new(&token, &key, reason, envelope.clone()).to_vec();
+        let routing_key = crate::topology::dlq_routing_key(&key);
+
+        let mut slot = self.publisher.lock().await;
+        if !slot.as_ref().is_some_and(crate::publisher::Publisher::is_usable) {
+            if let Some(old) = slot.take() {
+                old.close().await;
+            }
+            *slot = Some(crate::publisher::Publisher::connect(&self.amqp_url, self.cfg).await?);
+        }
+        let publisher = slot.as_ref().expect("connected above");
+        publisher.publish_raw(crate::topology::DLX_EXCHANGE, &routing_key, &body, envelope.id).await?;
+        tracing::warn!(event = "inbox.surfaced_to_dlx", envelope_id = %envelope.id, queue = consumer_queue,
+            routing_key = %routing_key, token = %token, reason, "retry cap reached; dead letter published to craig.dlx");
+        Ok(token)
+    }
 }

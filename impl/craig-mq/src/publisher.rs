@@ -291,6 +291,54 @@ impl Publisher {
             .collect()
     }
 
+    /// Publish one message that is not an event to `exchange` under `routing_key` (the
+    /// app-path dead letter on `craig.dlx`, #1196) and wait for its confirm, with the same
+    /// rules as [`Self::publish_batch`]: mandatory, a returned message is `Unroutable`, only
+    /// an ACK without a return is success. `id` becomes the `message_id`.
+    pub async fn publish_raw(&self, exchange: &str, routing_key: &str, body: &[u8], id: Uuid) -> Result<(), PublishError> {
+        let timeout = self.cfg.confirm_timeout;
+        let props = BasicProperties::default()
+            .with_message_id(ShortString::from(id.to_string()))
+            .with_content_type(ShortString::from("application/json"))
+            .with_delivery_mode(2);
+        let sent = timeout_at(
+            Instant::now() + timeout,
+            self.channel.basic_publish(
+                ShortString::from(exchange),
+                ShortString::from(routing_key),
+                BasicPublishOptions { mandatory: self.confirms, immediate: false },
+                body,
+                props,
+            ),
+        )
+        .await;
+        let confirm = match sent {
+            Ok(Ok(confirm)) => confirm,
+            Ok(Err(e)) => return Err(self.poison(e)),
+            Err(_) => {
+                self.poisoned.store(true, Ordering::Relaxed);
+                return Err(PublishError::ConfirmTimeout { id, after: timeout });
+            }
+        };
+        match timeout_at(Instant::now() + timeout, confirm).await {
+            Ok(Ok(Confirmation::Ack(Some(r)) | Confirmation::Nack(Some(r)))) => Err(PublishError::Unroutable {
+                id,
+                routing_key: routing_key.to_owned(),
+                reply_code: r.reply_code,
+                reply_text: r.reply_text.to_string(),
+            }),
+            Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+            Ok(Ok(Confirmation::Nack(None))) => Err(PublishError::Nacked { id }),
+            Ok(Ok(Confirmation::NotRequested)) if !self.confirms => Ok(()),
+            Ok(Ok(Confirmation::NotRequested)) => Err(PublishError::NotConfirmed { id }),
+            Ok(Err(e)) => Err(self.poison(e)),
+            Err(_) => {
+                self.poisoned.store(true, Ordering::Relaxed);
+                Err(PublishError::ConfirmTimeout { id, after: timeout })
+            }
+        }
+    }
+
     fn poison(&self, e: lapin::Error) -> PublishError {
         self.poisoned.store(true, Ordering::Relaxed);
         PublishError::Connection(e)

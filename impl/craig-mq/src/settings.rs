@@ -48,6 +48,11 @@ impl Default for Retention {
     }
 }
 
+/// Default [`ServiceSettings::inbox_retry_cap`]: with the subscriber's 500 ms pause before
+/// each requeue, at least 5 s of failures of one envelope before it is surfaced; a
+/// database outage cannot surface anything (the surface itself reads the inbox row).
+pub const DEFAULT_INBOX_RETRY_CAP: u32 = 10;
+
 #[derive(Debug, Clone)]
 pub struct ServiceSettings {
     pub database_url: String,
@@ -55,6 +60,9 @@ pub struct ServiceSettings {
     pub retention: Retention,
     pub outbox: OutboxConfig,
     pub publisher: PublisherConfig,
+    /// Transient handler failures of one envelope before the inbox surfaces it to
+    /// `craig.dlx` (§D3 app path, #1196), `CRAIG_INBOX_RETRY_CAP`, at least 1.
+    pub inbox_retry_cap: u32,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -130,12 +138,21 @@ impl ServiceSettings {
             connect_timeout: Duration::from_millis(num("CRAIG_AMQP_CONNECT_TIMEOUT_MS", 5000)?),
         };
         check_protocol(&outbox, &publisher)?;
+        let inbox_retry_cap = small("CRAIG_INBOX_RETRY_CAP", u64::from(DEFAULT_INBOX_RETRY_CAP))?;
+        if inbox_retry_cap == 0 {
+            return Err(SettingsError::Invalid {
+                name: "CRAIG_INBOX_RETRY_CAP",
+                value: "0".into(),
+                expected: "retry cap of at least 1",
+            });
+        }
         Ok(Self {
             database_url: lookup("DATABASE_URL").unwrap_or_else(|| DEFAULT_DATABASE_URL.into()),
             amqp_url: lookup("AMQP_URL").unwrap_or_else(|| DEFAULT_AMQP_URL.into()),
             retention,
             outbox,
             publisher,
+            inbox_retry_cap,
         })
     }
 }
@@ -231,6 +248,14 @@ mod tests {
         assert_eq!(s.outbox.claim_lease, Duration::from_secs(60));
         assert_eq!(s.outbox.poll_interval, Duration::from_secs(1));
         assert_eq!(s.outbox.backoff_max, Duration::from_secs(60));
+        assert_eq!(s.inbox_retry_cap, DEFAULT_INBOX_RETRY_CAP);
+    }
+
+    #[test]
+    fn the_inbox_retry_cap_is_at_least_one() {
+        assert_eq!(load(&[("CRAIG_INBOX_RETRY_CAP", "3")]).unwrap().inbox_retry_cap, 3);
+        let err = load(&[("CRAIG_INBOX_RETRY_CAP", "0")]).unwrap_err();
+        assert!(err.to_string().contains("CRAIG_INBOX_RETRY_CAP"), "{err}");
     }
 
     #[test]

@@ -96,7 +96,7 @@ async fn crash_after_handler_before_stamp_reruns_the_handler() {
     let mut doomed = fleet
         .start(Service::Rules, &[("FAILPOINTS", "inbox::after_handler_before_stamp=return(abort)")], &[])
         .await;
-    eventually(Duration::from_secs(15), "rules queue declared", || async { fleet_depth_ok(&fleet).await }).await;
+    fleet.wait_for_queues(&[QUEUE]).await;
     let id = uuid::Uuid::now_v7();
     let env = craig_mq::EventEnvelope::new(EVENT, "cases", Some(id), serde_json::json!({"referral_id": id, "subject": "s"})).unwrap();
     let publisher = craig_mq::Publisher::connect(fleet.sandbox.amqp_url(), Default::default()).await.unwrap();
@@ -123,9 +123,3 @@ async fn crash_after_handler_before_stamp_reruns_the_handler() {
     fleet.finish().await;
 }
 
-async fn fleet_depth_ok(fleet: &Fleet) -> bool {
-    let (conn, ch) = fleet.channel().await;
-    let ok = craig_mq::topology::queue_depth(&ch, QUEUE).await.is_ok();
-    let _ = conn.close(200, "bye".into()).await;
-    ok
-}

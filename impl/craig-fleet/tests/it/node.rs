@@ -23,13 +23,7 @@ async fn deliver_twice(label: &str, compat: &[&str]) -> (i64, String) {
     let fleet = Fleet::new(label, &[Service::Rules]).await;
     let node = fleet.start(Service::Rules, &[], compat).await;
     let pool = fleet.pool(Service::Rules).await;
-    eventually(Duration::from_secs(15), "rules queue declared", || async {
-        let (conn, ch) = fleet.channel().await;
-        let ok = craig_mq::topology::queue_depth(&ch, "craig-rules.events").await.is_ok();
-        let _ = conn.close(200, "bye".into()).await;
-        ok
-    })
-    .await;
+    fleet.wait_for_queues(&["craig-rules.events"]).await;
 
     let (dup, marker) = (referral_envelope(), referral_envelope());
     let publisher = Publisher::connect(fleet.sandbox.amqp_url(), Default::default()).await.unwrap();

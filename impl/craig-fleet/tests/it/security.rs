@@ -269,13 +269,7 @@ async fn every_hostile_dead_letter_ends_as_a_recorded_row() {
     let fleet = Fleet::new("dlq-hostile", &[Service::Security]).await;
     let pool = fleet.pool(Service::Security).await;
     let node = fleet.start(Service::Security, &[], &[]).await;
-    eventually(Duration::from_secs(15), "DLQ declared", || async {
-        let (conn, ch) = fleet.channel().await;
-        let ok = craig_mq::topology::queue_depth(&ch, DLQ_QUEUE).await.is_ok();
-        let _ = conn.close(200, "bye".into()).await;
-        ok
-    })
-    .await;
+    fleet.wait_for_queues(&[DLQ_QUEUE]).await;
 
     let (conn, ch) = fleet.channel().await;
     ch.confirm_select(Default::default()).await.unwrap();
@@ -355,14 +349,7 @@ async fn a_broker_dead_letter_reaches_the_audit_with_its_occurrence_token() {
     let rules = fleet.start(Service::Rules, &[], &[]).await;
     let sec = fleet.start(Service::Security, &[], &[]).await;
     let pool = fleet.pool(Service::Security).await;
-    eventually(Duration::from_secs(15), "queues declared", || async {
-        let (conn, ch) = fleet.channel().await;
-        let ok = craig_mq::topology::queue_depth(&ch, "craig-rules.events").await.is_ok()
-            && craig_mq::topology::queue_depth(&ch, "craig-security.events").await.is_ok();
-        let _ = conn.close(200, "bye".into()).await;
-        ok
-    })
-    .await;
+    fleet.wait_for_queues(&["craig-rules.events", "craig-security.events"]).await;
     // No referral_id: the rules handler fails permanently.
     let poison = EventEnvelope::new("case.referral_created", "cases", None, json!({ "subject": "x" })).unwrap();
     let publisher = craig_mq::Publisher::connect(fleet.sandbox.amqp_url(), Default::default()).await.unwrap();
@@ -440,12 +427,9 @@ async fn a_delivery_that_parks_forever_is_captured_and_the_rest_recorded() {
         },
         shutdown.clone(),
     ));
+    // The session declares the capture queue; until then there is nothing to count.
     eventually(Duration::from_secs(20), "the stuck delivery captured", || async {
-        // The session declares the capture queue; until then there is nothing to count.
-        let (conn, ch) = fleet.channel().await;
-        let n = craig_mq::topology::queue_depth(&ch, CAPTURE_QUEUE).await.unwrap_or(0);
-        let _ = conn.close(200, "bye".into()).await;
-        n == 1
+        fleet.depth_if_declared(CAPTURE_QUEUE).await == Some(1)
     })
     .await;
     eventually(Duration::from_secs(20), "the healthy ones recorded", || {

@@ -80,6 +80,27 @@ impl Fleet {
         n
     }
 
+    /// A queue's depth, or `None` while it does not exist (the passive declare is refused).
+    pub async fn depth_if_declared(&self, queue: &str) -> Option<u32> {
+        let (conn, ch) = self.channel().await;
+        let n = topology::queue_depth(&ch, queue).await.ok();
+        let _ = conn.close(200, "bye".into()).await;
+        n
+    }
+
+    /// Wait until every queue in `queues` exists (nodes declare theirs at start).
+    pub async fn wait_for_queues(&self, queues: &[&str]) {
+        eventually(Duration::from_secs(15), &format!("queues {queues:?} declared"), || async {
+            for q in queues {
+                if self.depth_if_declared(q).await.is_none() {
+                    return false;
+                }
+            }
+            true
+        })
+        .await;
+    }
+
     pub async fn take_all(&self, queue: &str) -> Vec<String> {
         let (conn, ch) = self.channel().await;
         let mut ids = Vec::new();
