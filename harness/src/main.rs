@@ -114,7 +114,6 @@ fn list(paths: &[PathBuf]) -> ExitCode {
     }
 }
 
-/// The k-th run seed of a `--seeds` run; the 0th is the run seed itself.
 /// Per scenario: how many seeds met the expectations, and each other seed's reproduce command.
 fn seeds_summary(
     scenarios: &[craig_chaos::scenario::Scenario],
@@ -143,6 +142,7 @@ fn seeds_summary(
     out
 }
 
+/// The k-th run seed of a `--seeds` run; the 0th is the run seed itself.
 fn derived_seed(seed: u64, k: u32) -> u64 {
     seed ^ u64::from(k).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
@@ -272,5 +272,64 @@ async fn run(paths: Vec<PathBuf>, seed: Option<u64>, backend: BackendKind, repor
     } else {
         println!("chaos: every scenario met its expectations");
         ExitCode::SUCCESS
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use craig_chaos::runner::ScenarioResult;
+    use std::path::Path;
+
+    #[test]
+    fn derived_seeds_start_at_the_run_seed_and_differ() {
+        assert_eq!(derived_seed(20261130, 0), 20261130, "seed 1 of N is CI's seed");
+        let seeds: std::collections::BTreeSet<u64> = (0..20).map(|k| derived_seed(20261130, k)).collect();
+        assert_eq!(seeds.len(), 20, "20 distinct seeds");
+        assert_eq!(derived_seed(7, 3), derived_seed(7, 3), "reproducible");
+    }
+
+    fn result(name: &str, passed: bool, inconclusive: bool) -> ScenarioResult {
+        ScenarioResult {
+            name: name.into(),
+            amendment: "x".into(),
+            compat: "current".into(),
+            seed: 0,
+            backend: "local".into(),
+            faults: vec![],
+            invariants: vec![],
+            passed,
+            inconclusive,
+            duration_ms: 1500,
+            error: None,
+            metrics: Default::default(),
+            history: Default::default(),
+        }
+    }
+
+    /// Per scenario across seeds: how many met, the total time, and for every other seed
+    /// the word (NOT met / inconclusive) and the command that reproduces it.
+    #[test]
+    fn the_seeds_summary_counts_per_scenario_and_names_each_failing_seed() {
+        let scenario = |name: &str| {
+            let mut s = craig_chaos::scenario::parse(
+                Path::new(&format!("scenarios/{name}.toml")),
+                &format!("name = \"{name}\"\namendment = \"x\"\n[fleet]\ncases = {{}}\n[workload]\nwrites = 4\nrate = 10\n[expect]\nno_loss = \"hold\"\n"),
+            )
+            .unwrap();
+            s.path = format!("scenarios/{name}.toml").into();
+            s
+        };
+        let scenarios = [scenario("a"), scenario("b")];
+        // Two seeds, two scenarios each: a meets both; b fails under the second, inconclusive under the first.
+        let results = [result("a", true, false), result("b", false, true), result("a", true, false), result("b", false, false)];
+        let per_seed = [(11, 0), (22, 2)];
+        let out = seeds_summary(&scenarios, &results, &per_seed, BackendKind::Local, 11);
+        assert!(out.starts_with("seeds: 2 derived from --seed 11\n"), "{out}");
+        assert!(out.contains("a                            2/2 seeds met  (3 s)"), "{out}");
+        assert!(out.contains("b                            0/2 seeds met  (3 s)"), "{out}");
+        assert!(out.contains("inconclusive under --seed 11: cargo run --release -p craig-chaos -- run scenarios/b.toml --seed 11 --backend local"), "{out}");
+        assert!(out.contains("NOT met under --seed 22: cargo run --release -p craig-chaos -- run scenarios/b.toml --seed 22 --backend local"), "{out}");
+        assert!(!out.contains("scenarios/a.toml"), "a seed that met needs no reproduce command: {out}");
     }
 }

@@ -235,3 +235,40 @@ pub fn describe(status: ExitStatus) -> String {
         _ => "unknown".into(),
     }
 }
+
+/// The kernel's word that `pid` is stopped (state `T` or `t` in `/proc/<pid>/stat`).
+pub fn is_stopped(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|st| st.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()))
+        .is_some_and(|c| c == 'T' || c == 't')
+}
+
+/// Wait up to one second for SIGSTOP to land on `pid` (it lands asynchronously): the
+/// evidence a pause fault took effect.
+pub async fn wait_stopped(pid: i32) -> bool {
+    for _ in 0..50 {
+        if is_stopped(pid) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+#[cfg(test)]
+mod stopped_tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_stopped_process_is_seen_stopped_and_a_running_one_is_not() {
+        let mut child = Command::new("sleep").arg("30").kill_on_drop(true).spawn().unwrap();
+        let pid = child.id().unwrap() as i32;
+        assert!(!is_stopped(pid));
+        kill(Pid::from_raw(pid), Signal::SIGSTOP).unwrap();
+        assert!(wait_stopped(pid).await);
+        kill(Pid::from_raw(pid), Signal::SIGCONT).unwrap();
+        child.kill().await.unwrap();
+        assert!(!wait_stopped(i32::MAX).await, "no such process: never stopped");
+    }
+}

@@ -324,19 +324,25 @@ impl LocalBackend {
         Ok(craig_sandbox::sum_listed(&out, queues))
     }
 
+    /// How long one `rabbitmqctl` call may take (the CLI itself starts an Erlang VM: ~1 s).
+    const CTL_BOUND: Duration = Duration::from_secs(30);
+
     /// `rabbitmqctl -n <node>` against the private broker (same HOME, so the same Erlang
-    /// cookie), async and killed when dropped; its stdout.
+    /// cookie), async, bounded and killed when dropped; its stdout.
     async fn rabbitmqctl(&self, args: &[&str]) -> Result<String, BackendError> {
         let ctl = rabbitmq_script()?.with_file_name("rabbitmqctl");
         let env = |k: &str| self.rmq.env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default();
-        let out = tokio::process::Command::new(&ctl)
+        let run = tokio::process::Command::new(&ctl)
             .args(["-n", &env("RABBITMQ_NODENAME")])
             .args(args)
             .env("HOME", env("HOME"))
             .stdin(Stdio::null())
             .kill_on_drop(true)
-            .output()
+            .output();
+        // Bounded: a paused or wedged node must not hang the run (the child dies on drop).
+        let out = tokio::time::timeout(Self::CTL_BOUND, run)
             .await
+            .map_err(|_| BackendError::failed(format!("rabbitmqctl {}", args.join(" ")), format!("no answer within {:?}", Self::CTL_BOUND)))?
             .map_err(|e| BackendError::failed(format!("running {}", ctl.display()), e))?;
         if out.status.success() {
             Ok(String::from_utf8_lossy(&out.stdout).into_owned())
@@ -369,6 +375,9 @@ impl LocalBackend {
         }
     }
 
+    /// How long one readiness attempt may take.
+    const PROBE_BOUND: Duration = Duration::from_secs(3);
+
     async fn wait_ready(&mut self, t: Target, limit: Duration) -> Result<(), BackendError> {
         let deadline = Instant::now() + limit;
         let url = match t {
@@ -377,19 +386,20 @@ impl LocalBackend {
         };
         loop {
             let ready = match t {
-                Target::Database => match sqlx::PgConnection::connect(&url).await {
-                    Ok(c) => {
-                        let _ = c.close().await;
+                // Each attempt bounded: a server that accepts and never answers is not ready.
+                Target::Database => match tokio::time::timeout(Self::PROBE_BOUND, sqlx::PgConnection::connect(&url)).await {
+                    Ok(Ok(c)) => {
+                        let _ = tokio::time::timeout(Self::PROBE_BOUND, c.close()).await;
                         true
                     }
-                    Err(_) => false,
+                    _ => false,
                 },
-                Target::Broker => match craig_mq::publisher::connect(&url, 0, "chaos-probe").await {
-                    Ok(c) => {
-                        let _ = c.close(200, "probe".into()).await;
+                Target::Broker => match tokio::time::timeout(Self::PROBE_BOUND, craig_mq::publisher::connect(&url, 0, "chaos-probe")).await {
+                    Ok(Ok(c)) => {
+                        let _ = tokio::time::timeout(Self::PROBE_BOUND, c.close(200, "probe".into())).await;
                         true
                     }
-                    Err(_) => false,
+                    _ => false,
                 },
             };
             if ready {
@@ -427,8 +437,13 @@ impl LocalBackend {
         self.wait_ready(t, limit).await
     }
 
-    pub fn pause(&mut self, t: Target, paused: bool) -> Result<(), BackendError> {
-        self.server(t).signal(if paused { Signal::SIGSTOP } else { Signal::SIGCONT })
+    /// SIGSTOP / SIGCONT the server's process group; on a stop, the evidence: the kernel
+    /// reports the group leader (postmaster, beam) stopped.
+    pub async fn pause(&mut self, t: Target, paused: bool) -> Result<Option<String>, BackendError> {
+        let s = self.server(t);
+        s.signal(if paused { Signal::SIGSTOP } else { Signal::SIGCONT })?;
+        let Some(pid) = s.pgid().map(Pid::as_raw).filter(|_| paused) else { return Ok(None) };
+        Ok(crate::process::wait_stopped(pid).await.then(|| format!("pid {pid} (and its process group) stopped")))
     }
 
     pub async fn stop(mut self) -> Result<(), BackendError> {

@@ -234,12 +234,16 @@ impl Backend {
         }
     }
 
-    /// Freeze (SIGSTOP / docker pause) or thaw the target.
-    pub async fn pause(&mut self, target: Target, paused: bool) -> Result<(), BackendError> {
+    /// Freeze (SIGSTOP / docker pause) or thaw the target; on a freeze, the evidence that
+    /// it took effect (the kernel reports the server's process stopped, the container
+    /// paused), None when nothing shows it did.
+    pub async fn pause(&mut self, target: Target, paused: bool) -> Result<Option<String>, BackendError> {
         match self {
-            Backend::Local(b) => b.pause(target, paused),
+            Backend::Local(b) => b.pause(target, paused).await,
             Backend::External(_) => Err(external::unsupported(if paused { "pause" } else { "resume" }, target)),
-            Backend::Containers(b) => b.pause(target, paused).await,
+            Backend::Containers(b) => {
+                b.pause(target, paused).await.map(|()| paused.then(|| format!("container of the {target} paused")))
+            }
         }
     }
 

@@ -22,6 +22,28 @@ pub(super) struct Schedule {
     faults: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
     late_starts: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
     watcher: tokio::task::JoinHandle<()>,
+    restarts: Restarts,
+}
+
+/// What the watcher knows about crash restarts: the replicas whose crash point fired, and
+/// every restart that failed (an error of the run, not a log line).
+#[derive(Clone, Default)]
+struct Restarts {
+    fired: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    failed: Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Restarts {
+    fn fired(&self, name: &str) -> bool {
+        self.fired.lock().unwrap().contains(name)
+    }
+
+    fn failure(&self) -> anyhow::Result<()> {
+        match self.failed.lock().unwrap().first() {
+            Some(e) => Err(anyhow::anyhow!("{e}")),
+            None => Ok(()),
+        }
+    }
 }
 
 impl Schedule {
@@ -37,7 +59,8 @@ impl Schedule {
         stop: watch::Receiver<bool>,
     ) -> Self {
         let late_starts = start_late(s, log, replicas);
-        let watcher = tokio::spawn(watch_replicas(s.clone(), log.clone(), replicas.clone(), stop));
+        let restarts = Restarts::default();
+        let watcher = tokio::spawn(watch_replicas(s.clone(), log.clone(), replicas.clone(), restarts.clone(), stop));
         let mut faults = Vec::new();
         for (i, f) in s.faults.iter().enumerate() {
             let f = f.get_ref().clone();
@@ -57,7 +80,7 @@ impl Schedule {
                 (writes.0.clone(), writes.1),
             )));
         }
-        Self { faults, late_starts, watcher }
+        Self { faults, late_starts, watcher, restarts }
     }
 
     /// Every injected fault has healed, every late replica started, every crashed one
@@ -81,13 +104,14 @@ impl Schedule {
             }
             return outcome;
         }
-        wait_crash_restarts(s, replicas).await;
-        Ok(())
+        wait_crash_restarts(s, replicas, &self.restarts).await
     }
 
-    /// After the stop signal: the watcher's last round.
-    pub(super) async fn finish(self) {
+    /// After the stop signal: the watcher's last round. A crash restart that failed at any
+    /// time of the run is an error of the run.
+    pub(super) async fn finish(self) -> anyhow::Result<()> {
         let _ = self.watcher.await;
+        self.restarts.failure()
     }
 }
 
@@ -112,24 +136,35 @@ fn start_late(s: &Scenario, log: &Log, replicas: &Replicas) -> Vec<tokio::task::
     tasks
 }
 
-async fn wait_crash_restarts(s: &Scenario, replicas: &Replicas) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    for f in s.faults.iter().map(|f| f.get_ref()).filter(|f| f.kind == FaultKind::Crash && f.restart_after_ms.is_some()) {
-        let Some(r) = replicas.get(&f.target) else { continue };
-        // A crash point that never fired leaves the replica running; one that fired gets
-        // restarted by the watcher. Either way the replica should be up before the drain.
-        while Instant::now() < deadline {
-            if r.lock().await.pid().is_some() {
+/// Every replica whose crash point fired and asks for a restart is running again before
+/// the drain: a restart that failed, or one not done within its delay plus 30 s, is an
+/// error of the run. A crash point that has not fired leaves its replica running (the
+/// run's verdict says it never fired).
+async fn wait_crash_restarts(s: &Scenario, replicas: &Replicas, restarts: &Restarts) -> anyhow::Result<()> {
+    for f in s.faults.iter().map(|f| f.get_ref()).filter(|f| f.kind == FaultKind::Crash) {
+        let (Some(ms), Some(r)) = (f.restart_after_ms, replicas.get(&f.target)) else { continue };
+        let deadline = Instant::now() + Duration::from_millis(ms) + Duration::from_secs(30);
+        loop {
+            restarts.failure()?;
+            if !restarts.fired(&f.target) || r.lock().await.pid().is_some() {
                 break;
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!(
+                    "replica {} crashed at {} and was not running again {} ms + 30 s later",
+                    f.target,
+                    f.failpoint.as_deref().unwrap_or("?"),
+                    ms
+                );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+    Ok(())
 }
 
 /// Record crashes as they happen; restart crashed replicas whose crash fault asks for it.
-async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, mut stop: watch::Receiver<bool>) {
-    let mut fired: std::collections::HashSet<String> = std::collections::HashSet::new();
+async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, restarts: Restarts, mut stop: watch::Receiver<bool>) {
     loop {
         for (name, r) in replicas.iter() {
             // A replica whose lock a fault holds (an upgrade stopping and starting it) is
@@ -146,12 +181,12 @@ async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, mut stop: wat
                 .iter()
                 .map(|f| f.get_ref())
                 .find(|f| f.kind == FaultKind::Crash && &f.target == name)
-                .filter(|_| !fired.contains(name));
+                .filter(|_| !restarts.fired(name));
             if fault.is_none() {
                 log.finding(format!("replica {name} exited ({}) with no fault targeting it; not restarted", describe(status)));
             }
             if let Some(f) = fault {
-                fired.insert(name.clone());
+                restarts.fired.lock().unwrap().insert(name.clone());
                 let fp = f.failpoint.as_deref().unwrap_or("?");
                 let label = format!("{name} at {fp}");
                 log.fault("crash", &label, Phase::Start);
@@ -162,7 +197,7 @@ async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, mut stop: wat
                 let aborted = last.lines().any(|l| l.contains("event=\"failpoint.abort\"") && l.contains(&format!("failpoint=\"{fp}\"")));
                 log.evidence("crash", &label, aborted.then(|| format!("failpoint.abort {fp}, then {}", describe(status))));
                 if let Some(ms) = f.restart_after_ms {
-                    let (r, log, name) = (r.clone(), log.clone(), name.clone());
+                    let (r, log, name, failed) = (r.clone(), log.clone(), name.clone(), restarts.failed.clone());
                     tokio::spawn(async move {
                         tokio::time::sleep(Duration::from_millis(ms)).await;
                         let mut r = r.lock().await;
@@ -170,7 +205,7 @@ async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, mut stop: wat
                         log.push(Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
                         if let Err(e) = r.start().await {
                             tracing::error!(event = "chaos.restart_failed", replica = %name, error = %e);
-                            log.finding(format!("restarting {name} after its crash failed: {e}"));
+                            failed.lock().unwrap().push(format!("restarting {name} after its crash failed: {e}"));
                         }
                         log.fault("crash", &format!("{name} restarted"), Phase::End);
                     });
@@ -253,7 +288,8 @@ async fn inject(
         }
         (FaultTarget::Broker | FaultTarget::Database, FaultKind::Pause) => {
             let t = if target == FaultTarget::Broker { Target::Broker } else { Target::Database };
-            backend.lock().await.pause(t, true).await?;
+            let stopped = backend.lock().await.pause(t, true).await?;
+            log.evidence(kind, &label, stopped);
             tokio::time::sleep(hold).await;
             backend.lock().await.pause(t, false).await?;
         }
@@ -301,20 +337,10 @@ async fn inject(
             let pid = r.lock().await.pid();
             r.lock().await.pause()?;
             // Evidence: the kernel reports the process stopped (SIGSTOP lands asynchronously).
-            let stopped = |p: i32| {
-                std::fs::read_to_string(format!("/proc/{p}/stat"))
-                    .ok()
-                    .and_then(|st| st.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()))
-                    .is_some_and(|c| c == 'T' || c == 't')
+            let seen = match pid {
+                Some(p) => crate::process::wait_stopped(p).await,
+                None => false,
             };
-            let mut seen = false;
-            for _ in 0..50 {
-                if pid.is_some_and(stopped) {
-                    seen = true;
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
             log.evidence(kind, &label, pid.filter(|_| seen).map(|p| format!("pid {p} stopped")));
             tokio::time::sleep(hold).await;
             r.lock().await.resume()?;

@@ -149,6 +149,7 @@ pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> Scenari
             result.inconclusive = true;
         }
     }
+    let run_failed = result.error.is_some();
     let mut history = log.history.lock().unwrap().clone();
     history.sort();
     result.faults = log.faults.lock().unwrap().clone();
@@ -182,7 +183,7 @@ pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> Scenari
         }
     }
     // Too little activity proves nothing, whatever the verdicts.
-    if result.error.is_none() {
+    if !run_failed {
         if let Some(why) = below_floor(s, &history, &result.metrics) {
             inconclusive(&mut result, why);
         }
@@ -241,14 +242,15 @@ fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<St
     (!why.is_empty()).then(|| format!("below the activity floor: {}", why.join("; ")))
 }
 
-/// Mark the result inconclusive for `why`, unless an earlier reason already did (the first
-/// reason found is the one reported).
+/// Mark the result inconclusive for `why`; every reason found is reported, in the order
+/// found (a run error first).
 fn inconclusive(result: &mut ScenarioResult, why: String) {
-    if result.error.is_none() {
-        result.error = Some(why);
-        result.inconclusive = true;
-        result.passed = false;
-    }
+    result.error = Some(match result.error.take() {
+        Some(earlier) => format!("{earlier}; {why}"),
+        None => why,
+    });
+    result.inconclusive = true;
+    result.passed = false;
 }
 
 fn expected_word(e: Expect) -> &'static str {
@@ -441,7 +443,7 @@ async fn drive(
     }
 
     let _ = stop_tx.send(true);
-    schedule.finish().await;
+    schedule.finish().await?;
     let _ = sampler.await;
     for (name, r) in replicas.iter() {
         let addr = r.lock().await.addr.clone();
@@ -591,6 +593,32 @@ mod tests {
         write(&mut thin, 40, 3, Outcome::Failed);
         let why = below_floor(&s, &thin, &metrics).unwrap();
         assert!(why.contains("1 writes acknowledged, below min_acknowledged = 2"), "{why}");
+    }
+
+    #[test]
+    fn every_reason_for_an_inconclusive_result_is_reported() {
+        let mut r = ScenarioResult {
+            name: "t".into(),
+            amendment: "x".into(),
+            compat: "current".into(),
+            seed: 1,
+            backend: "local".into(),
+            faults: vec![],
+            invariants: vec![],
+            passed: true,
+            inconclusive: false,
+            duration_ms: 0,
+            error: None,
+            metrics: BTreeMap::new(),
+            history: History::default(),
+        };
+        inconclusive(&mut r, "replica rules-1 exited".into());
+        inconclusive(&mut r, "crash point x on cases-1 never fired: the fault did not take effect".into());
+        assert!(r.inconclusive && !r.passed);
+        assert_eq!(
+            r.error.as_deref(),
+            Some("replica rules-1 exited; crash point x on cases-1 never fired: the fault did not take effect")
+        );
     }
 
     fn violated_by(culprits: &[(&str, u64)], violations: u64) -> Verdict {

@@ -136,9 +136,10 @@ async fn local_backend_survives_broker_and_database_kills_under_a_running_node()
     assert!(node.exited().is_none(), "the node rode out the database kill");
 
     // Paused broker: publishes stall, then drain on resume.
-    backend.pause(Target::Broker, true).await.unwrap();
+    let evidence = backend.pause(Target::Broker, true).await.unwrap();
+    assert!(evidence.as_deref().is_some_and(|e| e.ends_with("(and its process group) stopped")), "{evidence:?}");
     assert_eq!(post_referrals(&base, 2).await, [201; 2]);
-    backend.pause(Target::Broker, false).await.unwrap();
+    assert_eq!(backend.pause(Target::Broker, false).await.unwrap(), None, "a thaw claims nothing");
     eventually(Duration::from_secs(60), "outbox drained after the broker resumed", || async { pending(&pool).await == 0 }).await;
 
     let status = node.stop(Duration::from_secs(20)).await.unwrap();

@@ -65,15 +65,8 @@ where
         .try_init();
     #[cfg(feature = "failpoints")]
     let _failpoints = craig_mq::crash::setup_from_env();
-    // A crash point asked of a build that has none would silently never fire, and a chaos
-    // run would come out green for the wrong reason.
-    #[cfg(not(feature = "failpoints"))]
-    if let Some(fp) = std::env::var_os("FAILPOINTS").filter(|v| !v.is_empty()) {
-        eprintln!(
-            "craig-node: error: FAILPOINTS={} is set, but this craig-node was built without crash points \
-             (cargo feature craig-fleet/failpoints); refusing to run a fault that can never fire",
-            fp.to_string_lossy()
-        );
+    if let Some(why) = failpoints_refusal(std::env::var_os("FAILPOINTS").as_deref(), cfg!(feature = "failpoints")) {
+        eprintln!("craig-node: error: {why}");
         return std::process::ExitCode::from(2);
     }
     let cli = Cli::parse_from(args);
@@ -85,6 +78,20 @@ where
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// Why this node must refuse to start with `fp` as its `FAILPOINTS` (None: it may start).
+/// A crash point asked of a build that has none would silently never fire, and a chaos run
+/// would come out green for the wrong reason.
+fn failpoints_refusal(fp: Option<&std::ffi::OsStr>, built_with_failpoints: bool) -> Option<String> {
+    let fp = fp.filter(|v| !v.is_empty())?;
+    (!built_with_failpoints).then(|| {
+        format!(
+            "FAILPOINTS={} is set, but this craig-node was built without crash points \
+             (cargo feature craig-fleet/failpoints); refusing to run a fault that can never fire",
+            fp.to_string_lossy()
+        )
+    })
 }
 
 async fn real_main(cli: Cli) -> anyhow::Result<()> {
@@ -124,5 +131,22 @@ async fn wait_for_stop_signal() {
     tokio::select! {
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::failpoints_refusal;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn a_build_without_crash_points_refuses_failpoints_and_names_the_feature() {
+        let fp = Some(OsStr::new("outbox::after_publish_before_stamp=abort"));
+        let why = failpoints_refusal(fp, false).expect("refused");
+        assert!(why.contains("FAILPOINTS=outbox::after_publish_before_stamp=abort"), "{why}");
+        assert!(why.contains("craig-fleet/failpoints"), "{why}");
+        assert_eq!(failpoints_refusal(fp, true), None, "a build with crash points honours them");
+        assert_eq!(failpoints_refusal(None, false), None);
+        assert_eq!(failpoints_refusal(Some(OsStr::new("")), false), None, "empty means none asked");
     }
 }
