@@ -270,6 +270,7 @@ pub fn no_loss(h: &History) -> Verdict {
             Outcome::Failed => failed += 1,
         }
     }
+    let (dead_staged, dead_lost) = dead_letters_lost(h, &mut v);
     for (k, n) in [
         ("attempted", attempted),
         ("acknowledged", acknowledged),
@@ -278,10 +279,12 @@ pub fn no_loss(h: &History) -> Verdict {
         ("recovered", recovered),
         ("unknown", unknown),
         ("failed", failed),
+        ("dead_letters_published", dead_staged),
+        ("dead_letters_lost", dead_lost),
     ] {
         v.count(k, n);
     }
-    v.validity = if lost > 0 {
+    v.validity = if lost > 0 || dead_lost > 0 {
         Validity::Invalid
     } else if acknowledged == 0 {
         v.error = Some("nothing to check: no acknowledged writes".into());
@@ -290,6 +293,69 @@ pub fn no_loss(h: &History) -> Verdict {
         Validity::Valid
     };
     v
+}
+
+/// §D3: a dead letter the harness staged (`DeadLetterStaged`, for rules to refuse) that was
+/// published must reach `craig.dlx` — the tap saw it — or have been handled after all. One
+/// that did neither vanished: a consumer queue without dead-letter arguments drops what
+/// its consumer rejects (compat `pre-d3`). Blamed on the replicas consuming its queue
+/// (rules), with the behaviour each ran when it was published. Returns (published, lost).
+fn dead_letters_lost(h: &History, v: &mut Verdict) -> (usize, usize) {
+    let staged: Vec<Uuid> =
+        h.iter().filter_map(|e| if let Event::DeadLetterStaged { envelope } = e.event { Some(envelope) } else { None }).collect();
+    if staged.is_empty() {
+        return (0, 0);
+    }
+    let mut published: HashSet<Uuid> = HashSet::new();
+    let mut first_stamp: HashMap<Uuid, u64> = HashMap::new();
+    let mut reached: HashSet<Uuid> = HashSet::new();
+    let mut consumers: Vec<&str> = Vec::new();
+    for e in h.iter() {
+        match &e.event {
+            Event::Staged { envelope, published: true, .. } => {
+                published.insert(*envelope);
+            }
+            Event::Stamped { envelope, .. } => {
+                let t = first_stamp.entry(*envelope).or_insert(e.t_ms);
+                *t = (*t).min(e.t_ms);
+            }
+            Event::DeadLettered { envelope: Some(env), .. } | Event::Effect { envelope: env, .. } => {
+                reached.insert(*env);
+            }
+            Event::Started { replica, .. } if replica.starts_with("rules-") && !consumers.contains(&replica.as_str()) => {
+                consumers.push(replica);
+            }
+            _ => {}
+        }
+    }
+    let (mut n, mut lost) = (0, 0);
+    for env in staged {
+        if !published.contains(&env) {
+            continue; // still pending: liveness's to judge, not a loss
+        }
+        let stamp = first_stamp.get(&env).copied();
+        n += 1;
+        if reached.contains(&env) {
+            continue;
+        }
+        lost += 1;
+        let t = stamp.unwrap_or(0);
+        let mut tags = vec!["kind:lost".to_owned()];
+        let mut who = Vec::new();
+        for r in &consumers {
+            let compat = h.compat_at(r, t);
+            tags.extend(culprit_tags(r, compat));
+            who.push(running(r, compat));
+        }
+        v.blame(tags);
+        v.witness(format!(
+            "dead letter {env} (staged for rules to refuse) was published{} but never reached {} and was never handled; its queue's consumers then: {}",
+            stamp.map(|t| format!(" @{t}ms")).unwrap_or_default(),
+            craig_mq::topology::DLX_EXCHANGE,
+            if who.is_empty() { "none".to_owned() } else { who.join(", ") }
+        ));
+    }
+    (n, lost)
 }
 
 /// No effect without a write that may have committed.
@@ -1112,6 +1178,46 @@ mod tests {
 
     fn stamped(h: &mut History, t: u64, env: u128, replica: &str, compat: &[&str]) {
         h.push(t, Event::Stamped { envelope: id(env), replica: replica.into(), compat: compat.iter().map(|c| c.to_string()).collect() });
+    }
+
+    /// §D3: a staged dead letter that was published must reach craig.dlx (the tap) or take
+    /// effect; one that did neither vanished, blamed on rules' behaviour when it was
+    /// published (pre-d3: a queue without dead-letter arguments drops what it rejects).
+    #[test]
+    fn no_loss_follows_each_published_dead_letter_to_the_dead_letter_exchange() {
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", &[]);
+        started(&mut h, 0, "rules-1", &["pre-d3"]);
+        write(&mut h, 5, 1, Outcome::Ok);
+        staged(&mut h, 11, 1);
+        effect(&mut h, 50, 11, 1);
+        let dead = |h: &mut History, env: u128, published: bool| {
+            h.push(1, Event::DeadLetterStaged { envelope: id(env) });
+            h.push(0, Event::Staged { envelope: id(env), referral: None, service: "cases".into(), published, attempts: 1, last_error: None });
+        };
+        dead(&mut h, 21, true); // reached craig.dlx
+        h.push(40, Event::DeadLettered { key: "k21".into(), token: None, envelope: Some(id(21)), queue: Some("craig-rules.events".into()) });
+        dead(&mut h, 22, true); // vanished
+        stamped(&mut h, 30, 22, "cases-1", &[]);
+        dead(&mut h, 23, false); // still pending: not a loss (liveness judges it)
+        h.sort();
+        let v = no_loss(&h);
+        assert_eq!((v.validity, v.counts["dead_letters_published"], v.counts["dead_letters_lost"]), (Validity::Invalid, 2, 1), "{v:?}");
+        assert!(v.all_point_at("kind:lost") && v.all_point_at("compat:pre-d3") && v.all_point_at("replica:rules-1"), "{:?}", v.culprits);
+        assert!(v.witnesses[0].contains(&format!("dead letter {} ", id(22))), "{}", v.witnesses[0]);
+        assert!(v.witnesses[0].contains("published @30ms but never reached craig.dlx"), "{}", v.witnesses[0]);
+        assert!(v.witnesses[0].contains("rules-1 (compat pre-d3)"), "{}", v.witnesses[0]);
+
+        // The same run with current rules: every published dead letter reached craig.dlx.
+        let mut ok = History::default();
+        started(&mut ok, 0, "rules-1", &[]);
+        write(&mut ok, 5, 1, Outcome::Ok);
+        staged(&mut ok, 11, 1);
+        effect(&mut ok, 50, 11, 1);
+        dead(&mut ok, 22, true);
+        ok.push(40, Event::DeadLettered { key: "k22".into(), token: None, envelope: Some(id(22)), queue: Some("craig-rules.events".into()) });
+        ok.sort();
+        assert_eq!(no_loss(&ok).validity, Validity::Valid);
     }
 
     /// A rolling upgrade: cases-1 runs pre-1128 until 1000 ms, then current. Each loss is

@@ -113,6 +113,9 @@ pub enum Event {
     /// A malformed outbox row the harness wrote by hand before the workload: it must stay
     /// pending (never stamped, never deleted) and be refused by the worker.
     Poison { envelope: Uuid, service: String },
+    /// An envelope the harness staged through cases' outbox for rules to refuse for good
+    /// (`[workload] dead_letters`): published, it must reach `craig.dlx` (§D3).
+    DeadLetterStaged { envelope: Uuid },
     /// A row still claimed past its lease at the end.
     Stuck { envelope: Uuid, service: String, claimed_ms_ago: i64 },
 }

@@ -52,7 +52,8 @@
 //! [expect]
 //! min_acknowledged = 150    # floors (default: half the writes; 0 redeliveries, 0 dead
 //! min_redeliveries = 1      # letters): a run below one is inconclusive
-//! no_loss = "hold"          # hold | violate
+//! no_loss = "hold"          # hold | violate (bare only where no cause is attributed:
+//!                           # liveness, no_phantom)
 //! effect_once = { violate = "compat:pre-d2" }  # violated, and every witness points at
 //!                                              # that cause (or "replica:<name>", or
 //!                                              # "kind:<what>" of a dead-letter violation:
@@ -689,6 +690,16 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         return Err(err(at("[expect]"), "expect names at least one invariant".into()));
     }
     for (name, e) in &s.expect {
+        // A twin of a checker that attributes its violations must say what it is red for:
+        // a bare "violate" would be met by a violation of any cause.
+        if e.get_ref().expect == Expect::Violate && e.get_ref().cause.is_empty() && crate::checkers::ATTRIBUTING.contains(&name.as_str()) {
+            return Err(err(
+                Some(e.span()),
+                format!(
+                    "{name} attributes its violations: name the cause this twin must be red for, e.g. {name} = {{ violate = [\"compat:<mode>\", \"fault:<kind> <target>\"] }}"
+                ),
+            ));
+        }
         if !e.get_ref().cause.is_empty() && !crate::checkers::ATTRIBUTING.contains(&name.as_str()) {
             return Err(err(
                 Some(e.span()),
@@ -782,7 +793,7 @@ toxic = { type = "latency", stream = "upstream", attributes = { latency = 50 } }
 
 [expect]
 no_loss = "hold"
-effect_once = "violate"
+effect_once = { violate = "compat:pre-d2" }
 "##;
 
     fn parse_str(text: &str) -> Result<Scenario, ScenarioError> {
@@ -903,14 +914,14 @@ effect_once = "violate"
 
     #[test]
     fn a_twin_may_name_the_cause_its_violations_must_point_at() {
-        let s = parse_str(&GOOD.replace(r#"effect_once = "violate""#, r#"effect_once = { violate = "compat:pre-d2" }"#)).unwrap();
+        let s = parse_str(&GOOD.replace(r#"effect_once = { violate = "compat:pre-d2" }"#, r#"effect_once = { violate = "compat:pre-d2" }"#)).unwrap();
         let e = s.expect["effect_once"].get_ref();
         assert_eq!((e.expect, e.cause.clone()), (Expect::Violate, vec!["compat:pre-d2".to_owned()]));
-        let s = parse_str(&GOOD.replace(r#"effect_once = "violate""#, r#"effect_once = { violate = "replica:rules-1" }"#)).unwrap();
+        let s = parse_str(&GOOD.replace(r#"effect_once = { violate = "compat:pre-d2" }"#, r#"effect_once = { violate = "replica:rules-1" }"#)).unwrap();
         assert_eq!(s.expect["effect_once"].get_ref().cause, ["replica:rules-1"]);
-        let s = parse_str(&GOOD.replace(r#"effect_once = "violate""#, r#"effect_once = { violate = ["compat:pre-d2", "fault:crash cases-2"] }"#)).unwrap();
+        let s = parse_str(&GOOD.replace(r#"effect_once = { violate = "compat:pre-d2" }"#, r#"effect_once = { violate = ["compat:pre-d2", "fault:crash cases-2"] }"#)).unwrap();
         assert_eq!(s.expect["effect_once"].get_ref().cause, ["compat:pre-d2", "fault:crash cases-2"]);
-        let e = rejected(&GOOD.replace(r#"effect_once = "violate""#, r#"effect_once = { violate = ["fault:kill broker"] }"#));
+        let e = rejected(&GOOD.replace(r#"effect_once = { violate = "compat:pre-d2" }"#, r#"effect_once = { violate = ["fault:kill broker"] }"#));
         assert!(e.reason.contains("cause names fault \"kill broker\"; faults here: crash cases-2, toxic rules-1->broker"), "{e}");
         for (bad, why) in [
             (r#"{ violate = "compat:pre-nope" }"#, "unknown cause \"compat:pre-nope\""),
@@ -918,12 +929,16 @@ effect_once = "violate"
             (r#"{ hold = "compat:pre-d2" }"#, "expected \"hold\", \"violate\""),
             (r#"{ violate = "replica:rules-9" }"#, "cause names replica \"rules-9\""),
         ] {
-            let e = rejected(&GOOD.replace(r#"effect_once = "violate""#, &format!("effect_once = {bad}")));
+            let e = rejected(&GOOD.replace(r#"effect_once = { violate = "compat:pre-d2" }"#, &format!("effect_once = {bad}")));
             assert_eq!(e.line, 27, "{e}");
             assert!(e.reason.contains(why), "{bad}: {e}");
         }
-        let e = rejected(&GOOD.replace(r#"effect_once = "violate""#, "liveness = { violate = \"compat:pre-d2\" }"));
+        let e = rejected(&GOOD.replace(r#"effect_once = { violate = "compat:pre-d2" }"#, "liveness = { violate = \"compat:pre-d2\" }"));
         assert!(e.reason.contains("liveness does not attribute its violations"), "{e}");
+        // A bare "violate" of an attributing checker is refused: any cause would meet it.
+        let e = rejected(&GOOD.replace(r#"effect_once = { violate = "compat:pre-d2" }"#, r#"effect_once = "violate""#));
+        assert_eq!(e.line, 27, "{e}");
+        assert!(e.reason.contains("effect_once attributes its violations: name the cause"), "{e}");
     }
 
     #[test]

@@ -29,6 +29,11 @@ impl ExternalBackend {
         Ok(Self { sandbox, services: services.iter().map(|s| s.to_string()).collect() })
     }
 
+    /// One account per service on the run's vhost (ADR-022 #1202); their AMQP URLs.
+    pub async fn accounts(&mut self, accounts: &[craig_sandbox::Account]) -> Result<Vec<String>, BackendError> {
+        self.sandbox.add_users(accounts).await.map_err(|e| BackendError::failed("creating the service accounts", e))
+    }
+
     pub async fn set_policy(&self, name: &str, pattern: &str, definition: &serde_json::Value) -> Result<(), BackendError> {
         self.sandbox.set_policy(name, pattern, definition).await.map_err(|e| BackendError::failed("setting a queue policy", e))
     }

@@ -247,6 +247,29 @@ impl Backend {
         }
     }
 
+    /// One least-privilege broker account per service (ADR-022 #1202, permissions from
+    /// `craig_fleet::access`), in `craig_fleet::service::ALL` order: each one's AMQP URL.
+    /// The admin URL of [`endpoints`](Self::endpoints) stays the operator's.
+    pub async fn service_accounts(&mut self) -> Result<Vec<(String, String)>, BackendError> {
+        let accounts: Vec<craig_sandbox::Account> = craig_fleet::access::accounts()
+            .into_iter()
+            .map(|(_, user, p)| craig_sandbox::Account { name: user, configure: p.configure, write: p.write, read: p.read })
+            .collect();
+        let urls = match self {
+            Backend::Local(b) => b.accounts(&accounts).await?,
+            Backend::External(b) => b.accounts(&accounts).await?,
+            Backend::Containers(_) => {
+                return Err(BackendError::Unsupported {
+                    backend: "containers",
+                    fault: "service accounts",
+                    target: Target::Broker,
+                    why: "per-service accounts on the RabbitMQ container are not wired yet; use local or external",
+                });
+            }
+        };
+        Ok(craig_fleet::service::ALL.iter().map(|s| s.name().to_owned()).zip(urls).collect())
+    }
+
     /// Set a RabbitMQ queue policy (`definition`: the policy JSON) on the run's broker.
     pub async fn set_policy(&mut self, name: &str, pattern: &str, definition: &serde_json::Value) -> Result<(), BackendError> {
         match self {

@@ -530,6 +530,11 @@ mod tests {
     #[tokio::test]
     async fn a_probe_without_the_dead_letter_exchange_says_why() {
         let sandbox = craig_sandbox::Sandbox::create("chaos-faults::probe_no_dlx", &[]).await.unwrap();
+        // A sandbox comes deployed (the operator's exchanges); take craig.dlx away.
+        let conn = craig_mq::publisher::connect(sandbox.amqp_url(), 30, "test").await.unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        ch.exchange_delete(craig_mq::topology::DLX_EXCHANGE.into(), Default::default()).await.unwrap();
+        let _ = conn.close(200, "bye".into()).await;
         let err = HeadDropProbe::open(sandbox.amqp_url(), "craig-rules.events").await.err().expect("no craig.dlx yet");
         assert!(err.contains("craig.dlx is not there"), "{err}");
         sandbox.destroy().await.unwrap();

@@ -288,7 +288,10 @@ async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: 
     let services: Vec<String> = s.fleet.keys().cloned().collect();
     let svc_refs: Vec<&str> = services.iter().map(String::as_str).collect();
     let (backend, choice): (Backend, Choice) =
-        Backend::start(opts.backend, &format!("{}-{seed}", s.name), &svc_refs).await.context("starting the backend")?;
+        bounded(BACKEND_BOUND, "starting the backend", async {
+            Backend::start(opts.backend, &format!("{}-{seed}", s.name), &svc_refs).await.context("starting the backend")
+        })
+        .await?;
     result.backend = choice.kind.name().to_owned();
     if opts.progress {
         eprintln!("  backend: {} ({})", choice.kind, choice.reason);
@@ -296,7 +299,9 @@ async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: 
     let backend = Arc::new(Mutex::new(backend));
     let outcome = drive(s, opts, seed, log, backend.clone(), &mut result.metrics).await;
     let stop = match Arc::try_unwrap(backend) {
-        Ok(b) => b.into_inner().stop().await.context("stopping the backend"),
+        Ok(b) => {
+            bounded(BACKEND_BOUND, "stopping the backend", async { b.into_inner().stop().await.context("stopping the backend") }).await
+        }
         Err(_) => Ok(()), // a task still holds it; its Drop cleans up
     };
     outcome.and(stop)
@@ -327,9 +332,23 @@ async fn drive(
             sqlx::postgres::PgPoolOptions::new().max_connections(3).acquire_timeout(Duration::from_secs(5)).connect_lazy(url)?,
         );
     }
+    // The operator's part of every deploy (ADR-022 #1202): the exchanges and the DLQ, with
+    // the admin credential; no service account may declare them. `[deploy] topology`
+    // adds every consumer queue (`craig-node topology`); without it each node declares
+    // its own queue at start.
+    bounded(Duration::from_secs(30), "declaring the exchanges and the DLQ", declare_operator_part(&ep.amqp_url)).await?;
     if s.deploy.topology {
         deploy_topology(&opts.node_program, &ep.amqp_url).await?;
     }
+    // Every service logs in with its own least-privilege account, as deployed.
+    let accounts: BTreeMap<String, String> = bounded(
+        Duration::from_secs(60),
+        "creating the service accounts",
+        async { backend.lock().await.service_accounts().await },
+    )
+    .await?
+    .into_iter()
+    .collect();
     let cases_pool = pools.get("cases").cloned().context("fleet has no cases")?;
     let poison = stage_poison_rows(&cases_pool, s.workload.poison_rows).await?;
 
@@ -350,7 +369,8 @@ async fn drive(
             let db = toxi.create_proxy(&format!("{name}->database"), "127.0.0.1:0", &ep.database_addr).await?;
             let mq = toxi.create_proxy(&format!("{name}->broker"), "127.0.0.1:0", &ep.broker_addr).await?;
             let db_url = ep.database_url(svc).unwrap().replacen(&ep.database_addr, &db.listen, 1);
-            let amqp_url = ep.amqp_url.replacen(&ep.broker_addr, &mq.listen, 1);
+            let account = accounts.get(svc).with_context(|| format!("no broker account for {svc}"))?;
+            let amqp_url = account.replacen(&ep.broker_addr, &mq.listen, 1);
             let mut spec = ReplicaSpec::new(svc.clone(), i);
             spec.compat = entry.get_ref().compat_of(i);
             let fps: Vec<String> = s
@@ -408,11 +428,14 @@ async fn drive(
     }
     // The dead-letter checkers need the truth of what reached craig.dlx: the harness's own
     // tap, bound before the workload makes any.
-    let tapped = s.expect.keys().any(|k| k == "dlq_occurrence_once" || k == "threshold_crossing_once");
+    // no_loss follows every staged dead letter to craig.dlx through the tap too.
+    let tapped = s.workload.dead_letters > 0 || s.expect.keys().any(|k| k == "dlq_occurrence_once" || k == "threshold_crossing_once");
     if tapped {
         tap::open(&ep.amqp_url, Duration::from_secs(15)).await?;
     }
-    stage_dead_letters(&cases_pool, s.workload.dead_letters).await?;
+    for envelope in stage_dead_letters(&cases_pool, s.workload.dead_letters).await? {
+        log.push(Event::DeadLetterStaged { envelope });
+    }
     let (stop_tx, stop_rx) = watch::channel(false);
     let (writes_tx, writes_rx) = watch::channel(0u32);
     let sampler =
@@ -469,6 +492,14 @@ async fn drive(
     Ok(())
 }
 
+/// The exchanges and the DLQ, declared as the operator (the admin URL).
+async fn declare_operator_part(amqp_url: &str) -> anyhow::Result<()> {
+    let conn = craig_mq::publisher::connect(amqp_url, 0, "chaos-operator").await?;
+    let declared = async { craig_mq::topology::declare_exchanges(&conn.create_channel().await?).await }.await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "declared".into())).await;
+    Ok(declared?)
+}
+
 /// `craig-node topology` through the same program the replicas run: the deploy step.
 async fn deploy_topology(program: &NodeProgram, amqp_url: &str) -> anyhow::Result<()> {
     let out = tokio::time::timeout(
@@ -489,20 +520,22 @@ async fn deploy_topology(program: &NodeProgram, amqp_url: &str) -> anyhow::Resul
     Ok(())
 }
 
-/// `dead_letters` envelopes staged through cases' outbox, valid but without the
+/// `dead_letters` envelopes staged through cases' outbox (their ids returned), valid but without the
 /// `referral_id` the rules handler needs: rules refuses each permanently and the broker
 /// dead-letters it under `dlq.craig-rules.events` (§D3 broker path).
-async fn stage_dead_letters(cases: &PgPool, n: u32) -> anyhow::Result<()> {
+async fn stage_dead_letters(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> {
     if n == 0 {
-        return Ok(());
+        return Ok(Vec::new());
     }
+    let mut ids = Vec::new();
     let mut tx = bounded(COLLECT, "staging dead letters", cases.begin()).await?;
     for i in 0..n {
         let env = craig_mq::EventEnvelope::new("case.referral_created", "cases", None, json!({ "subject": format!("chaos dead letter {i}") }))?;
         bounded(COLLECT, "staging a dead letter", craig_mq::publish_in_tx(&mut tx, &env)).await?;
+        ids.push(env.id);
     }
     bounded(COLLECT, "staging dead letters", tx.commit()).await?;
-    Ok(())
+    Ok(ids)
 }
 
 /// Malformed rows written straight into the outbox (by hand, or by an older replica),
@@ -525,6 +558,11 @@ async fn stage_poison_rows(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> 
     }
     Ok(ids)
 }
+
+/// Bound on starting or stopping a backend (private servers: a broker may take up to 60 s
+/// to answer; a shared server that hangs, or another run holding the sandbox registry
+/// lock, must not hang this one).
+const BACKEND_BOUND: Duration = Duration::from_secs(150);
 
 /// Bound on one poll of the sampler or the drain loop (a miss is "not quiet", not a hang).
 const PROBE: Duration = Duration::from_secs(3);

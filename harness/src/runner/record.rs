@@ -88,8 +88,33 @@ impl Log {
         )
         .await;
         let after = chrono::Utc::now().timestamp_millis();
-        if let Ok(Ok(db)) = db {
-            self.db_offset_ms.store(db - (before + after) / 2, std::sync::atomic::Ordering::Relaxed);
+        match db {
+            Ok(Ok(db)) => self.db_offset_ms.store(db - (before + after) / 2, std::sync::atomic::Ordering::Relaxed),
+            // Without the offset, database times are compared as if both clocks agreed.
+            Ok(Err(e)) => self.finding(format!("cannot measure the database clock ({e}); its times are compared unconverted")),
+            Err(_) => self.finding("cannot measure the database clock (no answer within 5 s); its times are compared unconverted".into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fault with no evidence it took effect is a finding (which makes the run
+    /// inconclusive); one with evidence is recorded with it.
+    #[test]
+    fn a_fault_without_evidence_is_a_finding_and_one_with_evidence_is_recorded() {
+        let log = Log::new();
+        log.fault("kill", "broker", Phase::Start);
+        log.evidence("kill", "broker", Some("pid 7 (and its process group) died".into()));
+        log.fault("toxic", "cases-1->broker (timeout upstream)", Phase::Start);
+        log.evidence("toxic", "cases-1->broker (timeout upstream)", None);
+        let faults = log.faults.lock().unwrap().clone();
+        assert_eq!(faults[0].evidence.as_deref(), Some("pid 7 (and its process group) died"));
+        assert_eq!(faults[1].evidence, None);
+        let findings = log.findings.lock().unwrap().clone();
+        assert_eq!(findings.len(), 1, "{findings:?}");
+        assert!(findings[0].starts_with("toxic cases-1->broker (timeout upstream): no evidence it took effect @"), "{findings:?}");
     }
 }

@@ -41,6 +41,8 @@ async fn pending(pool: &PgPool) -> i64 {
 async fn declare_rules_queue(amqp: &str) {
     let conn = craig_mq::publisher::connect(amqp, 5, "test").await.unwrap();
     let ch = conn.create_channel().await.unwrap();
+    // The operator's part first (#1202): no service account may declare the exchanges.
+    topology::declare_exchanges(&ch).await.unwrap();
     let spec = QueueSpec { queue: "craig-rules.events".into(), bindings: vec!["case.referral_created".into()], with_dlx: true };
     topology::declare_consumer_queue(&ch, &spec).await.unwrap();
     let _ = conn.close(200, "bye".into()).await;
@@ -79,12 +81,16 @@ async fn local_backend_survives_broker_and_database_kills_under_a_running_node()
     let db_url = ep.database_url("cases").unwrap().to_owned();
     craig_fleet::node::migrate(craig_fleet::Service::Cases, &db_url, Duration::from_secs(10)).await.unwrap();
     declare_rules_queue(&ep.amqp_url).await;
+    // The node logs in with cases' own least-privilege account (#1202), through every kill.
+    let accounts = backend.service_accounts().await.expect("service accounts on the private broker");
+    let cases_url = accounts.iter().find(|(s, _)| s == "cases").map(|(_, u)| u.clone()).expect("an account for cases");
+    assert!(cases_url.starts_with("amqp://craig-cases:"), "{cases_url}");
 
     let logs = tempdir();
     let mut spec = ReplicaSpec::new("cases", 1);
     spec.env = vec![
         ("DATABASE_URL".into(), db_url.clone()),
-        ("AMQP_URL".into(), ep.amqp_url.clone()),
+        ("AMQP_URL".into(), cases_url),
         ("CRAIG_JWT_SECRET".into(), SECRET.into()),
         ("CRAIG_OUTBOX_POLL_MS".into(), "100".into()),
         ("CRAIG_OUTBOX_BACKOFF_BASE_MS".into(), "100".into()),
@@ -182,6 +188,9 @@ async fn external_backend_isolates_a_run_and_refuses_destructive_faults() {
         craig_fleet::node::migrate(svc.parse().unwrap(), url, Duration::from_secs(5)).await.unwrap();
     }
     declare_rules_queue(&ep.amqp_url).await;
+    let accounts = backend.service_accounts().await.expect("service accounts on the run's vhost");
+    let names: Vec<&str> = accounts.iter().map(|(s, _)| s.as_str()).collect();
+    assert_eq!(names, ["cases", "financial", "rules", "security"]);
     let err = backend.kill(Target::Broker).await.unwrap_err();
     assert!(matches!(err, BackendError::Unsupported { backend: "external", .. }), "{err}");
     assert!(err.to_string().contains("CHAOS_BACKEND=local"), "{err}");

@@ -46,8 +46,16 @@ enum Command {
     /// Declare the whole fleet's broker topology on AMQP_URL and exit: the exchanges
     /// craig.events and craig.dlx, the DLQ craig-security.dlq, and every consumer queue with
     /// its bindings and DLX arguments. Idempotent; the deploy step before any node starts
-    /// (publishes are mandatory, so an event with no queue yet stays pending).
+    /// (publishes are mandatory, so an event with no queue yet stays pending). Run it with
+    /// the operator's credential: no service account may declare the exchanges (#1202).
     Topology,
+    /// Print the rabbitmqctl commands that create each service's least-privilege account
+    /// (ADR-022 #1202) on a vhost, and exit. Passwords are left for the operator to set.
+    Access {
+        /// The fleet's vhost.
+        #[arg(long, default_value = "/")]
+        vhost: String,
+    },
 }
 
 /// Parse `args` (program name first) and run `craig-node` to completion.
@@ -80,6 +88,23 @@ where
     }
 }
 
+/// The operator's script for the service accounts of `craig_fleet::access` on `vhost`.
+fn access_script(vhost: &str) -> String {
+    let q = |s: &str| format!("'{}'", s.replace('\'', "'\\''"));
+    let mut out = String::from("# ADR-022 #1202: one least-privilege account per service; export each CRAIG_<SERVICE>_AMQP_PASSWORD first.\n");
+    for (_, user, p) in crate::access::accounts() {
+        out.push_str(&format!("rabbitmqctl add_user {user} \"$CRAIG_{}_AMQP_PASSWORD\"\n", user.trim_start_matches("craig-").to_uppercase()));
+        out.push_str(&format!(
+            "rabbitmqctl set_permissions -p {} {user} {} {} {}\n",
+            q(vhost),
+            q(&p.configure),
+            q(&p.write),
+            q(&p.read)
+        ));
+    }
+    out
+}
+
 /// Why this node must refuse to start with `fp` as its `FAILPOINTS` (None: it may start).
 /// A crash point asked of a build that has none would silently never fire, and a chaos run
 /// would come out green for the wrong reason.
@@ -95,6 +120,10 @@ fn failpoints_refusal(fp: Option<&std::ffi::OsStr>, built_with_failpoints: bool)
 }
 
 async fn real_main(cli: Cli) -> anyhow::Result<()> {
+    if let Some(Command::Access { vhost }) = &cli.command {
+        print!("{}", access_script(vhost));
+        return Ok(());
+    }
     let settings = ServiceSettings::load().context("loading settings from the environment")?;
     if let Some(Command::Migrate { service, wait }) = cli.command {
         node::migrate(service, &settings.database_url, Duration::from_secs(wait)).await?;
@@ -136,7 +165,15 @@ async fn wait_for_stop_signal() {
 
 #[cfg(test)]
 mod tests {
-    use super::failpoints_refusal;
+    use super::{access_script, failpoints_refusal};
+
+    #[test]
+    fn the_access_script_sets_every_account_with_quoted_regexes() {
+        let out = access_script("/");
+        assert!(out.contains("rabbitmqctl add_user craig-rules \"$CRAIG_RULES_AMQP_PASSWORD\""), "{out}");
+        assert!(out.contains("rabbitmqctl set_permissions -p '/' craig-cases '^$' '^(craig\\.events)$' '^$'"), "{out}");
+        assert_eq!(out.matches("set_permissions").count(), 4, "{out}");
+    }
     use std::ffi::OsStr;
 
     #[test]

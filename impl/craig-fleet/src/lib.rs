@@ -1,6 +1,7 @@
 //! `craig-fleet`: the four demo services of CONTRACT § fleet, built on `craig-mq` and
 //! `craig-api`, and the `craig-node` binary that runs one of them.
 
+pub mod access;
 pub mod cases;
 pub mod cli;
 pub mod compat;

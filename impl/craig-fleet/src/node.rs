@@ -99,6 +99,8 @@ pub async fn migrate(service: Service, url: &str, wait: Duration) -> anyhow::Res
 pub async fn declare_topology(amqp_url: &str, with_dlx: bool) -> anyhow::Result<Vec<QueueSpec>> {
     let conn = craig_mq::publisher::connect(amqp_url, 10, "craig-topology").await.context("connecting to AMQP_URL")?;
     let ch = conn.create_channel().await?;
+    // The operator's part first (#1202): services only check that the exchanges exist.
+    craig_mq::topology::declare_exchanges(&ch).await.context("declaring the exchanges and the DLQ (needs the operator's credential)")?;
     let mut declared = Vec::new();
     for service in crate::service::ALL {
         if let Some(spec) = queue_spec(service, with_dlx) {
@@ -108,7 +110,6 @@ pub async fn declare_topology(amqp_url: &str, with_dlx: bool) -> anyhow::Result<
             declared.push(spec);
         }
     }
-    craig_mq::topology::declare_exchanges(&ch).await?;
     let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "declared".into())).await;
     Ok(declared)
 }

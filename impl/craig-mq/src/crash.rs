@@ -5,6 +5,7 @@
 //! | `outbox::after_claim` | #1128: rows claimed, nothing published — heals by lease expiry |
 //! | `outbox::after_publish_before_stamp` | #1128: broker ACKed, `published_at` not stamped — re-published after lease expiry |
 //! | `inbox::after_handler_before_stamp` | #1180: handler committed, `processed_at` not stamped — handler re-runs on redelivery |
+//! | `dlq::after_record_before_ack` | #1181: the dead letter's audit row committed, the DLQ delivery not acked — redelivered; the occurrence token absorbs it |
 //!
 //! Built only with feature `failpoints` (off by default, so never in a plain release
 //! build). Configure with the `fail` crate's `FAILPOINTS` grammar; the action
@@ -14,7 +15,7 @@
 
 /// The crash point names, for `--help` texts and harness validation.
 pub const CRASH_POINTS: &[&str] =
-    &["outbox::after_claim", "outbox::after_publish_before_stamp", "inbox::after_handler_before_stamp"];
+    &["outbox::after_claim", "outbox::after_publish_before_stamp", "inbox::after_handler_before_stamp", "dlq::after_record_before_ack"];
 
 /// Evaluate crash point `name`. Without feature `failpoints` this is a no-op.
 #[inline]

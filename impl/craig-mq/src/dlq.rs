@@ -620,7 +620,9 @@ where
     let conn = crate::publisher::connect(&cfg.amqp_url, cfg.heartbeat_secs, DLQ_QUEUE).await?;
     let set_up = async {
         let ch = conn.create_channel().await?;
-        crate::topology::declare_exchanges(&ch).await?;
+        // The exchanges are the operator's (#1202); the DLQ is security's own.
+        crate::topology::require_exchanges(&ch).await?;
+        crate::topology::declare_dlq(&ch).await?;
         let durable = QueueDeclareOptions { durable: true, ..Default::default() };
         ch.queue_declare(CAPTURE_QUEUE.into(), durable, FieldTable::default()).await?;
         let capture = conn.create_channel().await?;
@@ -687,6 +689,8 @@ where
         let err = match handler(dl.clone()).await {
             Ok(()) => {
                 parks.settled(&dl);
+                // #1181's window: the row is committed, the delivery not yet acked.
+                crate::crash::hit("dlq::after_record_before_ack");
                 settled("ack", delivery.acker.ack(BasicAckOptions::default())).await?;
                 return Ok(());
             }

@@ -171,8 +171,9 @@ impl Publisher {
     async fn set_up(amqp_url: &str, cfg: PublisherConfig, confirms: bool) -> Result<Self, PublishError> {
         let conn = connect_within(amqp_url, cfg.heartbeat_secs, "craig-publisher", cfg.connect_timeout).await?;
         let channel = conn.create_channel().await?;
-        // Idempotent: a fresh broker or vhost must not turn every publish into a 404.
-        crate::topology::declare_exchanges(&channel).await?;
+        // The exchanges are operator-owned (#1202): a missing one fails the set-up here,
+        // named, instead of turning every publish into a 404 that closes the channel.
+        crate::topology::require_exchanges(&channel).await?;
         if confirms {
             channel.confirm_select(ConfirmSelectOptions::default()).await?;
         }

@@ -7,7 +7,15 @@
 //! - `craig-security.dlq` is bound to `craig.dlx` with `dlq.#`, so a dead letter is kept
 //!   even before the DLQ consumer runs.
 //!
-//! Declarations are idempotent; every node declares what it relies on at (re)connect.
+//! Ownership (#1202, least privilege): the exchanges — and the DLQ with its binding, so a
+//! dead letter is kept before any consumer runs — are OPERATOR-owned: the deploy step
+//! (`craig-node topology`, with the operator's credential) declares them with
+//! [`declare_exchanges`]. A service's own credential has no `configure` on a shared
+//! exchange, so a node only checks they exist ([`require_exchanges`], a passive declare,
+//! which needs no permission) and declares what is its own: its consumer queue
+//! ([`declare_consumer_queue`]) and, for security, the DLQ ([`declare_dlq`]). The
+//! permissions themselves live in `craig_fleet::access`. Declarations are idempotent;
+//! every node declares what it relies on at (re)connect.
 
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
@@ -42,12 +50,30 @@ pub fn consumer_queue_args(queue: &str) -> FieldTable {
     args
 }
 
-/// Declare both exchanges and the DLQ with its binding.
+/// The operator's part of the deploy (#1202): both exchanges, and the DLQ with its
+/// binding. Needs `configure` on the exchanges, which no service credential has.
 pub async fn declare_exchanges(ch: &Channel) -> Result<(), lapin::Error> {
     let durable = ExchangeDeclareOptions { durable: true, ..Default::default() };
     for name in [EVENTS_EXCHANGE, DLX_EXCHANGE] {
         ch.exchange_declare(name.into(), ExchangeKind::Topic, durable, FieldTable::default()).await?;
     }
+    declare_dlq(ch).await
+}
+
+/// A service's check that the operator-owned exchanges exist (#1202): passive declares,
+/// which need no permission and create nothing. A missing exchange is a channel error
+/// (404 NOT_FOUND) naming it: the deploy step has not run.
+pub async fn require_exchanges(ch: &Channel) -> Result<(), lapin::Error> {
+    let passive = ExchangeDeclareOptions { passive: true, ..Default::default() };
+    for name in [EVENTS_EXCHANGE, DLX_EXCHANGE] {
+        ch.exchange_declare(name.into(), ExchangeKind::Topic, passive, FieldTable::default()).await?;
+    }
+    Ok(())
+}
+
+/// `craig-security.dlq` bound to `craig.dlx` with `dlq.#` (§D3): the operator declares it
+/// in the deploy step and security, whose queue it is, at every (re)connect.
+pub async fn declare_dlq(ch: &Channel) -> Result<(), lapin::Error> {
     let q = QueueDeclareOptions { durable: true, ..Default::default() };
     ch.queue_declare(DLQ_QUEUE.into(), q, FieldTable::default()).await?;
     ch.queue_bind(DLQ_QUEUE.into(), DLX_EXCHANGE.into(), "dlq.#".into(), QueueBindOptions::default(), FieldTable::default())
@@ -62,9 +88,10 @@ pub struct QueueSpec {
     pub with_dlx: bool,
 }
 
-/// Declare a consumer queue and bind it to `craig.events` for each routing key.
+/// Declare a consumer queue and bind it to `craig.events` for each routing key; the
+/// exchanges must exist (operator-owned, #1202).
 pub async fn declare_consumer_queue(ch: &Channel, spec: &QueueSpec) -> Result<(), lapin::Error> {
-    declare_exchanges(ch).await?;
+    require_exchanges(ch).await?;
     let args = if spec.with_dlx { consumer_queue_args(&spec.queue) } else { FieldTable::default() };
     let q = QueueDeclareOptions { durable: true, ..Default::default() };
     ch.queue_declare(spec.queue.as_str().into(), q, args).await?;

@@ -39,7 +39,18 @@ pub struct Sandbox {
     amqp_url: String,
     vhost: String,
     databases: Vec<(String, String)>,
+    users: Vec<String>,
     destroyed: bool,
+}
+
+/// One broker account for [`Sandbox::add_users`]: a name (prefixed with the sandbox's)
+/// and its permission regexes on the sandbox's vhost.
+#[derive(Debug, Clone)]
+pub struct Account {
+    pub name: String,
+    pub configure: String,
+    pub write: String,
+    pub read: String,
 }
 
 impl Sandbox {
@@ -72,12 +83,14 @@ impl Sandbox {
                 databases.push((svc.to_string(), replace_path(admin_url, &db)?));
             }
             vhost_create(amqp_base, &name).await?;
+            deploy_exchanges(&replace_path(amqp_base, &name)?, &name).await?;
             Ok(Self {
                 amqp_url: replace_path(amqp_base, &name)?,
                 vhost: name.clone(),
                 name: name.clone(),
                 admin_url: admin_url.to_owned(),
                 databases,
+                users: Vec::new(),
                 destroyed: false,
             })
         }
@@ -97,8 +110,56 @@ impl Sandbox {
             .unwrap_or_else(|| panic!("sandbox {} has no database for service {service}", self.name))
     }
 
+    /// The vhost with the admin's credential: the operator, who owns the exchanges.
     pub fn amqp_url(&self) -> &str {
         &self.amqp_url
+    }
+
+    /// Create broker accounts (`<sandbox>.<name>`, each with only its permissions on this
+    /// sandbox's vhost: ADR-022 #1202) in ONE definitions import, wait until each can log
+    /// in, and return each one's AMQP URL, in order. They are deleted by
+    /// [`destroy`](Self::destroy); one left by a crashed run holds no permission once its
+    /// vhost is gone, and the next run of the same label re-imports it.
+    pub async fn add_users(&mut self, accounts: &[Account]) -> Result<Vec<String>, SandboxError> {
+        let vhost = self.vhost.clone();
+        let err = move |detail: String| SandboxError::Vhost { vhost: vhost.clone(), detail };
+        let mut users = Vec::new();
+        let mut perms = Vec::new();
+        let mut urls = Vec::new();
+        for a in accounts {
+            let user = format!("{}.{}", self.name, a.name);
+            let password = sandbox_name(&format!("{user}/password"));
+            users.push(serde_json::json!({
+                "name": user,
+                "password_hash": password_hash(&user, &password),
+                "hashing_algorithm": "rabbit_password_hashing_sha256",
+                "tags": [],
+            }));
+            perms.push(serde_json::json!({
+                "user": user, "vhost": self.vhost, "configure": a.configure, "write": a.write, "read": a.read,
+            }));
+            urls.push(with_credentials(&self.amqp_url, &user, &password)?);
+            self.users.push(user);
+        }
+        let defs = serde_json::json!({ "users": users, "permissions": perms });
+        definitions_import(&self.amqp_url, &defs).await.map_err(&err)?;
+        // The import is asynchronous: each account must log in before it is handed out.
+        for url in &urls {
+            let deadline = std::time::Instant::now() + Duration::from_secs(15);
+            loop {
+                match craig_mq::publisher::connect_within(url, 0, "sandbox-login-check", Duration::from_secs(3)).await {
+                    Ok(c) => {
+                        let _ = tokio::time::timeout(Duration::from_secs(2), c.close(200, "ok".into())).await;
+                        break;
+                    }
+                    Err(e) if std::time::Instant::now() > deadline => {
+                        return Err(err(format!("an imported account cannot log in after 15 s: {e}")));
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            }
+        }
+        Ok(urls)
     }
 
     pub fn vhost(&self) -> &str {
@@ -122,12 +183,14 @@ impl Sandbox {
         vhost_delete(&self.amqp_url, &self.vhost).await
     }
 
-    /// Re-create the vhost deleted by [`Sandbox::drop_vhost`] (empty).
+    /// Re-create the vhost deleted by [`Sandbox::drop_vhost`]: empty but for the operator's
+    /// part of a deploy (the exchanges and the DLQ, as [`Sandbox::create`] leaves it).
+    /// Accounts made by [`add_users`](Self::add_users) lost their permissions with it.
     pub async fn restore_vhost(&self) -> Result<(), SandboxError> {
-        vhost_create(&self.amqp_url, &self.vhost).await
+        vhost_create(&self.amqp_url, &self.vhost).await?;
+        deploy_exchanges(&self.amqp_url, &self.vhost).await
     }
 
-    /// Drop the databases and the vhost and forget the sandbox.
     /// Set (or replace) a queue policy in this sandbox's vhost: `definition` is RabbitMQ's
     /// policy JSON (e.g. `{"max-length": 20, "overflow": "reject-publish"}`), `pattern` a
     /// regex over queue names. Management API, else a local `rabbitmqctl`.
@@ -188,8 +251,13 @@ impl Sandbox {
         }
     }
 
+    /// Drop the databases, the vhost and the users made by [`add_users`](Self::add_users),
+    /// and forget the sandbox.
     pub async fn destroy(mut self) -> Result<(), SandboxError> {
         self.destroyed = true;
+        for user in std::mem::take(&mut self.users) {
+            user_delete(&self.amqp_url, &self.vhost, &user).await?;
+        }
         let mut admin = admin_conn(&self.admin_url).await?;
         let amqp_base = self.amqp_url.clone();
         let res = drop_everything(&mut admin, &self.admin_url, &amqp_base, &self.name).await;
@@ -360,6 +428,83 @@ async fn vhost_delete(amqp_base: &str, vhost: &str) -> Result<(), SandboxError> 
     }
 }
 
+/// The operator's part of a deploy on a fresh vhost (ADR-022 #1202): the exchanges and the
+/// DLQ, which no service account may declare.
+async fn deploy_exchanges(amqp_url: &str, vhost: &str) -> Result<(), SandboxError> {
+    let err = |detail: String| SandboxError::Vhost { vhost: vhost.to_owned(), detail };
+    let conn = craig_mq::publisher::connect_within(amqp_url, 0, "sandbox-deploy", Duration::from_secs(10))
+        .await
+        .map_err(|e| err(format!("connecting as the operator: {e}")))?;
+    let declared = async {
+        let ch = conn.create_channel().await?;
+        craig_mq::topology::declare_exchanges(&ch).await
+    };
+    let res = tokio::time::timeout(Duration::from_secs(10), declared).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "deployed".into())).await;
+    match res {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(err(format!("declaring the exchanges and the DLQ: {e}"))),
+        Err(_) => Err(err("declaring the exchanges and the DLQ: no answer within 10 s".into())),
+    }
+}
+
+/// RabbitMQ's `rabbit_password_hashing_sha256`: base64(salt ++ sha256(salt ++ password)),
+/// the salt 4 bytes derived from the user name (a sandbox's accounts are reproducible).
+pub fn password_hash(user: &str, password: &str) -> String {
+    use base64::Engine as _;
+    let salt: [u8; 4] = Sha256::digest(user.as_bytes())[..4].try_into().expect("4 bytes");
+    let mut h = Sha256::new();
+    h.update(salt);
+    h.update(password.as_bytes());
+    let mut out = salt.to_vec();
+    out.extend_from_slice(&h.finalize());
+    base64::engine::general_purpose::STANDARD.encode(out)
+}
+
+/// `url` (`scheme://[creds@]host…`) with `user:password` as its credentials.
+pub fn with_credentials(url: &str, user: &str, password: &str) -> Result<String, SandboxError> {
+    let (scheme, rest) = url.split_once("://").ok_or(SandboxError::BadUrl { url: url.to_owned(), why: "no scheme" })?;
+    let host = rest.split_once('@').map(|(_, h)| h).unwrap_or(rest);
+    Ok(format!("{scheme}://{user}:{password}@{host}"))
+}
+
+/// Import RabbitMQ definitions (users, permissions): management API, else `rabbitmqctl
+/// import_definitions` from a file the node can read.
+async fn definitions_import(amqp_base: &str, defs: &serde_json::Value) -> Result<(), String> {
+    let m = management(amqp_base).map_err(|e| e.to_string())?;
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().expect("reqwest client");
+    match client.post(format!("{}/api/definitions", m.base)).basic_auth(&m.user, Some(&m.pass)).json(defs).send().await {
+        Ok(r) if r.status().is_success() => Ok(()),
+        Ok(r) => Err(format!("management API answered HTTP {} to POST /api/definitions", r.status())),
+        Err(e) if e.is_connect() => {
+            use std::os::unix::fs::PermissionsExt as _;
+            let path = std::env::temp_dir().join(format!("craig-sandbox-defs-{}-{}.json", std::process::id(), defs.to_string().len()));
+            std::fs::write(&path, defs.to_string()).map_err(|e| format!("writing {}: {e}", path.display()))?;
+            let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644));
+            let res = rabbitmqctl(&["import_definitions", path.to_str().unwrap_or_default()]);
+            let _ = std::fs::remove_file(&path);
+            res
+        }
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+async fn user_delete(amqp_base: &str, vhost: &str, user: &str) -> Result<(), SandboxError> {
+    let m = management(amqp_base)?;
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().expect("reqwest client");
+    let err = |detail: String| SandboxError::Vhost { vhost: vhost.to_owned(), detail };
+    match client.delete(format!("{}/api/users/{user}", m.base)).basic_auth(&m.user, Some(&m.pass)).send().await {
+        Ok(r) if r.status().is_success() || r.status() == reqwest::StatusCode::NOT_FOUND => Ok(()),
+        Ok(r) => Err(err(format!("management API answered HTTP {} to DELETE /api/users", r.status()))),
+        Err(e) if e.is_connect() => match rabbitmqctl(&["delete_user", user]) {
+            Ok(()) => Ok(()),
+            Err(d) if d.contains("does not exist") || d.contains("no_such_user") => Ok(()),
+            Err(d) => Err(err(d)),
+        },
+        Err(e) => Err(err(e.to_string())),
+    }
+}
+
 fn rabbitmqctl(args: &[&str]) -> Result<(), String> {
     rabbitmqctl_output(args).map(drop)
 }
@@ -392,6 +537,17 @@ pub fn sum_listed(listing: &str, queues: &[String]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// RabbitMQ's sha256 scheme (checked against Python's hashlib for the same salt).
+    #[test]
+    fn password_hashes_follow_rabbit_password_hashing_sha256() {
+        assert_eq!(password_hash("craig_x.craig-rules", "secret"), "cUNg33/PulOPAqPTlxbtFlZdffwYRz5ulOu5mTX6nipuWMqI");
+        assert_eq!(
+            with_credentials("amqp://guest:guest@127.0.0.1:5672/v", "u", "p").unwrap(),
+            "amqp://u:p@127.0.0.1:5672/v"
+        );
+        assert_eq!(with_credentials("amqp://h:1/v", "u", "p").unwrap(), "amqp://u:p@h:1/v");
+    }
 
     #[test]
     fn listed_counts_sum_over_the_named_queues_only() {

@@ -36,8 +36,12 @@ async fn fail_evaluations_of(pool: &sqlx::PgPool, referral: Uuid) {
 /// One stuck envelope and two healthy ones through a rules node with a retry cap of 3;
 /// returns the stuck envelope, the audit row's (path, disposition, routing key, original
 /// queue, source service, token) and the inbox row's received_at.
-async fn surface_one(label: &str, compat: &[&str]) -> (EventEnvelope, (String, String, String, Option<String>, Option<String>, Option<String>), DateTime<Utc>) {
-    let fleet = Fleet::new(label, &[Service::Rules, Service::Security]).await;
+/// With `least_privilege`, every node logs in with its own account (#1202).
+async fn surface_one(label: &str, compat: &[&str], least_privilege: bool) -> (EventEnvelope, (String, String, String, Option<String>, Option<String>, Option<String>), DateTime<Utc>) {
+    let mut fleet = Fleet::new(label, &[Service::Rules, Service::Security]).await;
+    if least_privilege {
+        fleet.least_privilege().await;
+    }
     let rules_db = fleet.pool(Service::Rules).await;
     let security_db = fleet.pool(Service::Security).await;
     let stuck_referral = Uuid::now_v7();
@@ -94,11 +98,12 @@ async fn surface_one(label: &str, compat: &[&str]) -> (EventEnvelope, (String, S
 
 /// #1196: the app path routes `dlq.<consumer-queue>`, records the consumer queue as
 /// `original_queue` and the producer only as provenance; #1181: its token is
-/// `dlxcap:{id}:{queue}:{inbox received_at, µs}`.
+/// `dlxcap:{id}:{queue}:{inbox received_at, µs}`. Rules and security run on their own
+/// least-privilege accounts (#1202): the whole path works without the admin credential.
 #[tokio::test]
 async fn the_retry_cap_surfaces_under_the_consumer_queue_with_the_inbox_token() {
     let (stuck, (path, disposition, routing_key, original_queue, source, token), received_at) =
-        surface_one("app-path", &[]).await;
+        surface_one("app-path", &[], true).await;
     assert_eq!((path.as_str(), disposition.as_str()), ("app", "recorded"));
     assert_eq!(routing_key, format!("dlq.{RULES_QUEUE}"));
     assert_eq!(original_queue.as_deref(), Some(RULES_QUEUE));
@@ -110,7 +115,7 @@ async fn the_retry_cap_surfaces_under_the_consumer_queue_with_the_inbox_token() 
 /// forensic identity the broker path never uses.
 #[tokio::test]
 async fn compat_pre_1196_keys_the_app_path_by_the_producer() {
-    let (_, (path, _, routing_key, original_queue, _, _), _) = surface_one("app-path-pre1196", &["pre-1196"]).await;
+    let (_, (path, _, routing_key, original_queue, _, _), _) = surface_one("app-path-pre1196", &["pre-1196"], false).await;
     assert_eq!(path, "app");
     assert_eq!(routing_key, "dlq.craig-cases");
     assert_eq!(original_queue.as_deref(), Some("craig-cases"));

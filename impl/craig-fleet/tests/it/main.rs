@@ -1,5 +1,6 @@
 //! craig-fleet's integration tests: real `craig-node` processes, in one binary.
 
+mod access;
 mod app_path;
 mod common;
 #[cfg(feature = "failpoints")]

@@ -49,7 +49,14 @@ async fn deliver_twice(label: &str, compat: &[&str]) -> (i64, String) {
         .fetch_one(&pool)
         .await
         .unwrap();
-    let metrics = reqwest::get(format!("{}/metrics", node.base)).await.unwrap().text().await.unwrap();
+    // The node's outbox refuses its rule.evaluated rows on its own poll: wait for that
+    // refusal to be counted (on a loaded machine it can come after the marker's effect).
+    let scrape = || async { reqwest::get(format!("{}/metrics", node.base)).await.unwrap().text().await.unwrap() };
+    eventually(Duration::from_secs(20), "rule.evaluated refused as unroutable", || async {
+        series(&scrape().await, "outbox_publish_errors_total{kind=\"unroutable\"}").is_some_and(|n| n >= 1.0)
+    })
+    .await;
+    let metrics = scrape().await;
     assert_eq!(node.stop().await.code(), Some(0));
     pool.close().await;
     fleet.finish().await;

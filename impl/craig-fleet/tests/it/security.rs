@@ -451,3 +451,51 @@ async fn a_delivery_that_parks_forever_is_captured_and_the_rest_recorded() {
     task.await.unwrap();
     fleet.finish().await;
 }
+
+/// Issue 9's figure (a measurement, not a check of speed): the DLQ consumer on a backlog
+/// of 10,000 broker-path dead letters, logged in with security's own account. Run it
+/// with `cargo nextest run --release --features craig-fleet/failpoints -E
+/// 'test(dlq_backlog)' --run-ignored ignored-only --no-capture`; it prints dead letters/s.
+/// What it asserts is behaviour: every occurrence recorded once, one crossing.
+#[tokio::test]
+#[ignore = "measurement: run on an otherwise idle machine (see the doc comment)"]
+async fn dlq_backlog_of_ten_thousand_is_recorded_once_each() {
+    const N: usize = 10_000;
+    let mut fleet = Fleet::new("dlq-backlog", &[Service::Security]).await;
+    fleet.least_privilege().await;
+    let pool = fleet.pool(Service::Security).await;
+    let (conn, ch) = fleet.channel().await;
+    ch.confirm_select(Default::default()).await.unwrap();
+    let now = Utc::now().timestamp() as u64;
+    for batch in 0..N / 500 {
+        let mut confirms = Vec::new();
+        for _ in 0..500 {
+            let env = envelope("case.referral_created");
+            let props = lapin::BasicProperties::default().with_headers(x_death(Q, 1, now)).with_message_id(env.id.to_string().into());
+            confirms.push(ch.basic_publish(DLX_EXCHANGE.into(), RK.into(), BasicPublishOptions::default(), &env.to_vec(), props).await.unwrap());
+        }
+        for c in confirms {
+            assert!(c.await.unwrap().is_ack(), "batch {batch}");
+        }
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    assert_eq!(fleet.depth(DLQ_QUEUE).await as usize, N);
+    let started = std::time::Instant::now();
+    let sec = fleet.start(Service::Security, &[], &[]).await;
+    eventually(Duration::from_secs(600), "the backlog recorded", || {
+        let pool = pool.clone();
+        async move { count(&pool, "SELECT count(*) FROM dead_letter_audit").await as usize >= N }
+    })
+    .await;
+    let took = started.elapsed();
+    eprintln!(
+        "DLQ backlog: {N} dead letters recorded in {:.1} s = {:.0} dead letters/s (node start included)",
+        took.as_secs_f64(),
+        N as f64 / took.as_secs_f64()
+    );
+    assert_eq!(count(&pool, "SELECT count(DISTINCT occurrence_token) FROM dead_letter_audit").await as usize, N);
+    assert_eq!(threshold_events(&pool).await.len(), 1, "one crossing for one event type");
+    assert_eq!(sec.stop().await.code(), Some(0));
+    pool.close().await;
+    fleet.finish().await;
+}

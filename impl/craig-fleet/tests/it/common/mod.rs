@@ -17,6 +17,9 @@ pub const SECRET: &str = "test-secret";
 
 pub struct Fleet {
     pub sandbox: Sandbox,
+    /// Per-service AMQP URLs once [`Fleet::least_privilege`] made the accounts; until
+    /// then every node logs in as the sandbox's admin.
+    pub accounts: std::collections::BTreeMap<&'static str, String>,
 }
 
 impl Fleet {
@@ -26,7 +29,25 @@ impl Fleet {
         for s in services {
             craig_fleet::node::migrate(*s, sandbox.database_url(s.name()), Duration::from_secs(5)).await.expect("migrate");
         }
-        Self { sandbox }
+        Self { sandbox, accounts: Default::default() }
+    }
+
+    /// Give every service its own least-privilege account (ADR-022 #1202,
+    /// `craig_fleet::access`); nodes started afterwards log in with it.
+    pub async fn least_privilege(&mut self) {
+        let accounts: Vec<craig_sandbox::Account> = craig_fleet::access::accounts()
+            .into_iter()
+            .map(|(_, user, p)| craig_sandbox::Account { name: user, configure: p.configure, write: p.write, read: p.read })
+            .collect();
+        let urls = self.sandbox.add_users(&accounts).await.expect("service accounts");
+        for (s, url) in craig_fleet::service::ALL.into_iter().zip(urls) {
+            self.accounts.insert(s.name(), url);
+        }
+    }
+
+    /// The AMQP URL `s` logs in with.
+    pub fn amqp_url(&self, s: Service) -> &str {
+        self.accounts.get(s.name()).map(String::as_str).unwrap_or(self.sandbox.amqp_url())
     }
 
     pub async fn pool(&self, s: Service) -> PgPool {
@@ -39,7 +60,7 @@ impl Fleet {
         cmd.args(["--service", s.name(), "--http", "127.0.0.1:0"])
             .args(args)
             .env("DATABASE_URL", self.sandbox.database_url(s.name()))
-            .env("AMQP_URL", self.sandbox.amqp_url())
+            .env("AMQP_URL", self.amqp_url(s))
             .env("CRAIG_JWT_SECRET", SECRET)
             .env("CRAIG_OUTBOX_POLL_MS", "100")
             .env("RUST_LOG", "info,sqlx=warn,lapin=warn,lapin::returned_messages=error")
