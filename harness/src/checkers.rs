@@ -309,11 +309,14 @@ fn dead_letters_lost(h: &History, v: &mut Verdict) -> (usize, usize) {
     let mut published: HashSet<Uuid> = HashSet::new();
     let mut first_stamp: HashMap<Uuid, u64> = HashMap::new();
     let mut reached: HashSet<Uuid> = HashSet::new();
-    let mut consumers: Vec<&str> = Vec::new();
+    let mut rejected: HashMap<Uuid, Vec<(u64, &str, &[String])>> = HashMap::new();
     for e in h.iter() {
         match &e.event {
             Event::Staged { envelope, published: true, .. } => {
                 published.insert(*envelope);
+            }
+            Event::Rejected { envelope, replica, compat } => {
+                rejected.entry(*envelope).or_default().push((e.t_ms, replica, compat));
             }
             Event::Stamped { envelope, .. } => {
                 let t = first_stamp.entry(*envelope).or_insert(e.t_ms);
@@ -321,9 +324,6 @@ fn dead_letters_lost(h: &History, v: &mut Verdict) -> (usize, usize) {
             }
             Event::DeadLettered { envelope: Some(env), .. } | Event::Effect { envelope: env, .. } => {
                 reached.insert(*env);
-            }
-            Event::Started { replica, .. } if replica.starts_with("rules-") && !consumers.contains(&replica.as_str()) => {
-                consumers.push(replica);
             }
             _ => {}
         }
@@ -339,20 +339,28 @@ fn dead_letters_lost(h: &History, v: &mut Verdict) -> (usize, usize) {
             continue;
         }
         lost += 1;
-        let t = stamp.unwrap_or(0);
+        // Corroborated by the system: the consumer that said it rejected the message to the
+        // broker, with the behaviour it ran then. None said so: nobody to blame on evidence.
         let mut tags = vec!["kind:lost".to_owned()];
-        let mut who = Vec::new();
-        for r in &consumers {
-            let compat = h.compat_at(r, t);
-            tags.extend(culprit_tags(r, compat));
-            who.push(running(r, compat));
-        }
+        let by = match rejected.get(&env) {
+            Some(rs) => {
+                let mut who = Vec::new();
+                for (t, r, c) in rs {
+                    tags.extend(culprit_tags(r, Some(c)));
+                    who.push(format!("{} @{t}ms", running(r, Some(c))));
+                }
+                format!("rejected by {}", who.join(", "))
+            }
+            None => {
+                tags.extend(["replica:unknown".to_owned(), "compat:unknown".to_owned()]);
+                "no consumer reported rejecting it".to_owned()
+            }
+        };
         v.blame(tags);
         v.witness(format!(
-            "dead letter {env} (staged for rules to refuse) was published{} but never reached {} and was never handled; its queue's consumers then: {}",
+            "dead letter {env} (staged for rules to refuse) was published{}, {by}, and never reached {} nor took effect",
             stamp.map(|t| format!(" @{t}ms")).unwrap_or_default(),
             craig_mq::topology::DLX_EXCHANGE,
-            if who.is_empty() { "none".to_owned() } else { who.join(", ") }
         ));
     }
     (n, lost)
@@ -1197,16 +1205,26 @@ mod tests {
         };
         dead(&mut h, 21, true); // reached craig.dlx
         h.push(40, Event::DeadLettered { key: "k21".into(), token: None, envelope: Some(id(21)), queue: Some("craig-rules.events".into()) });
-        dead(&mut h, 22, true); // vanished
+        dead(&mut h, 22, true); // rejected by rules (pre-d3), then vanished
         stamped(&mut h, 30, 22, "cases-1", &[]);
+        h.push(35, Event::Rejected { envelope: id(22), replica: "rules-1".into(), compat: vec!["pre-d3".into()] });
         dead(&mut h, 23, false); // still pending: not a loss (liveness judges it)
         h.sort();
         let v = no_loss(&h);
         assert_eq!((v.validity, v.counts["dead_letters_published"], v.counts["dead_letters_lost"]), (Validity::Invalid, 2, 1), "{v:?}");
         assert!(v.all_point_at("kind:lost") && v.all_point_at("compat:pre-d3") && v.all_point_at("replica:rules-1"), "{:?}", v.culprits);
         assert!(v.witnesses[0].contains(&format!("dead letter {} ", id(22))), "{}", v.witnesses[0]);
-        assert!(v.witnesses[0].contains("published @30ms but never reached craig.dlx"), "{}", v.witnesses[0]);
-        assert!(v.witnesses[0].contains("rules-1 (compat pre-d3)"), "{}", v.witnesses[0]);
+        assert!(v.witnesses[0].contains("published @30ms, rejected by rules-1 (compat pre-d3) @35ms, and never reached craig.dlx"), "{}", v.witnesses[0]);
+
+        // A loss no consumer reported rejecting is blamed on nothing the twin could name.
+        let mut silent = History::default();
+        for e in h.iter().filter(|e| !matches!(e.event, Event::Rejected { .. })) {
+            silent.push(e.t_ms, e.event.clone());
+        }
+        let v = no_loss(&silent);
+        assert_eq!(v.counts["dead_letters_lost"], 1);
+        assert!(!v.all_point_at("compat:pre-d3") && v.all_point_at("compat:unknown"), "{:?}", v.culprits);
+        assert!(v.witnesses[0].contains("no consumer reported rejecting it"), "{}", v.witnesses[0]);
 
         // The same run with current rules: every published dead letter reached craig.dlx.
         let mut ok = History::default();

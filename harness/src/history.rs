@@ -113,6 +113,10 @@ pub enum Event {
     /// A malformed outbox row the harness wrote by hand before the workload: it must stay
     /// pending (never stamped, never deleted) and be refused by the worker.
     Poison { envelope: Uuid, service: String },
+    /// A consumer replica refused `envelope` for good and rejected it to the broker
+    /// (`subscriber.permanent_failure`, running `compat`): the system's own word that it
+    /// handed the message to dead-lettering.
+    Rejected { envelope: Uuid, replica: String, compat: Vec<String> },
     /// An envelope the harness staged through cases' outbox for rules to refuse for good
     /// (`[workload] dead_letters`): published, it must reach `craig.dlx` (§D3).
     DeadLetterStaged { envelope: Uuid },

@@ -130,7 +130,8 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
         }
         let reprocessed = line.contains("event=\"inbox.reprocessed\"");
         let stamped = line.contains("event=\"outbox.stamped\"");
-        if !reprocessed && !stamped {
+        let rejected = line.contains("event=\"subscriber.permanent_failure\"");
+        if !reprocessed && !stamped && !rejected {
             continue;
         }
         let Some(envelope) = line
@@ -147,6 +148,8 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
             .map(|ts| rel(ts.timestamp_millis()));
         let event = if reprocessed {
             Event::Reprocessed { envelope, replica: replica.to_owned() }
+        } else if rejected {
+            Event::Rejected { envelope, replica: replica.to_owned(), compat: compat.clone() }
         } else {
             Event::Stamped { envelope, replica: replica.to_owned(), compat: compat.clone() }
         };
@@ -187,6 +190,7 @@ mod tests {
              --- start 2 of cases-1 (compat -) ---\n\
              2026-11-30T16:00:01.000000Z DEBUG craig_mq::outbox: event=\"outbox.stamped\" envelope_id={env}\n\
              2026-11-30T16:00:01.500000Z  WARN craig_mq::inbox: event=\"inbox.reprocessed\" envelope_id={env} source=x\n\
+             2026-11-30T16:00:01.700000Z ERROR craig_mq::subscriber: dead-lettering to craig.dlx event=\"subscriber.permanent_failure\" queue=\"craig-rules.events\" envelope_id={env} error=no referral_id\n\
              not a line of interest envelope_id={env}\n"
         );
         let origin = chrono::DateTime::parse_from_rfc3339("2026-11-30T16:00:00Z").unwrap().timestamp_millis();
@@ -197,6 +201,7 @@ mod tests {
                 (Some(100), Event::Stamped { envelope: env, replica: "cases-1".into(), compat: vec!["pre-1128".into()] }),
                 (Some(1000), Event::Stamped { envelope: env, replica: "cases-1".into(), compat: vec![] }),
                 (Some(1500), Event::Reprocessed { envelope: env, replica: "cases-1".into() }),
+                (Some(1700), Event::Rejected { envelope: env, replica: "cases-1".into(), compat: vec![] }),
             ]
         );
     }

@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::json;
 use sqlx::PgPool;
 use tokio::sync::{Mutex, watch};
 use tokio::time::Instant;
@@ -350,7 +349,9 @@ async fn drive(
     .into_iter()
     .collect();
     let cases_pool = pools.get("cases").cloned().context("fleet has no cases")?;
-    let poison = stage_poison_rows(&cases_pool, s.workload.poison_rows).await?;
+    // What the workload puts in place before the replicas start (poison rows, older
+    // than anything else); the rest of its staging follows once the run's clock starts.
+    let staged = workload::Staged::before_start(s, &cases_pool).await?;
 
     let (api_addr, api_task) = api::serve(FaultProxy::new(seed.rotate_left(17)), "127.0.0.1:0".parse()?).await?;
     let toxi = ToxiproxyClient::new(format!("http://{api_addr}"));
@@ -423,9 +424,6 @@ async fn drive(
             log.push_at(0, Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
         }
     }
-    for envelope in &poison {
-        log.push(Event::Poison { envelope: *envelope, service: "cases".into() });
-    }
     // The dead-letter checkers need the truth of what reached craig.dlx: the harness's own
     // tap, bound before the workload makes any.
     // no_loss follows every staged dead letter to craig.dlx through the tap too.
@@ -433,9 +431,7 @@ async fn drive(
     if tapped {
         tap::open(&ep.amqp_url, Duration::from_secs(15)).await?;
     }
-    for envelope in stage_dead_letters(&cases_pool, s.workload.dead_letters).await? {
-        log.push(Event::DeadLetterStaged { envelope });
-    }
+    staged.after_start(s, log, &cases_pool).await?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let (writes_tx, writes_rx) = watch::channel(0u32);
     let sampler =
@@ -447,7 +443,7 @@ async fn drive(
     // Every fault has healed: the system must work again, not only have survived.
     log.push(Event::Healed);
     writer.write(seed ^ 0x4ea1, (s.workload.writes, s.workload.after_heal), watch::channel(0u32).0).await;
-    sampler::drain(s, log, &pools, &poison, &ep.amqp_url, &backend).await;
+    sampler::drain(s, log, &pools, &staged.poison, &ep.amqp_url, &backend).await;
     for (svc, pool) in &pools {
         let stuck: Vec<(Uuid, f64)> = bounded(
             COLLECT,
@@ -518,45 +514,6 @@ async fn deploy_topology(program: &NodeProgram, amqp_url: &str) -> anyhow::Resul
         anyhow::bail!("craig-node topology failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
     }
     Ok(())
-}
-
-/// `dead_letters` envelopes staged through cases' outbox (their ids returned), valid but without the
-/// `referral_id` the rules handler needs: rules refuses each permanently and the broker
-/// dead-letters it under `dlq.craig-rules.events` (§D3 broker path).
-async fn stage_dead_letters(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> {
-    if n == 0 {
-        return Ok(Vec::new());
-    }
-    let mut ids = Vec::new();
-    let mut tx = bounded(COLLECT, "staging dead letters", cases.begin()).await?;
-    for i in 0..n {
-        let env = craig_mq::EventEnvelope::new("case.referral_created", "cases", None, json!({ "subject": format!("chaos dead letter {i}") }))?;
-        bounded(COLLECT, "staging a dead letter", craig_mq::publish_in_tx(&mut tx, &env)).await?;
-        ids.push(env.id);
-    }
-    bounded(COLLECT, "staging dead letters", tx.commit()).await?;
-    Ok(ids)
-}
-
-/// Malformed rows written straight into the outbox (by hand, or by an older replica),
-/// older than anything the workload stages. Returns their ids.
-async fn stage_poison_rows(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> {
-    let mut ids = Vec::new();
-    for i in 0..n {
-        let id: Uuid = bounded(
-            COLLECT,
-            "writing a poison row",
-            sqlx::query_scalar(
-                "INSERT INTO event_outbox (event_type, envelope, created_at) \
-                 VALUES ('case.referral_created', $1, now() - interval '1 hour') RETURNING id",
-            )
-            .bind(json!({ "poison": i, "note": "not an envelope: written by hand" }))
-            .fetch_one(cases),
-        )
-        .await?;
-        ids.push(id);
-    }
-    Ok(ids)
 }
 
 /// Bound on starting or stopping a backend (private servers: a broker may take up to 60 s

@@ -13,10 +13,36 @@ use tokio::sync::{Mutex, watch};
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use super::{Log, PROBE, Replicas};
+use super::{COLLECT, Log, PROBE, Replicas, bounded};
 use crate::history::{Event, Outcome};
 use crate::process::Replica;
 use crate::scenario::Scenario;
+
+/// What the workload stages straight into the databases, around the replicas' start: a
+/// new staged kind is a field and a line here, never a change to the runner's sequence.
+pub(super) struct Staged {
+    /// Malformed outbox rows (`[workload] poison_rows`), staged before any replica starts.
+    pub poison: Vec<Uuid>,
+}
+
+impl Staged {
+    /// Before the replicas start: the poison rows, older than anything the workload writes.
+    pub(super) async fn before_start(s: &Scenario, cases: &PgPool) -> anyhow::Result<Self> {
+        Ok(Self { poison: stage_poison_rows(cases, s.workload.poison_rows).await? })
+    }
+
+    /// Once the run's clock started (and the dead-letter tap is bound): record the poison
+    /// rows, then stage the dead letters and record each.
+    pub(super) async fn after_start(&self, s: &Scenario, log: &Log, cases: &PgPool) -> anyhow::Result<()> {
+        for envelope in &self.poison {
+            log.push(Event::Poison { envelope: *envelope, service: "cases".into() });
+        }
+        for envelope in stage_dead_letters(cases, s.workload.dead_letters).await? {
+            log.push(Event::DeadLetterStaged { envelope });
+        }
+        Ok(())
+    }
+}
 
 /// What a workload writes through.
 pub(super) struct Writer<'a> {
@@ -146,4 +172,43 @@ async fn rolled_back_write(log: &Log, cases: &PgPool) {
     if staged && tx.rollback().await.is_ok() {
         log.push(Event::RolledBack { referral });
     }
+}
+
+/// `dead_letters` envelopes staged through cases' outbox (their ids returned), valid but without the
+/// `referral_id` the rules handler needs: rules refuses each permanently and the broker
+/// dead-letters it under `dlq.craig-rules.events` (§D3 broker path).
+async fn stage_dead_letters(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let mut ids = Vec::new();
+    let mut tx = bounded(COLLECT, "staging dead letters", cases.begin()).await?;
+    for i in 0..n {
+        let env = craig_mq::EventEnvelope::new("case.referral_created", "cases", None, json!({ "subject": format!("chaos dead letter {i}") }))?;
+        bounded(COLLECT, "staging a dead letter", craig_mq::publish_in_tx(&mut tx, &env)).await?;
+        ids.push(env.id);
+    }
+    bounded(COLLECT, "staging dead letters", tx.commit()).await?;
+    Ok(ids)
+}
+
+/// Malformed rows written straight into the outbox (by hand, or by an older replica),
+/// older than anything the workload stages. Returns their ids.
+async fn stage_poison_rows(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let id: Uuid = bounded(
+            COLLECT,
+            "writing a poison row",
+            sqlx::query_scalar(
+                "INSERT INTO event_outbox (event_type, envelope, created_at) \
+                 VALUES ('case.referral_created', $1, now() - interval '1 hour') RETURNING id",
+            )
+            .bind(json!({ "poison": i, "note": "not an envelope: written by hand" }))
+            .fetch_one(cases),
+        )
+        .await?;
+        ids.push(id);
+    }
+    Ok(ids)
 }
