@@ -706,7 +706,7 @@ fn fault_replica(tag: &str) -> Option<&str> {
 /// What a dead-letter violation was, as a cause tag (`kind:<name>`) a twin can name, so a
 /// twin is red for its documented cause and not for any violation of the same checker.
 pub const VIOLATION_KINDS: &[&str] =
-    &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing"];
+    &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "misattributed"];
 
 /// Which faults can cause a dead-letter violation of a kind, by the fault tag.
 #[derive(Clone, Copy)]
@@ -760,7 +760,9 @@ fn dead_letter_tags(h: &History, kind: &str, service: &str, through: Through) ->
 /// - an audit row of bytes that never reached `craig.dlx` is a violation (a record of
 ///   nothing);
 /// - completed XOR dead-lettered: an envelope that took effect on `rules` must not also be
-///   dead-lettered from `craig-rules.events`, unless the inbox reported re-running it.
+///   dead-lettered from `craig-rules.events`, unless the inbox reported re-running it;
+/// - #1196: a dead letter names the consumer queue of the replica that gave it up (its
+///   reject or app-path surface, from the replica's own log), on either path.
 pub fn dlq_occurrence_once(h: &History) -> Verdict {
     let mut v = Verdict::new("dlq_occurrence_once");
     let mut taps_by_token: BTreeMap<String, HashSet<String>> = BTreeMap::new();
@@ -769,9 +771,40 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
     let mut dead_from_rules: HashSet<Uuid> = HashSet::new();
     let mut taps = 0;
     let mut rows: Vec<(&str, Option<&str>, &str)> = Vec::new();
+    // Who handed each envelope to dead-lettering (a reject, an app-path surface).
+    let mut gave_up: HashMap<Uuid, Vec<(u64, &str, &[String])>> = HashMap::new();
+    for e in h.iter() {
+        if let Event::Rejected { envelope, replica, compat } = &e.event {
+            gave_up.entry(*envelope).or_default().push((e.t_ms, replica, compat));
+        }
+    }
+    let mut misattributed = 0;
     for e in h.iter() {
         match &e.event {
             Event::DeadLettered { key, token, envelope, queue } => {
+                // #1196: a dead letter names the CONSUMER queue that failed it, on either
+                // path (x-death's queue, the wrapper's original_queue).
+                if let (Some(env), Some(q)) = (envelope, queue.as_deref()) {
+                    if let Some(by) = gave_up.get(env) {
+                        let wrong: Vec<&(u64, &str, &[String])> =
+                            by.iter().filter(|(_, r, _)| craig_mq::topology::consumer_queue(service_of(r)) != q).collect();
+                        if !wrong.is_empty() {
+                            misattributed += 1;
+                            let mut tags = vec!["kind:misattributed".to_owned()];
+                            let mut who = Vec::new();
+                            for (t, r, c) in &wrong {
+                                tags.extend(culprit_tags(r, Some(c)));
+                                who.push(format!("{} @{t}ms", running(r, Some(c))));
+                            }
+                            v.blame(tags);
+                            v.witness(format!(
+                                "dead letter of envelope {env} names queue {q}, but {} gave it up consuming {}",
+                                who.join(", "),
+                                craig_mq::topology::consumer_queue(service_of(wrong[0].1))
+                            ));
+                        }
+                    }
+                }
                 taps += 1;
                 tapped_keys.insert(key.clone());
                 match token {
@@ -862,6 +895,7 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
     v.count("unexplained_rows", unexplained);
     v.count("tokenless_extra_rows", tokenless_extra);
     v.count("completed_and_dead_lettered", both);
+    v.count("misattributed", misattributed);
     v.validity = if v.violations > 0 {
         Validity::Invalid
     } else if taps == 0 {
@@ -1236,6 +1270,27 @@ mod tests {
         ok.push(40, Event::DeadLettered { key: "k22".into(), token: None, envelope: Some(id(22)), queue: Some("craig-rules.events".into()) });
         ok.sort();
         assert_eq!(no_loss(&ok).validity, Validity::Valid);
+    }
+
+    /// #1196: the app path of a pre-1196 replica keys the dead letter by the producer
+    /// (craig-cases) although rules' consumer gave it up: misattributed, blamed on it.
+    #[test]
+    fn a_dead_letter_naming_another_queue_than_its_consumer_is_misattributed() {
+        let run = |queue: &str| {
+            let mut h = History::default();
+            started(&mut h, 0, "rules-1", &["pre-1196"]);
+            h.push(20, Event::Rejected { envelope: id(5), replica: "rules-1".into(), compat: vec!["pre-1196".into()] });
+            h.push(30, Event::DeadLettered { key: "k5".into(), token: Some("t5".into()), envelope: Some(id(5)), queue: Some(queue.into()) });
+            audited(&mut h, "k5", Some("t5"), "recorded", "case.referral_created", 1);
+            h.sort();
+            dlq_occurrence_once(&h)
+        };
+        let v = run("craig-cases");
+        assert_eq!((v.validity, v.counts["misattributed"]), (Validity::Invalid, 1), "{v:?}");
+        assert!(v.all_point_at("kind:misattributed") && v.all_point_at("compat:pre-1196"), "{:?}", v.culprits);
+        assert!(v.witnesses[0].contains("names queue craig-cases, but rules-1 (compat pre-1196) @20ms gave it up consuming craig-rules.events"), "{}", v.witnesses[0]);
+        let v = run("craig-rules.events");
+        assert_eq!((v.validity, v.counts["misattributed"]), (Validity::Valid, 0), "{v:?}");
     }
 
     /// A rolling upgrade: cases-1 runs pre-1128 until 1000 ms, then current. Each loss is

@@ -18,6 +18,8 @@
 //!
 //! [settings]                # optional; worker knobs passed to every replica
 //! claim_lease_secs = 4      # must be >= 2 x confirm_timeout_ms + connect_timeout_ms
+//! inbox_retry_cap = 10      # also poll_ms, confirm_timeout_ms, heartbeat_secs,
+//!                           # connect_timeout_ms, backoff_base_ms, backoff_max_ms
 //!
 //! [workload]
 //! writes = 200              # HTTP writes through the cases replicas
@@ -26,6 +28,8 @@
 //! poison_rows = 1           # malformed cases outbox rows, older than everything, written
 //!                           # by hand before the workload: they must stay pending, refused
 //! dead_letters = 30         # envelopes staged in cases' outbox that rules refuses for good
+//! app_dead_letters = 5      # … whose evaluation fails transiently until rules' retry cap
+//!                           # surfaces them on the app path (#1196)
 //!                           # (no referral_id): each is dead-lettered to craig.dlx (§D3)
 //! after_heal = 20           # writes made once every fault has healed (default 20)
 //!
@@ -198,6 +202,14 @@ pub struct Settings {
     pub backoff_base_ms: u64,
     #[serde(default = "backoff_max")]
     pub backoff_max_ms: u64,
+    /// Rules' inbox retry cap (`CRAIG_INBOX_RETRY_CAP`, §D3 #1196): transient failures of
+    /// one envelope before it is surfaced on the app path.
+    #[serde(default = "retry_cap")]
+    pub inbox_retry_cap: u32,
+}
+
+fn retry_cap() -> u32 {
+    10
 }
 
 fn backoff_base() -> u64 {
@@ -231,6 +243,7 @@ impl Default for Settings {
             confirm_timeout_ms: confirm(),
             heartbeat_secs: heartbeat(),
             connect_timeout_ms: connect(),
+            inbox_retry_cap: retry_cap(),
             backoff_base_ms: backoff_base(),
             backoff_max_ms: backoff_max(),
         }
@@ -251,6 +264,11 @@ pub struct Workload {
     /// handler refuses permanently: each is nacked and dead-lettered (§D3 broker path).
     #[serde(default)]
     pub dead_letters: u32,
+    /// Referral envelopes staged in cases' outbox whose evaluation the harness makes fail
+    /// TRANSIENTLY in rules' database (a trigger on `rule_evaluations`): rules retries each
+    /// up to its inbox retry cap, then surfaces it on the app path (§D3, #1196).
+    #[serde(default)]
+    pub app_dead_letters: u32,
     /// Writes made once every fault has healed (and every crashed replica is back), at
     /// `rate`: the run must show the system working again, not only surviving. At least 1
     /// when the scenario has faults.

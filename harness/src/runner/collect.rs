@@ -130,7 +130,9 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
         }
         let reprocessed = line.contains("event=\"inbox.reprocessed\"");
         let stamped = line.contains("event=\"outbox.stamped\"");
-        let rejected = line.contains("event=\"subscriber.permanent_failure\"");
+        // A consumer handing a message to dead-lettering: the broker path's reject, or the
+        // app path's confirmed surface to craig.dlx (#1196).
+        let rejected = line.contains("event=\"subscriber.permanent_failure\"") || line.contains("event=\"inbox.surfaced_to_dlx\"");
         if !reprocessed && !stamped && !rejected {
             continue;
         }

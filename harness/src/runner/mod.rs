@@ -404,6 +404,7 @@ async fn drive(
                 ("CRAIG_AMQP_CONNECT_TIMEOUT_MS".into(), s.settings.connect_timeout_ms.to_string()),
                 ("CRAIG_OUTBOX_BACKOFF_BASE_MS".into(), s.settings.backoff_base_ms.to_string()),
                 ("CRAIG_OUTBOX_BACKOFF_MAX_MS".into(), s.settings.backoff_max_ms.to_string()),
+                ("CRAIG_INBOX_RETRY_CAP".into(), s.settings.inbox_retry_cap.to_string()),
                 // `craig_mq::outbox=debug` for `outbox.stamped`: who stamped what.
                 ("RUST_LOG".into(), "info,craig_mq::outbox=debug,sqlx=warn,lapin=warn,lapin::returned_messages=error".into()),
             ];
@@ -431,7 +432,7 @@ async fn drive(
     if tapped {
         tap::open(&ep.amqp_url, Duration::from_secs(15)).await?;
     }
-    staged.after_start(s, log, &cases_pool).await?;
+    staged.after_start(s, log, &pools).await?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let (writes_tx, writes_rx) = watch::channel(0u32);
     let sampler =

@@ -32,13 +32,21 @@ impl Staged {
     }
 
     /// Once the run's clock started (and the dead-letter tap is bound): record the poison
-    /// rows, then stage the dead letters and record each.
-    pub(super) async fn after_start(&self, s: &Scenario, log: &Log, cases: &PgPool) -> anyhow::Result<()> {
+    /// rows, then stage the dead letters of both paths and record each.
+    pub(super) async fn after_start(&self, s: &Scenario, log: &Log, pools: &std::collections::BTreeMap<String, PgPool>) -> anyhow::Result<()> {
+        use anyhow::Context as _;
+        let cases = pools.get("cases").context("fleet has no cases")?;
         for envelope in &self.poison {
             log.push(Event::Poison { envelope: *envelope, service: "cases".into() });
         }
         for envelope in stage_dead_letters(cases, s.workload.dead_letters).await? {
             log.push(Event::DeadLetterStaged { envelope });
+        }
+        if s.workload.app_dead_letters > 0 {
+            let rules = pools.get("rules").context("app_dead_letters needs rules in the fleet")?;
+            for envelope in stage_app_dead_letters(cases, rules, s.workload.app_dead_letters).await? {
+                log.push(Event::DeadLetterStaged { envelope });
+            }
         }
         Ok(())
     }
@@ -210,5 +218,45 @@ async fn stage_poison_rows(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> 
         .await?;
         ids.push(id);
     }
+    Ok(ids)
+}
+
+/// `n` referral envelopes staged through cases' outbox whose evaluation fails TRANSIENTLY:
+/// a trigger on rules' `rule_evaluations` raises (SQLSTATE P0001, no constraint, which the
+/// rules handler classifies transient) for every referral listed in
+/// `chaos_failing_referrals`. Only rules' inbox retry cap ends it, on the app path (§D3,
+/// #1196). Their envelope ids returned.
+async fn stage_app_dead_letters(cases: &PgPool, rules: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> {
+    for sql in [
+        "CREATE TABLE IF NOT EXISTS chaos_failing_referrals (referral_id uuid PRIMARY KEY)",
+        "CREATE OR REPLACE FUNCTION chaos_fail_evaluation() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF EXISTS (SELECT 1 FROM chaos_failing_referrals WHERE referral_id = NEW.referral_id) THEN \
+             RAISE EXCEPTION 'chaos: injected transient failure for referral %', NEW.referral_id; \
+           END IF; RETURN NEW; END $$",
+        "DROP TRIGGER IF EXISTS chaos_fail ON rule_evaluations",
+        "CREATE TRIGGER chaos_fail BEFORE INSERT ON rule_evaluations FOR EACH ROW EXECUTE FUNCTION chaos_fail_evaluation()",
+    ] {
+        bounded(COLLECT, "installing the failing-evaluation trigger in rules' database", sqlx::query(sql).execute(rules)).await?;
+    }
+    let mut ids = Vec::new();
+    let mut tx = bounded(COLLECT, "staging app-path dead letters", cases.begin()).await?;
+    for i in 0..n {
+        let referral = Uuid::now_v7();
+        bounded(
+            COLLECT,
+            "listing a failing referral",
+            sqlx::query("INSERT INTO chaos_failing_referrals (referral_id) VALUES ($1)").bind(referral).execute(rules),
+        )
+        .await?;
+        let env = craig_mq::EventEnvelope::new(
+            "case.referral_created",
+            "cases",
+            Some(referral),
+            json!({ "referral_id": referral, "subject": format!("chaos app-path dead letter {i}") }),
+        )?;
+        bounded(COLLECT, "staging an app-path dead letter", craig_mq::publish_in_tx(&mut tx, &env)).await?;
+        ids.push(env.id);
+    }
+    bounded(COLLECT, "staging app-path dead letters", tx.commit()).await?;
     Ok(ids)
 }
