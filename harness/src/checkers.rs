@@ -124,6 +124,20 @@ impl Verdict {
         self.counts.insert(key.into(), n as u64);
     }
 
+    /// The verdict of a checker that counts violations: invalid with any; else unknown,
+    /// saying `why`, when there was `nothing` to check; else valid.
+    fn settle(mut self, nothing: bool, why: &str) -> Self {
+        self.validity = if self.violations > 0 {
+            Validity::Invalid
+        } else if nothing {
+            self.error = Some(why.into());
+            Validity::Unknown
+        } else {
+            Validity::Valid
+        };
+        self
+    }
+
     fn witness(&mut self, w: String) {
         if self.witnesses.len() < MAX_WITNESSES {
             self.witnesses.push(w);
@@ -896,15 +910,7 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
     v.count("tokenless_extra_rows", tokenless_extra);
     v.count("completed_and_dead_lettered", both);
     v.count("misattributed", misattributed);
-    v.validity = if v.violations > 0 {
-        Validity::Invalid
-    } else if taps == 0 {
-        v.error = Some("nothing to check: no dead letter reached craig.dlx".into());
-        Validity::Unknown
-    } else {
-        Validity::Valid
-    };
-    v
+    v.settle(taps == 0, "nothing to check: no dead letter reached craig.dlx")
 }
 
 /// Exactly one `security.dlq.threshold_exceeded` per crossing per event type (§D3 #1156,
@@ -968,15 +974,7 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
     v.count("occurrences", rows.len());
     v.count("crossings", expected.values().sum());
     v.count("threshold_events", observed.values().sum());
-    v.validity = if v.violations > 0 {
-        Validity::Invalid
-    } else if rows.is_empty() {
-        v.error = Some("nothing to check: no dead letter was audited".into());
-        Validity::Unknown
-    } else {
-        Validity::Valid
-    };
-    v
+    v.settle(rows.is_empty(), "nothing to check: no dead letter was audited")
 }
 
 /// Everything drains within the bound after faults heal; no row stays claimed past its lease.

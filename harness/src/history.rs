@@ -127,12 +127,7 @@ pub enum Event {
 /// The identity of one dead-letter delivery's bytes: a digest of its routing key and body,
 /// which the tap sees and the audit row keeps (`routing_key`, `raw_body`) byte for byte.
 pub fn dead_letter_key(routing_key: &str, body: &[u8]) -> String {
-    use std::hash::{Hash, Hasher};
-    // SipHash with fixed keys: stable within a build, which is all a run needs.
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    routing_key.hash(&mut h);
-    body.hash(&mut h);
-    format!("{:016x}", h.finish())
+    format!("{:016x}", craig_mq::dlq::delivery_digest(routing_key, body))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

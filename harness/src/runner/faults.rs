@@ -437,22 +437,12 @@ impl HeadDropProbe {
     const BOUND: Duration = Duration::from_secs(5);
 
     async fn open(amqp_url: &str, queue: &str) -> Result<Self, String> {
-        use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
-        use lapin::types::FieldTable;
-        use craig_mq::topology::{DLX_EXCHANGE, dlq_routing_key};
+        use lapin::options::QueueDeclareOptions;
         let set_up = async {
             let conn = craig_mq::publisher::connect(amqp_url, 5, "chaos-head-drop-probe").await.map_err(|e| e.to_string())?;
             let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
-            // Passive: the probe never creates topology a real deployment would lack.
-            let passive = ExchangeDeclareOptions { passive: true, ..Default::default() };
-            ch.exchange_declare(DLX_EXCHANGE.into(), lapin::ExchangeKind::Topic, passive, FieldTable::default())
-                .await
-                .map_err(|e| format!("{DLX_EXCHANGE} is not there: {e}"))?;
             let q = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
-            let probe = ch.queue_declare("".into(), q, FieldTable::default()).await.map_err(|e| e.to_string())?.name().to_string();
-            ch.queue_bind(probe.as_str().into(), DLX_EXCHANGE.into(), dlq_routing_key(queue).as_str().into(), QueueBindOptions::default(), FieldTable::default())
-                .await
-                .map_err(|e| e.to_string())?;
+            let probe = super::tap::bind_on_dlx(&ch, "", q, &craig_mq::topology::dlq_routing_key(queue)).await?;
             Ok(HeadDropProbe { conn, ch, probe, queue: queue.to_owned() })
         };
         tokio::time::timeout(Self::BOUND, set_up).await.map_err(|_| format!("no answer within {:?}", Self::BOUND))?

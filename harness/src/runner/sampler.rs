@@ -91,16 +91,21 @@ pub(super) async fn drain(
     let mut unacked_unknown = false;
     let mut pending_total = 0;
     let mut quiet_since: Option<(Instant, i64)> = None;
+    let mut probe = DepthProbe { amqp: amqp_url, conn: None };
     while healed.elapsed() < bound {
         pending_total = 0;
         for pool in pools.values() {
             // The injected poison rows stay pending by design; every other row must drain.
             pending_total += bounded(PROBE, "pending count", pending_except(pool, poison)).await.unwrap_or(1);
         }
-        // Bounded: a probe that hangs must not hang the run.
-        let depth = match tokio::time::timeout(Duration::from_secs(5), queue_depths(amqp_url, s)).await {
+        // Bounded: a probe that hangs must not hang the run (a hung connection is dropped).
+        let depth = match tokio::time::timeout(Duration::from_secs(5), probe.depths(s)).await {
             Ok(Ok(d)) => d,
-            _ => 1,
+            Ok(Err(_)) => 1,
+            Err(_) => {
+                probe.conn = None;
+                1
+            }
         };
         let effects = match pools.get("rules") {
             Some(p) => bounded(PROBE, "effect count", sqlx::query_scalar::<_, i64>("SELECT count(*) FROM rule_evaluations").fetch_one(p))
@@ -137,6 +142,7 @@ pub(super) async fn drain(
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    probe.close().await;
     log.push(Event::Drained { after_ms: drained_after, bound_ms: s.liveness_bound_ms, pending: pending_total, unacked_unknown });
     // Dead letters so far: those still in the DLQ plus those the security service has
     // already taken off it into dead_letter_audit (§D3), one row per delivery it received.
@@ -161,21 +167,50 @@ async fn pending_except(pool: &PgPool, except: &[Uuid]) -> Result<i64, sqlx::Err
         .await
 }
 
-async fn queue_depths(amqp: &str, s: &Scenario) -> anyhow::Result<u32> {
-    let conn = craig_mq::publisher::connect(amqp, 5, "chaos-probe").await?;
-    let mut total = 0;
-    for svc in s.fleet.keys().filter(|svc| consumes(svc)) {
-        let ch = conn.create_channel().await?;
-        total += craig_mq::topology::queue_depth(&ch, &craig_mq::topology::consumer_queue(svc)).await?;
+/// The drain's view of the consumer queues: ONE connection for every poll, opened again
+/// only after it failed (a broker restart), closed when the drain is done.
+struct DepthProbe<'a> {
+    amqp: &'a str,
+    conn: Option<lapin::Connection>,
+}
+
+impl DepthProbe<'_> {
+    /// Ready messages in the scenario's consumer queues (and the DLQ, with security).
+    async fn depths(&mut self, s: &Scenario) -> anyhow::Result<u32> {
+        let total = self.count(s).await;
+        if total.is_err() {
+            self.conn = None; // reopened on the next poll
+        }
+        total
     }
-    // With a security service the DLQ is a consumer queue too: quiet means it took every
-    // dead letter off (and recorded it, or the audit checkers say otherwise).
-    if s.fleet.contains_key("security") {
-        let ch = conn.create_channel().await?;
-        total += craig_mq::topology::queue_depth(&ch, craig_mq::topology::DLQ_QUEUE).await.unwrap_or(0);
+
+    async fn count(&mut self, s: &Scenario) -> anyhow::Result<u32> {
+        if !self.conn.as_ref().is_some_and(|c| c.status().connected()) {
+            self.conn = Some(craig_mq::publisher::connect(self.amqp, 5, "chaos-probe").await?);
+        }
+        let conn = self.conn.as_ref().expect("connected above");
+        let mut total = 0;
+        // A passive declare of a missing queue closes its channel: one channel per queue.
+        for svc in s.fleet.keys().filter(|svc| consumes(svc)) {
+            let ch = conn.create_channel().await?;
+            total += craig_mq::topology::queue_depth(&ch, &craig_mq::topology::consumer_queue(svc)).await?;
+            let _ = ch.close(200, "probe".into()).await;
+        }
+        // With a security service the DLQ is a consumer queue too: quiet means it took every
+        // dead letter off (and recorded it, or the audit checkers say otherwise).
+        if s.fleet.contains_key("security") {
+            let ch = conn.create_channel().await?;
+            total += craig_mq::topology::queue_depth(&ch, craig_mq::topology::DLQ_QUEUE).await.unwrap_or(0);
+            let _ = ch.close(200, "probe".into()).await;
+        }
+        Ok(total)
     }
-    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "probe".into())).await;
-    Ok(total)
+
+    async fn close(self) {
+        if let Some(c) = self.conn {
+            let _ = tokio::time::timeout(Duration::from_secs(2), c.close(200, "probe".into())).await;
+        }
+    }
 }
 
 /// Messages waiting in the DLQ (0 when it was never declared).

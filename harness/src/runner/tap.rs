@@ -34,19 +34,28 @@ async fn try_open(amqp_url: &str) -> Result<(), String> {
     let conn = craig_mq::publisher::connect(amqp_url, 5, "chaos-dead-letter-tap").await.map_err(|e| e.to_string())?;
     let result = async {
         let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
-        let passive = ExchangeDeclareOptions { passive: true, ..Default::default() };
-        ch.exchange_declare(craig_mq::topology::DLX_EXCHANGE.into(), lapin::ExchangeKind::Topic, passive, FieldTable::default())
-            .await
-            .map_err(|e| format!("{} not declared yet: {e}", craig_mq::topology::DLX_EXCHANGE))?;
         let durable = QueueDeclareOptions { durable: true, ..Default::default() };
-        ch.queue_declare(TAP_QUEUE.into(), durable, FieldTable::default()).await.map_err(|e| e.to_string())?;
-        ch.queue_bind(TAP_QUEUE.into(), craig_mq::topology::DLX_EXCHANGE.into(), "dlq.#".into(), QueueBindOptions::default(), FieldTable::default())
-            .await
-            .map_err(|e| e.to_string())
+        bind_on_dlx(&ch, TAP_QUEUE, durable, "dlq.#").await.map(drop)
     }
     .await;
     let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "tap".into())).await;
     result
+}
+
+/// A harness queue on `craig.dlx`: check that the exchange is there (passive: the harness
+/// never creates topology a deployment would lack), declare `queue` with `opts` (`""` for a
+/// server-named one) and bind it with `key`. Its name.
+pub(super) async fn bind_on_dlx(ch: &lapin::Channel, queue: &str, opts: QueueDeclareOptions, key: &str) -> Result<String, String> {
+    use craig_mq::topology::DLX_EXCHANGE;
+    let passive = ExchangeDeclareOptions { passive: true, ..Default::default() };
+    ch.exchange_declare(DLX_EXCHANGE.into(), lapin::ExchangeKind::Topic, passive, FieldTable::default())
+        .await
+        .map_err(|e| format!("{DLX_EXCHANGE} is not there: {e}"))?;
+    let name = ch.queue_declare(queue.into(), opts, FieldTable::default()).await.map_err(|e| e.to_string())?.name().to_string();
+    ch.queue_bind(name.as_str().into(), DLX_EXCHANGE.into(), key.into(), QueueBindOptions::default(), FieldTable::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(name)
 }
 
 /// Take every copy off the tap into the history (one `DeadLettered` each, read as the DLQ

@@ -529,15 +529,22 @@ pub const DEFAULT_MAX_PARKS: u32 = 30;
 #[derive(Default)]
 struct ParkCounts(std::collections::HashMap<u64, u32>);
 
+/// The identity of one dead-letter delivery's bytes: a digest of its routing key and raw
+/// body (SipHash with fixed keys: stable within a build). The park counts key deliveries
+/// by it, and the chaos harness keys what its tap saw against the audit rows by it.
+pub fn delivery_digest(routing_key: &str, body: &[u8]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    routing_key.hash(&mut h);
+    body.hash(&mut h);
+    h.finish()
+}
+
 impl ParkCounts {
     const MAX_TRACKED: usize = 4096;
 
     fn key(dl: &DeadLetterDelivery) -> u64 {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        dl.routing_key.hash(&mut h);
-        dl.raw.hash(&mut h);
-        h.finish()
+        delivery_digest(&dl.routing_key, &dl.raw)
     }
 
     /// Count one more park of `dl`; the total so far.
