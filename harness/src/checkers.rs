@@ -792,6 +792,8 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
             gave_up.entry(*envelope).or_default().push((e.t_ms, replica, compat));
         }
     }
+    let staged_for_rules: HashSet<Uuid> =
+        h.iter().filter_map(|e| if let Event::DeadLetterStaged { envelope } = e.event { Some(envelope) } else { None }).collect();
     let mut misattributed = 0;
     for e in h.iter() {
         match &e.event {
@@ -799,6 +801,13 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
                 // #1196: a dead letter names the CONSUMER queue that failed it, on either
                 // path (x-death's queue, the wrapper's original_queue).
                 if let (Some(env), Some(q)) = (envelope, queue.as_deref()) {
+                    // A dead letter the harness staged for rules, with no replica's word on
+                    // who gave it up: it still belongs to rules' queue.
+                    if !gave_up.contains_key(env) && staged_for_rules.contains(env) && q != "craig-rules.events" {
+                        misattributed += 1;
+                        v.blame(dead_letter_tags(h, "misattributed", "rules", Through::Nothing));
+                        v.witness(format!("dead letter of envelope {env} names queue {q}, but the harness staged it for rules (craig-rules.events); no replica logged giving it up"));
+                    }
                     if let Some(by) = gave_up.get(env) {
                         let wrong: Vec<&(u64, &str, &[String])> =
                             by.iter().filter(|(_, r, _)| craig_mq::topology::consumer_queue(service_of(r)) != q).collect();
@@ -1289,6 +1298,17 @@ mod tests {
         assert!(v.witnesses[0].contains("names queue craig-cases, but rules-1 (compat pre-1196) @20ms gave it up consuming craig-rules.events"), "{}", v.witnesses[0]);
         let v = run("craig-rules.events");
         assert_eq!((v.validity, v.counts["misattributed"]), (Validity::Valid, 0), "{v:?}");
+
+        // No replica logged giving it up, but the harness staged it for rules: still checked.
+        let mut h = History::default();
+        started(&mut h, 0, "rules-1", &["pre-1196"]);
+        h.push(1, Event::DeadLetterStaged { envelope: id(6) });
+        h.push(30, Event::DeadLettered { key: "k6".into(), token: Some("t6".into()), envelope: Some(id(6)), queue: Some("craig-cases".into()) });
+        audited(&mut h, "k6", Some("t6"), "recorded", "case.referral_created", 1);
+        h.sort();
+        let v = dlq_occurrence_once(&h);
+        assert_eq!(v.counts["misattributed"], 1, "{v:?}");
+        assert!(v.all_point_at("kind:misattributed") && v.all_point_at("compat:pre-1196"), "{:?}", v.culprits);
     }
 
     /// A rolling upgrade: cases-1 runs pre-1128 until 1000 ms, then current. Each loss is

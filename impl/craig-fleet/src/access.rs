@@ -18,6 +18,9 @@
 //! `craig.dlx` (its queue's DLX arguments require it, and the app path publishes there), so
 //! it can still publish a forged `dlq.*` record. Topic permissions are the future hardening
 //! (ADR-003 Amendment #1202); a forged record with an existing token lands in quarantine.
+//! Beyond the ADR's list: security captures malformed dead letters through the default
+//! exchange, so it has write on `amq.default`, which reaches any queue of the vhost (routing
+//! the capture through `craig.dlx` under a non-`dlq.` key would close that).
 
 use crate::service::{ALL, Service};
 use craig_mq::dlq::CAPTURE_QUEUE;
