@@ -960,10 +960,19 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
             }
         }
     }
+    // Emitted exactly AT the crossing: the event's own in-window count is 11 (10 -> 11).
+    // One emitted at any other count announces no crossing: re-emitted.
     let mut observed: BTreeMap<String, usize> = BTreeMap::new();
+    let mut off_crossing = 0;
     for e in h.iter() {
-        if let Event::ThresholdExceeded { event_type, .. } = &e.event {
-            *observed.entry(event_type.clone()).or_default() += 1;
+        if let Event::ThresholdExceeded { event_type, count } = &e.event {
+            if *count == CROSSING as i64 {
+                *observed.entry(event_type.clone()).or_default() += 1;
+            } else {
+                off_crossing += 1;
+                v.blame(dead_letter_tags(h, "re_emitted", "security", Through::Nothing));
+                v.witness(format!("{event_type}: a threshold event was emitted at in-window count {count}, not at the crossing from 10 to 11"));
+            }
         }
     }
     let types: std::collections::BTreeSet<String> = expected.keys().map(|k| k.to_string()).chain(observed.keys().cloned()).collect();
@@ -982,7 +991,8 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
     v.count("audit_rows", all_rows);
     v.count("occurrences", rows.len());
     v.count("crossings", expected.values().sum());
-    v.count("threshold_events", observed.values().sum());
+    v.count("threshold_events", observed.values().sum::<usize>() + off_crossing);
+    v.count("off_crossing_events", off_crossing);
     v.settle(rows.is_empty(), "nothing to check: no dead letter was audited")
 }
 
@@ -1209,6 +1219,14 @@ mod tests {
         assert!(v.all_point_at("kind:missed_crossing"), "a missed crossing: {:?}", v.culprits);
         let v = threshold_crossing_once(&build(0, &[], true));
         assert_eq!((v.validity, v.counts["crossings"]), (Validity::Valid, 0), "the divergent 11th is alert-inert: {v:?}");
+        // One event, but at the 12th arrival: not the crossing (the audit's word on that).
+        let mut late = build(0, &[], false);
+        late.push(40, Event::ThresholdExceeded { event_type: "case.referral_created".into(), count: 12 });
+        late.sort();
+        let v = threshold_crossing_once(&late);
+        assert_eq!((v.validity, v.counts["off_crossing_events"]), (Validity::Invalid, 1), "{v:?}");
+        assert!(v.witnesses.iter().any(|w| w.contains("emitted at in-window count 12, not at the crossing from 10 to 11")), "{:?}", v.witnesses);
+        assert!(v.culprits.contains_key("kind:re_emitted") && v.culprits.contains_key("kind:missed_crossing"), "{:?}", v.culprits);
 
         // 11 in one hour, then 11 more two hours later: two crossings.
         let mut h = History::default();
