@@ -792,6 +792,14 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
             gave_up.entry(*envelope).or_default().push((e.t_ms, replica, compat));
         }
     }
+    let windows = h.fault_windows();
+    let acked_unrecorded: Vec<(u64, &str, &str, &[String])> = h
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::AckedUnrecorded { key, replica, compat } => Some((e.t_ms, key.as_str(), replica.as_str(), compat.as_slice())),
+            _ => None,
+        })
+        .collect();
     let staged_for_rules: HashSet<Uuid> =
         h.iter().filter_map(|e| if let Event::DeadLetterStaged { envelope } = e.event { Some(envelope) } else { None }).collect();
     let mut misattributed = 0;
@@ -857,8 +865,27 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
             1 => {}
             0 => {
                 lost += 1;
-                v.blame(dead_letter_tags(h, "lost", "security", Through::Database));
-                v.witness(format!("occurrence {token} reached craig.dlx and has no audit row (lost)"));
+                // Corroborated where the system says so: the replica that acked one of its
+                // deliveries unrecorded, with its behaviour and the faults on its own links
+                // or servers at that moment. Otherwise every security replica and fault.
+                let by: Vec<&(u64, &str, &str, &[String])> = acked_unrecorded.iter().filter(|(_, k, ..)| keys.contains(*k)).collect();
+                if by.is_empty() {
+                    v.blame(dead_letter_tags(h, "lost", "security", Through::Database));
+                    v.witness(format!("occurrence {token} reached craig.dlx and has no audit row (lost)"));
+                } else {
+                    let mut tags = vec!["kind:lost".to_owned()];
+                    let mut who = Vec::new();
+                    for (t, _, r, c) in &by {
+                        tags.extend(culprit_tags(r, Some(c)));
+                        tags.extend(faults_on(&windows, r, *t));
+                        who.push(format!("{} @{t}ms", running(r, Some(c))));
+                    }
+                    v.blame(tags);
+                    v.witness(format!(
+                        "occurrence {token} reached craig.dlx and has no audit row (lost): acked unrecorded by {}",
+                        who.join(", ")
+                    ));
+                }
             }
             n => {
                 doubled += 1;
@@ -1295,6 +1322,28 @@ mod tests {
         ok.push(40, Event::DeadLettered { key: "k22".into(), token: None, envelope: Some(id(22)), queue: Some("craig-rules.events".into()) });
         ok.sort();
         assert_eq!(no_loss(&ok).validity, Validity::Valid);
+    }
+
+    /// #1197: a lost occurrence the security replica reported acking unrecorded is blamed
+    /// on that replica, its compat and the faults on its own links at that moment only.
+    #[test]
+    fn a_lost_dead_letter_is_blamed_on_the_replica_that_acked_it_unrecorded() {
+        let mut h = History::default();
+        started(&mut h, 0, "security-1", &["pre-1197"]);
+        h.push(0, Event::Fault { kind: "down".into(), target: "security-1->database".into(), phase: Phase::Start });
+        h.push(8000, Event::Fault { kind: "down".into(), target: "security-1->database".into(), phase: Phase::End });
+        h.push(9000, Event::Fault { kind: "kill".into(), target: "broker".into(), phase: Phase::Start });
+        h.push(9500, Event::Fault { kind: "kill".into(), target: "broker".into(), phase: Phase::End });
+        tapped(&mut h, "k1", Some("t1"));
+        h.push(100, Event::AckedUnrecorded { key: "k1".into(), replica: "security-1".into(), compat: vec!["pre-1197".into()] });
+        h.sort();
+        let v = dlq_occurrence_once(&h);
+        assert_eq!((v.validity, v.counts["lost"]), (Validity::Invalid, 1), "{v:?}");
+        for c in ["kind:lost", "compat:pre-1197", "replica:security-1", "fault:down security-1->database"] {
+            assert!(v.all_point_at(c), "{c}: {:?}", v.culprits);
+        }
+        assert!(!v.culprits.contains_key("fault:kill broker"), "not in force when it acked: {:?}", v.culprits);
+        assert!(v.witnesses[0].contains("acked unrecorded by security-1 (compat pre-1197) @100ms"), "{}", v.witnesses[0]);
     }
 
     /// #1196: the app path of a pre-1196 replica keys the dead letter by the producer

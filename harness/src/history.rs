@@ -113,6 +113,10 @@ pub enum Event {
     /// A malformed outbox row the harness wrote by hand before the workload: it must stay
     /// pending (never stamped, never deleted) and be refused by the worker.
     Poison { envelope: Uuid, service: String },
+    /// Security acked a DLQ delivery without a committed audit row (`security.dlq.log_and_ack`,
+    /// compat `pre-1197`), running `compat`: `key` names the delivery's bytes as
+    /// [`Event::DeadLettered`] does.
+    AckedUnrecorded { key: String, replica: String, compat: Vec<String> },
     /// A consumer replica refused `envelope` for good and rejected it to the broker
     /// (`subscriber.permanent_failure`, running `compat`): the system's own word that it
     /// handed the message to dead-lettering.

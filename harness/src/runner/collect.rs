@@ -128,6 +128,18 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
             compat = if modes == "-" { vec![] } else { modes.split(',').map(str::to_owned).collect() };
             continue;
         }
+        let at = || {
+            line.split_whitespace()
+                .next()
+                .and_then(|ts| chrono::DateTime::parse_from_rfc3339(ts).ok())
+                .map(|ts| rel(ts.timestamp_millis()))
+        };
+        if line.contains("event=\"security.dlq.log_and_ack\"") {
+            if let Some(key) = line.split_once("digest=").and_then(|(_, rest)| rest.split_whitespace().next()) {
+                out.push((at(), Event::AckedUnrecorded { key: key.to_owned(), replica: replica.to_owned(), compat: compat.clone() }));
+            }
+            continue;
+        }
         let reprocessed = line.contains("event=\"inbox.reprocessed\"");
         let stamped = line.contains("event=\"outbox.stamped\"");
         // A consumer handing a message to dead-lettering: the broker path's reject, or the
@@ -143,11 +155,7 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
         else {
             continue;
         };
-        let at = line
-            .split_whitespace()
-            .next()
-            .and_then(|ts| chrono::DateTime::parse_from_rfc3339(ts).ok())
-            .map(|ts| rel(ts.timestamp_millis()));
+        let at = at();
         let event = if reprocessed {
             Event::Reprocessed { envelope, replica: replica.to_owned() }
         } else if rejected {
@@ -193,6 +201,7 @@ mod tests {
              2026-11-30T16:00:01.000000Z DEBUG craig_mq::outbox: event=\"outbox.stamped\" envelope_id={env}\n\
              2026-11-30T16:00:01.500000Z  WARN craig_mq::inbox: event=\"inbox.reprocessed\" envelope_id={env} source=x\n\
              2026-11-30T16:00:01.700000Z ERROR craig_mq::subscriber: dead-lettering to craig.dlx event=\"subscriber.permanent_failure\" queue=\"craig-rules.events\" envelope_id={env} error=no referral_id\n\
+             2026-11-30T16:00:01.800000Z  WARN craig_mq::dlq: event=\"security.dlq.log_and_ack\" digest=00ff00ff00ff00ff envelope_id={env} routing_key=dlq.x error=db\n\
              not a line of interest envelope_id={env}\n"
         );
         let origin = chrono::DateTime::parse_from_rfc3339("2026-11-30T16:00:00Z").unwrap().timestamp_millis();
@@ -204,6 +213,7 @@ mod tests {
                 (Some(1000), Event::Stamped { envelope: env, replica: "cases-1".into(), compat: vec![] }),
                 (Some(1500), Event::Reprocessed { envelope: env, replica: "cases-1".into() }),
                 (Some(1700), Event::Rejected { envelope: env, replica: "cases-1".into(), compat: vec![] }),
+                (Some(1800), Event::AckedUnrecorded { key: "00ff00ff00ff00ff".into(), replica: "cases-1".into(), compat: vec![] }),
             ]
         );
     }

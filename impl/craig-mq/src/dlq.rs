@@ -705,7 +705,11 @@ where
         };
         if cfg.log_and_ack {
             // Compat pre-1197: the retired log-and-ack posture (a forensic loss).
-            tracing::warn!(event = "security.dlq.log_and_ack", routing_key = %dl.routing_key, error = %err);
+            // Named by the digest of its bytes (the harness's key for a delivery) and its
+            // envelope: the system's own word on which dead letter went unrecorded.
+            tracing::warn!(event = "security.dlq.log_and_ack", digest = %format!("{:016x}", delivery_digest(&dl.routing_key, &dl.raw)),
+                envelope_id = %dl.envelope.as_ref().map_or_else(|| "-".to_owned(), |e| e.id.to_string()),
+                routing_key = %dl.routing_key, error = %err);
             crate::metrics::dlq_outcome("acked_unrecorded");
             settled("ack", delivery.acker.ack(BasicAckOptions::default())).await?;
             return Ok(());
