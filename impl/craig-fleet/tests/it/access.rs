@@ -10,7 +10,7 @@ use craig_fleet::service::ALL;
 use craig_mq::dlq::CAPTURE_QUEUE;
 use craig_mq::topology::{DLQ_QUEUE, DLX_EXCHANGE, EVENTS_EXCHANGE};
 use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
+    BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, QueuePurgeOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
     QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::FieldTable;
@@ -43,6 +43,10 @@ async fn publish(conn: &Connection, exchange: &str, key: &str) -> Result<lapin::
 async fn each_service_account_is_refused_what_the_adr_forbids_and_keeps_what_it_needs() {
     let mut fleet = Fleet::new("least-privilege", &[Service::Cases]).await;
     fleet.least_privilege().await;
+    // Every consumer queue exists (as after the deploy step), so a refusal is about access.
+    for other in ALL.into_iter().filter(|o| !o.queue_bindings().is_empty()) {
+        fleet.declare_queue(&craig_mq::topology::consumer_queue(other.name()), other.queue_bindings()[0]).await;
+    }
     for s in ALL {
         let conn = login(fleet.amqp_url(s)).await;
         // The exchanges are operator-owned: no service redeclares or deletes one ...
@@ -62,8 +66,19 @@ async fn each_service_account_is_refused_what_the_adr_forbids_and_keeps_what_it_
         } else {
             refused(&format!("{s} consuming {DLQ_QUEUE}"), r);
             refused(&format!("{s} deleting {DLQ_QUEUE}"), channel(&conn).await.queue_delete(DLQ_QUEUE.into(), QueueDeleteOptions::default()).await);
+            refused(&format!("{s} purging {DLQ_QUEUE}"), channel(&conn).await.queue_purge(DLQ_QUEUE.into(), QueuePurgeOptions::default()).await);
+            refused(
+                &format!("{s} unbinding {DLQ_QUEUE}"),
+                channel(&conn).await.queue_unbind(DLQ_QUEUE.into(), DLX_EXCHANGE.into(), "dlq.#".into(), FieldTable::default()).await,
+            );
             // Nor may it reach the DLQ through the default exchange.
             refused(&format!("{s} publishing to the default exchange"), publish(&conn, "", DLQ_QUEUE).await);
+        }
+        // No service reads another's consumer queue.
+        for other in ALL.into_iter().filter(|o| *o != s && !o.queue_bindings().is_empty()) {
+            let q = craig_mq::topology::consumer_queue(other.name());
+            let r = channel(&conn).await.basic_get(q.as_str().into(), BasicGetOptions::default()).await;
+            refused(&format!("{s} reading {q}"), r);
         }
         let _ = conn.close(200, "bye".into()).await;
     }
