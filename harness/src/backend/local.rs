@@ -321,40 +321,13 @@ impl LocalBackend {
     /// `rabbitmqctl import_definitions` and each checked to log in; their AMQP URLs.
     pub async fn accounts(&self, accounts: &[craig_sandbox::Account]) -> Result<Vec<String>, BackendError> {
         let admin = self.endpoints().amqp_url;
-        let mut users = Vec::new();
-        let mut perms = Vec::new();
-        let mut urls = Vec::new();
-        for a in accounts {
-            let password = craig_sandbox::sandbox_name(&format!("{}/{}", self.root.display(), a.name));
-            users.push(serde_json::json!({
-                "name": a.name,
-                "password_hash": craig_sandbox::password_hash(&a.name, &password),
-                "hashing_algorithm": "rabbit_password_hashing_sha256",
-                "tags": [],
-            }));
-            perms.push(serde_json::json!({ "user": a.name, "vhost": "/", "configure": a.configure, "write": a.write, "read": a.read }));
-            urls.push(craig_sandbox::with_credentials(&admin, &a.name, &password).map_err(|e| BackendError::failed("service account URL", e))?);
-        }
+        let root = self.root.display().to_string();
+        let (defs, urls) = craig_sandbox::definitions(accounts, "/", &admin, |name| craig_sandbox::sandbox_name(&format!("{root}/{name}")))
+            .map_err(|e| BackendError::failed("service account URL", e))?;
         let file = self.root.join("accounts.json");
-        std::fs::write(&file, serde_json::json!({ "users": users, "permissions": perms }).to_string())
-            .map_err(|e| BackendError::failed(format!("writing {}", file.display()), e))?;
+        std::fs::write(&file, defs.to_string()).map_err(|e| BackendError::failed(format!("writing {}", file.display()), e))?;
         self.rabbitmqctl(&["import_definitions", &file.display().to_string()]).await?;
-        // The import is asynchronous: each account must log in before a node uses it.
-        for url in &urls {
-            let deadline = Instant::now() + Duration::from_secs(15);
-            loop {
-                match craig_mq::publisher::connect_within(url, 0, "chaos-login-check", Self::PROBE_BOUND).await {
-                    Ok(c) => {
-                        let _ = tokio::time::timeout(Self::PROBE_BOUND, c.close(200, "ok".into())).await;
-                        break;
-                    }
-                    Err(e) if Instant::now() > deadline => {
-                        return Err(BackendError::failed("creating the service accounts", format!("an account cannot log in after 15 s: {e}")));
-                    }
-                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-                }
-            }
-        }
+        craig_sandbox::wait_logins(&urls).await.map_err(|e| BackendError::failed("creating the service accounts", e))?;
         Ok(urls)
     }
 

@@ -335,7 +335,7 @@ async fn drive(
     // the admin credential; no service account may declare them. `[deploy] topology`
     // adds every consumer queue (`craig-node topology`); without it each node declares
     // its own queue at start.
-    bounded(Duration::from_secs(30), "declaring the exchanges and the DLQ", declare_operator_part(&ep.amqp_url)).await?;
+    bounded(Duration::from_secs(30), "declaring the exchanges and the DLQ", craig_mq::topology::deploy_operator_part(&ep.amqp_url)).await?;
     if s.deploy.topology {
         deploy_topology(&opts.node_program, &ep.amqp_url).await?;
     }
@@ -487,14 +487,6 @@ async fn drive(
     }
     api_task.abort();
     Ok(())
-}
-
-/// The exchanges and the DLQ, declared as the operator (the admin URL).
-async fn declare_operator_part(amqp_url: &str) -> anyhow::Result<()> {
-    let conn = craig_mq::publisher::connect(amqp_url, 0, "chaos-operator").await?;
-    let declared = async { craig_mq::topology::declare_exchanges(&conn.create_channel().await?).await }.await;
-    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "declared".into())).await;
-    Ok(declared?)
 }
 
 /// `craig-node topology` through the same program the replicas run: the deploy step.

@@ -60,6 +60,22 @@ pub async fn declare_exchanges(ch: &Channel) -> Result<(), lapin::Error> {
     declare_dlq(ch).await
 }
 
+/// The operator's part of a deploy on `amqp_url` (its credential): connect,
+/// [`declare_exchanges`], close. Bounded: 10 s to connect, 10 s to declare.
+pub async fn deploy_operator_part(amqp_url: &str) -> Result<(), lapin::Error> {
+    use std::time::Duration;
+    let conn = crate::publisher::connect_within(amqp_url, 0, "craig-operator", Duration::from_secs(10)).await?;
+    let declared = tokio::time::timeout(Duration::from_secs(10), async { declare_exchanges(&conn.create_channel().await?).await }).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "deployed".into())).await;
+    declared.unwrap_or_else(|_| {
+        Err(lapin::ErrorKind::IOError(std::sync::Arc::new(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "declaring the exchanges and the DLQ: no answer within 10 s",
+        )))
+        .into())
+    })
+}
+
 /// A service's check that the operator-owned exchanges exist (#1202): passive declares,
 /// which need no permission and create nothing. A missing exchange is a channel error
 /// (404 NOT_FOUND) naming it: the deploy step has not run.

@@ -122,43 +122,13 @@ impl Sandbox {
     /// vhost is gone, and the next run of the same label re-imports it.
     pub async fn add_users(&mut self, accounts: &[Account]) -> Result<Vec<String>, SandboxError> {
         let vhost = self.vhost.clone();
-        let err = move |detail: String| SandboxError::Vhost { vhost: vhost.clone(), detail };
-        let mut users = Vec::new();
-        let mut perms = Vec::new();
-        let mut urls = Vec::new();
-        for a in accounts {
-            let user = format!("{}.{}", self.name, a.name);
-            let password = sandbox_name(&format!("{user}/password"));
-            users.push(serde_json::json!({
-                "name": user,
-                "password_hash": password_hash(&user, &password),
-                "hashing_algorithm": "rabbit_password_hashing_sha256",
-                "tags": [],
-            }));
-            perms.push(serde_json::json!({
-                "user": user, "vhost": self.vhost, "configure": a.configure, "write": a.write, "read": a.read,
-            }));
-            urls.push(with_credentials(&self.amqp_url, &user, &password)?);
-            self.users.push(user);
-        }
-        let defs = serde_json::json!({ "users": users, "permissions": perms });
+        let err = |detail: String| SandboxError::Vhost { vhost: vhost.clone(), detail };
+        let named: Vec<Account> = accounts.iter().map(|a| Account { name: format!("{}.{}", self.name, a.name), ..a.clone() }).collect();
+        let (defs, urls) = definitions(&named, &self.vhost, &self.amqp_url, |user| sandbox_name(&format!("{user}/password")))?;
+        // Recorded before the import: a partial import is still deleted by destroy.
+        self.users.extend(named.into_iter().map(|a| a.name));
         definitions_import(&self.amqp_url, &defs).await.map_err(&err)?;
-        // The import is asynchronous: each account must log in before it is handed out.
-        for url in &urls {
-            let deadline = std::time::Instant::now() + Duration::from_secs(15);
-            loop {
-                match craig_mq::publisher::connect_within(url, 0, "sandbox-login-check", Duration::from_secs(3)).await {
-                    Ok(c) => {
-                        let _ = tokio::time::timeout(Duration::from_secs(2), c.close(200, "ok".into())).await;
-                        break;
-                    }
-                    Err(e) if std::time::Instant::now() > deadline => {
-                        return Err(err(format!("an imported account cannot log in after 15 s: {e}")));
-                    }
-                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-                }
-            }
-        }
+        wait_logins(&urls).await.map_err(&err)?;
         Ok(urls)
     }
 
@@ -413,15 +383,21 @@ async fn vhost_create(amqp_base: &str, vhost: &str) -> Result<(), SandboxError> 
 }
 
 async fn vhost_delete(amqp_base: &str, vhost: &str) -> Result<(), SandboxError> {
+    delete_resource(amqp_base, vhost, &format!("/api/vhosts/{vhost}"), &["delete_vhost", vhost], "no_such_vhost").await
+}
+
+/// DELETE `api_path` through the management API (404: already gone), else `rabbitmqctl
+/// ctl_args` (already gone: "does not exist" or `gone`); errors name `vhost`.
+async fn delete_resource(amqp_base: &str, vhost: &str, api_path: &str, ctl_args: &[&str], gone: &str) -> Result<(), SandboxError> {
     let m = management(amqp_base)?;
     let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().expect("reqwest client");
     let err = |detail: String| SandboxError::Vhost { vhost: vhost.to_owned(), detail };
-    match client.delete(format!("{}/api/vhosts/{vhost}", m.base)).basic_auth(&m.user, Some(&m.pass)).send().await {
+    match client.delete(format!("{}{api_path}", m.base)).basic_auth(&m.user, Some(&m.pass)).send().await {
         Ok(r) if r.status().is_success() || r.status() == reqwest::StatusCode::NOT_FOUND => Ok(()),
-        Ok(r) => Err(err(format!("management API answered HTTP {} to DELETE", r.status()))),
-        Err(e) if e.is_connect() => match rabbitmqctl(&["delete_vhost", vhost]) {
+        Ok(r) => Err(err(format!("management API answered HTTP {} to DELETE {api_path}", r.status()))),
+        Err(e) if e.is_connect() => match rabbitmqctl(ctl_args) {
             Ok(()) => Ok(()),
-            Err(d) if d.contains("does not exist") || d.contains("no_such_vhost") => Ok(()),
+            Err(d) if d.contains("does not exist") || d.contains(gone) => Ok(()),
             Err(d) => Err(err(d)),
         },
         Err(e) => Err(err(e.to_string())),
@@ -431,21 +407,9 @@ async fn vhost_delete(amqp_base: &str, vhost: &str) -> Result<(), SandboxError> 
 /// The operator's part of a deploy on a fresh vhost (ADR-022 #1202): the exchanges and the
 /// DLQ, which no service account may declare.
 async fn deploy_exchanges(amqp_url: &str, vhost: &str) -> Result<(), SandboxError> {
-    let err = |detail: String| SandboxError::Vhost { vhost: vhost.to_owned(), detail };
-    let conn = craig_mq::publisher::connect_within(amqp_url, 0, "sandbox-deploy", Duration::from_secs(10))
+    craig_mq::topology::deploy_operator_part(amqp_url)
         .await
-        .map_err(|e| err(format!("connecting as the operator: {e}")))?;
-    let declared = async {
-        let ch = conn.create_channel().await?;
-        craig_mq::topology::declare_exchanges(&ch).await
-    };
-    let res = tokio::time::timeout(Duration::from_secs(10), declared).await;
-    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "deployed".into())).await;
-    match res {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(err(format!("declaring the exchanges and the DLQ: {e}"))),
-        Err(_) => Err(err("declaring the exchanges and the DLQ: no answer within 10 s".into())),
-    }
+        .map_err(|e| SandboxError::Vhost { vhost: vhost.to_owned(), detail: format!("declaring the exchanges and the DLQ: {e}") })
 }
 
 /// RabbitMQ's `rabbit_password_hashing_sha256`: base64(salt ++ sha256(salt ++ password)),
@@ -466,6 +430,49 @@ pub fn with_credentials(url: &str, user: &str, password: &str) -> Result<String,
     let (scheme, rest) = url.split_once("://").ok_or(SandboxError::BadUrl { url: url.to_owned(), why: "no scheme" })?;
     let host = rest.split_once('@').map(|(_, h)| h).unwrap_or(rest);
     Ok(format!("{scheme}://{user}:{password}@{host}"))
+}
+
+/// RabbitMQ definitions (users and their permissions on `vhost`) for `accounts`, each
+/// with the password `password_of(name)`, and each account's AMQP URL (`base_url` with its
+/// credentials). One import makes them all.
+pub fn definitions(
+    accounts: &[Account],
+    vhost: &str,
+    base_url: &str,
+    password_of: impl Fn(&str) -> String,
+) -> Result<(serde_json::Value, Vec<String>), SandboxError> {
+    let (mut users, mut perms, mut urls) = (Vec::new(), Vec::new(), Vec::new());
+    for a in accounts {
+        let password = password_of(&a.name);
+        users.push(serde_json::json!({
+            "name": a.name,
+            "password_hash": password_hash(&a.name, &password),
+            "hashing_algorithm": "rabbit_password_hashing_sha256",
+            "tags": [],
+        }));
+        perms.push(serde_json::json!({ "user": a.name, "vhost": vhost, "configure": a.configure, "write": a.write, "read": a.read }));
+        urls.push(with_credentials(base_url, &a.name, &password)?);
+    }
+    Ok((serde_json::json!({ "users": users, "permissions": perms }), urls))
+}
+
+/// Wait until every URL's account logs in (a definitions import is asynchronous): 15 s
+/// per account, each attempt bounded.
+pub async fn wait_logins(urls: &[String]) -> Result<(), String> {
+    for url in urls {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            match craig_mq::publisher::connect_within(url, 0, "login-check", Duration::from_secs(3)).await {
+                Ok(c) => {
+                    let _ = tokio::time::timeout(Duration::from_secs(2), c.close(200, "ok".into())).await;
+                    break;
+                }
+                Err(e) if std::time::Instant::now() > deadline => return Err(format!("an imported account cannot log in after 15 s: {e}")),
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Import RabbitMQ definitions (users, permissions): management API, else `rabbitmqctl
@@ -490,19 +497,7 @@ async fn definitions_import(amqp_base: &str, defs: &serde_json::Value) -> Result
 }
 
 async fn user_delete(amqp_base: &str, vhost: &str, user: &str) -> Result<(), SandboxError> {
-    let m = management(amqp_base)?;
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().expect("reqwest client");
-    let err = |detail: String| SandboxError::Vhost { vhost: vhost.to_owned(), detail };
-    match client.delete(format!("{}/api/users/{user}", m.base)).basic_auth(&m.user, Some(&m.pass)).send().await {
-        Ok(r) if r.status().is_success() || r.status() == reqwest::StatusCode::NOT_FOUND => Ok(()),
-        Ok(r) => Err(err(format!("management API answered HTTP {} to DELETE /api/users", r.status()))),
-        Err(e) if e.is_connect() => match rabbitmqctl(&["delete_user", user]) {
-            Ok(()) => Ok(()),
-            Err(d) if d.contains("does not exist") || d.contains("no_such_user") => Ok(()),
-            Err(d) => Err(err(d)),
-        },
-        Err(e) => Err(err(e.to_string())),
-    }
+    delete_resource(amqp_base, vhost, &format!("/api/users/{user}"), &["delete_user", user], "no_such_user").await
 }
 
 fn rabbitmqctl(args: &[&str]) -> Result<(), String> {
