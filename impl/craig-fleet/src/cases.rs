@@ -2,6 +2,11 @@
 //! stages `case.referral_created` in ONE transaction (ADR-022 §D1, Consequences:
 //! `events::publish_X(&mut tx, …).await?; tx.commit().await?`).
 //!
+//! `POST /v1/cases/placements/{id}/activate` activates a placement and stages
+//! `placement.activated` in the same transaction; its payload carries the immutable facts
+//! (placement, care level, period, days) the financial service derives its per-diem
+//! payment's natural key from (#1179).
+//!
 //! The §D5 idempotency layer wraps these routes in a later step; today a retry of the same
 //! request with the same `id` is answered 409, never written twice.
 
@@ -19,9 +24,12 @@ use uuid::Uuid;
 use crate::node::AppState;
 
 pub const REFERRAL_CREATED: &str = "case.referral_created";
+pub const PLACEMENT_ACTIVATED: &str = "placement.activated";
 
 pub fn router() -> Router<AppState> {
-    Router::new().route("/v1/cases/referrals", post(create_referral))
+    Router::new()
+        .route("/v1/cases/referrals", post(create_referral))
+        .route("/v1/cases/placements/{id}/activate", post(activate_placement))
 }
 
 /// Request body. `id` is optional: a client (the harness) that names the referral can
@@ -85,4 +93,111 @@ async fn write_referral(state: &AppState, id: Uuid, subject: &str, by: Uuid) -> 
     publish_in_tx(&mut tx, &envelope).await?;
     tx.commit().await?;
     Ok(envelope.id)
+}
+
+/// `POST /v1/cases/placements/{id}/activate` body: the care level and the first day of care
+/// (default: today, UTC). The per-diem period is that day's month, from that day on.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Activation {
+    pub care_level: String,
+    #[serde(default)]
+    pub start: Option<chrono::NaiveDate>,
+    #[serde(default)]
+    pub referral_id: Option<Uuid>,
+}
+
+/// The per-diem period a placement starting on `start` is paid for first: the first of its
+/// month and the days from `start` to the month's end, inclusive.
+pub fn perdiem_period(start: chrono::NaiveDate) -> (chrono::NaiveDate, i32) {
+    use chrono::Datelike;
+    let first = start.with_day(1).expect("day 1 exists");
+    let next = if start.month() == 12 {
+        chrono::NaiveDate::from_ymd_opt(start.year() + 1, 1, 1)
+    } else {
+        chrono::NaiveDate::from_ymd_opt(start.year(), start.month() + 1, 1)
+    }
+    .expect("the first of a month exists");
+    (first, (next - start).num_days() as i32)
+}
+
+async fn activate_placement(
+    State(state): State<AppState>,
+    Bearer(claims): Bearer,
+    axum::extract::Path(id): axum::extract::Path<Uuid>,
+    body: axum::body::Bytes,
+) -> Response {
+    if let Err(e) = claims.require(&state.service.audience(), None) {
+        return e.into_response();
+    }
+    let req: Activation = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return error_response(StatusCode::BAD_REQUEST, &format!("invalid activation body: {e}")),
+    };
+    let level = req.care_level.as_str();
+    if level.is_empty() || level.len() > 64 || !level.bytes().all(|b| b.is_ascii_graphic()) {
+        return error_response(StatusCode::BAD_REQUEST, "care_level must be 1..=64 printable ASCII characters");
+    }
+    let start = req.start.unwrap_or_else(|| chrono::Utc::now().date_naive());
+    let (period_start, days) = perdiem_period(start);
+    let payload = json!({
+        "placement_id": id,
+        "referral_id": req.referral_id,
+        "care_level": level,
+        "period_start": period_start,
+        "days": days,
+    });
+    let envelope = EventEnvelope::new(PLACEMENT_ACTIVATED, "cases", Some(id), payload)
+        .expect("static event type and service name are valid");
+    let written = async {
+        let mut tx = state.pool.begin().await?;
+        let activated: Option<Uuid> = sqlx::query_scalar(
+            "INSERT INTO placements (id, referral_id, status, activated_at, care_level, period_start, days) \
+             VALUES ($1, $2, 'active', now(), $3, $4, $5) \
+             ON CONFLICT (id) DO UPDATE SET status = 'active', activated_at = now(), care_level = $3, period_start = $4, days = $5 \
+             WHERE placements.status = 'pending' RETURNING id",
+        )
+        .bind(id)
+        .bind(req.referral_id)
+        .bind(level)
+        .bind(period_start)
+        .bind(days)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if activated.is_none() {
+            return Ok(None);
+        }
+        publish_in_tx(&mut tx, &envelope).await?;
+        tx.commit().await?;
+        Ok::<_, sqlx::Error>(Some(envelope.id))
+    };
+    match written.await {
+        Ok(Some(envelope_id)) => (
+            StatusCode::OK,
+            Json(json!({ "id": id, "envelope_id": envelope_id, "period_start": period_start, "days": days })),
+        )
+            .into_response(),
+        Ok(None) => error_response(StatusCode::CONFLICT, &format!("placement {id} is already active")),
+        Err(sqlx::Error::Database(db)) if db.is_foreign_key_violation() => {
+            error_response(StatusCode::UNPROCESSABLE_ENTITY, "referral_id names no referral")
+        }
+        Err(e) => {
+            tracing::error!(event = "cases.activation_failed", placement_id = %id, error = %e);
+            error_response(StatusCode::SERVICE_UNAVAILABLE, "database unavailable; the placement was not activated")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::perdiem_period;
+    use chrono::NaiveDate;
+
+    #[test]
+    fn the_first_period_runs_from_the_start_to_the_end_of_its_month() {
+        let d = |y, m, d| NaiveDate::from_ymd_opt(y, m, d).unwrap();
+        assert_eq!(perdiem_period(d(2026, 12, 1)), (d(2026, 12, 1), 31));
+        assert_eq!(perdiem_period(d(2026, 12, 31)), (d(2026, 12, 1), 1));
+        assert_eq!(perdiem_period(d(2028, 2, 10)), (d(2028, 2, 1), 20));
+    }
 }

@@ -42,6 +42,10 @@ enum Command {
         /// How long to keep retrying a database that is not up yet.
         #[arg(long, default_value = "30", value_name = "SECONDS")]
         wait: u64,
+        /// Apply the schema a fleet on these compat modes had: the migrations of the
+        /// amendments they revert are left out (e.g. pre-1179: no payments arbiter).
+        #[arg(long = "compat", value_name = "MODE")]
+        compat: Vec<Compat>,
     },
     /// Declare the whole fleet's broker topology on AMQP_URL and exit: the exchanges
     /// craig.events and craig.dlx, the DLQ craig-security.dlq, and every consumer queue with
@@ -125,8 +129,8 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
         return Ok(());
     }
     let settings = ServiceSettings::load().context("loading settings from the environment")?;
-    if let Some(Command::Migrate { service, wait }) = cli.command {
-        node::migrate(service, &settings.database_url, Duration::from_secs(wait)).await?;
+    if let Some(Command::Migrate { service, wait, compat }) = cli.command {
+        node::migrate_for(service, &settings.database_url, Duration::from_secs(wait), &CompatSet::new(compat)).await?;
         println!("craig-node: migrations/{service} applied");
         return Ok(());
     }

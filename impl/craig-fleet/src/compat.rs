@@ -20,6 +20,8 @@ pub enum Compat {
     Pre1128,
     /// #1156: the DLQ threshold event re-emits on every arrival over the threshold.
     Pre1156,
+    /// #1179: the payment handler without the arbiter (a plain INSERT behind the inbox
+    /// alone), on the schema without it (`migrate --compat pre-1179`).
     Pre1179,
     /// #1181: no per-occurrence idempotency; every DLQ delivery records a row, and the app
     /// path mints its token per call.
@@ -64,6 +66,7 @@ impl Compat {
                 | Compat::PreD3
                 | Compat::Pre1128
                 | Compat::Pre1156
+                | Compat::Pre1179
                 | Compat::Pre1181
                 | Compat::Pre1196
                 | Compat::Pre1197

@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::compat::{Compat, CompatSet};
 use crate::service::Service;
-use crate::{cases, rules, security};
+use crate::{cases, financial, rules, security};
 
 #[derive(Clone)]
 pub struct AppState {
@@ -70,6 +70,12 @@ fn redact_error(text: &str, url: &str) -> String {
 
 /// Apply `service`'s migrations, retrying the connection for up to `wait`.
 pub async fn migrate(service: Service, url: &str, wait: Duration) -> anyhow::Result<()> {
+    migrate_for(service, url, wait, &CompatSet::default()).await
+}
+
+/// Apply the schema a fleet running `compat` had ([`Service::schema`]: the current one
+/// without the migrations of the amendments the modes revert).
+pub async fn migrate_for(service: Service, url: &str, wait: Duration, compat: &CompatSet) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + wait;
     let pool = loop {
         match PgPoolOptions::new().max_connections(1).connect(url).await {
@@ -84,7 +90,7 @@ pub async fn migrate(service: Service, url: &str, wait: Duration) -> anyhow::Res
             }
         }
     };
-    service.migrator().run(&pool).await.with_context(|| format!("applying migrations/{service}"))?;
+    service.schema(compat).run(&pool).await.with_context(|| format!("applying migrations/{service}"))?;
     pool.close().await;
     Ok(())
 }
@@ -238,26 +244,42 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
             reconnect_delay: Duration::from_secs(1),
         };
         let use_inbox = !opts.compat.has(Compat::PreD2);
+        // The inbox-backed consumers (rules, financial): the inbox, its retry cap and the
+        // app dead-letter path keyed by their own queue (§D3, #1196).
+        let inbox_consumer = |queue: String| {
+            let app_path = use_inbox.then(|| {
+                let mode = craig_mq::inbox::SurfaceMode {
+                    producer_keyed: opts.compat.has(Compat::Pre1196),
+                    token_per_call: opts.compat.has(Compat::Pre1181),
+                };
+                let surface = craig_mq::inbox::Surface::new(&opts.settings.amqp_url, opts.settings.publisher, mode);
+                (craig_mq::inbox::RetryCap::new(opts.settings.inbox_retry_cap), surface)
+            });
+            std::sync::Arc::new(crate::consumer::Consumer {
+                queue,
+                use_inbox,
+                replica: std::env::var("CRAIG_REPLICA").ok().filter(|r| !r.is_empty()),
+                app_path,
+            })
+        };
         match service {
             Service::Rules => {
-                let app_path = use_inbox.then(|| {
-                    let mode = craig_mq::inbox::SurfaceMode {
-                        producer_keyed: opts.compat.has(Compat::Pre1196),
-                        token_per_call: opts.compat.has(Compat::Pre1181),
-                    };
-                    let surface = craig_mq::inbox::Surface::new(&opts.settings.amqp_url, opts.settings.publisher, mode);
-                    (craig_mq::inbox::RetryCap::new(opts.settings.inbox_retry_cap), surface)
-                });
-                let consumer = std::sync::Arc::new(rules::Consumer {
-                    queue,
-                    use_inbox,
-                    replica: std::env::var("CRAIG_REPLICA").ok().filter(|r| !r.is_empty()),
-                    app_path,
-                });
+                let consumer = inbox_consumer(queue);
                 let pool = pool.clone();
                 let handler = move |env| {
                     let (pool, consumer) = (pool.clone(), consumer.clone());
                     async move { rules::on_referral_created(&pool, &consumer, env).await }
+                };
+                tasks.spawn(run_subscriber(cfg, handler, shutdown.clone()));
+            }
+            Service::Financial => {
+                // #1179: the arbiter-backed payment consumer (compat pre-1179: without it).
+                let consumer = inbox_consumer(queue);
+                let arbiter = !opts.compat.has(Compat::Pre1179);
+                let pool = pool.clone();
+                let handler = move |env| {
+                    let (pool, consumer) = (pool.clone(), consumer.clone());
+                    async move { financial::on_placement_activated(&pool, &consumer, arbiter, env).await }
                 };
                 tasks.spawn(run_subscriber(cfg, handler, shutdown.clone()));
             }
@@ -270,7 +292,7 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
                 };
                 tasks.spawn(run_subscriber(cfg, handler, shutdown.clone()));
             }
-            Service::Cases | Service::Financial => unreachable!("{service} consumes nothing in this build"),
+            Service::Cases => unreachable!("{service} consumes nothing in this build"),
         }
     }
     if service == Service::Security {

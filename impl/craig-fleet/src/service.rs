@@ -5,6 +5,8 @@ use std::str::FromStr;
 
 use sqlx::migrate::Migrator;
 
+use crate::compat::{Compat, CompatSet};
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Service {
     Cases,
@@ -40,6 +42,19 @@ impl Service {
         }
     }
 
+    /// The schema a fleet running `compat` had: every migration of
+    /// [`migrator`](Self::migrator) except those an amendment the modes revert introduced
+    /// ([`AMENDMENT_MIGRATIONS`]). `craig-node migrate --compat pre-1179` leaves the #1179
+    /// payments arbiter out, so an old handler meets the table it was written for.
+    pub fn schema(self, compat: &CompatSet) -> Migrator {
+        let skipped: Vec<i64> = AMENDMENT_MIGRATIONS
+            .iter()
+            .filter(|(mode, svc, _)| *svc == self && compat.has(*mode))
+            .map(|(.., version)| *version)
+            .collect();
+        Migrator::with_migrations(self.migrator().iter().filter(|m| !skipped.contains(&m.version)).cloned().collect())
+    }
+
     /// Routing keys this service's consumer queue `craig-<service>.events` binds on
     /// `craig.events` in a deployed fleet (CONTRACT § fleet): what `craig-node topology`
     /// declares and what each node declares for itself at start. security's wildcard audit
@@ -60,8 +75,9 @@ impl Service {
             Service::Rules => &["case.referral_created"],
             // security: the wildcard audit subscriber (and, beside it, the DLQ consumer).
             Service::Security => &["#"],
-            // financial (placement.activated) arrives with the arbiter work.
-            Service::Cases | Service::Financial => &[],
+            // financial: the #1179 arbiter-backed per-diem payment consumer.
+            Service::Financial => &["placement.activated"],
+            Service::Cases => &[],
         }
     }
 
@@ -69,6 +85,19 @@ impl Service {
     pub fn audience(self) -> String {
         format!("craig-{}", self.name())
     }
+}
+
+/// Migrations an amendment introduced, as (the compat mode that reverts it, service,
+/// version): the schema before the amendment is the current one without them.
+pub const AMENDMENT_MIGRATIONS: &[(Compat, Service, i64)] = &[
+    // #1179: payments_one_perdiem_per_placement_period.
+    (Compat::Pre1179, Service::Financial, 20261201000200),
+];
+
+/// The service that consumes events of `event_type` in a deployed fleet (the wildcard audit
+/// queue aside): whose consumer queue a dead letter of that type comes from.
+pub fn consumer_of(event_type: &str) -> Option<Service> {
+    ALL.into_iter().find(|s| *s != Service::Security && s.consumes().contains(&event_type))
 }
 
 impl fmt::Display for Service {
@@ -85,5 +114,30 @@ impl FromStr for Service {
     type Err = UnknownService;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         ALL.into_iter().find(|svc| svc.name() == s).ok_or_else(|| UnknownService(s.to_owned()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pre_1179_schema_is_the_current_one_without_the_payments_arbiter() {
+        let all: Vec<i64> = Service::Financial.migrator().iter().map(|m| m.version).collect();
+        let old: Vec<i64> =
+            Service::Financial.schema(&CompatSet::new([Compat::Pre1179])).iter().map(|m| m.version).collect();
+        assert!(all.contains(&20261201000200), "{all:?}");
+        assert_eq!(old, all.iter().copied().filter(|v| *v != 20261201000200).collect::<Vec<_>>());
+        let current: Vec<i64> = Service::Financial.schema(&CompatSet::default()).iter().map(|m| m.version).collect();
+        assert_eq!(current, all);
+        // Another service's schema is untouched by the mode.
+        assert_eq!(Service::Rules.schema(&CompatSet::new([Compat::Pre1179])).iter().count(), Service::Rules.migrator().iter().count());
+    }
+
+    #[test]
+    fn each_event_type_has_one_consuming_service() {
+        assert_eq!(consumer_of("case.referral_created"), Some(Service::Rules));
+        assert_eq!(consumer_of("placement.activated"), Some(Service::Financial));
+        assert_eq!(consumer_of("payment.created"), None);
     }
 }

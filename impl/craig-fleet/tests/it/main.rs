@@ -5,5 +5,6 @@ mod app_path;
 mod common;
 #[cfg(feature = "failpoints")]
 mod crash;
+mod financial;
 mod node;
 mod security;

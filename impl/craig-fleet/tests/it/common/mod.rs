@@ -24,10 +24,16 @@ pub struct Fleet {
 
 impl Fleet {
     pub async fn new(label: &str, services: &[Service]) -> Self {
+        Self::with_schema(label, services, &craig_fleet::CompatSet::default()).await
+    }
+
+    /// A fleet whose databases have the schema a fleet on `compat` had
+    /// (`craig-node migrate --compat …`).
+    pub async fn with_schema(label: &str, services: &[Service], compat: &craig_fleet::CompatSet) -> Self {
         let names: Vec<&str> = services.iter().map(|s| s.name()).collect();
         let sandbox = Sandbox::create(&format!("craig-fleet::{label}"), &names).await.expect("sandbox");
         for s in services {
-            craig_fleet::node::migrate(*s, sandbox.database_url(s.name()), Duration::from_secs(5)).await.expect("migrate");
+            craig_fleet::node::migrate_for(*s, sandbox.database_url(s.name()), Duration::from_secs(5), compat).await.expect("migrate");
         }
         Self { sandbox, accounts: Default::default() }
     }
