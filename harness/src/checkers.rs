@@ -7,7 +7,7 @@
 //! |---|---|
 //! | `no_loss` | an acknowledged write's event never produced its effect |
 //! | `no_phantom` | an effect exists for a write that failed, was rolled back, or was never attempted |
-//! | `effect_once` | an envelope's effect ran twice and no consumer crash or consumer-database fault sits between the two runs (#1180 attribution) |
+//! | `effect_once` | an envelope's effect ran twice and no consumer crash or consumer-database fault sits between the two runs (#1180 attribution); for an arbiter-backed consumer (#1179), any second effect |
 //! | `liveness` | the outbox did not drain within the bound after faults healed, or a row stayed claimed past its lease |
 //! | `dlq_occurrence_once` | a dead letter that reached `craig.dlx` has no audit row, or one occurrence has two; or an envelope both took effect and was dead-lettered |
 //! | `threshold_crossing_once` | the `security.dlq.threshold_exceeded` events per type differ from the crossings (10 → 11 in the sliding hour) of the recorded occurrences |
@@ -309,14 +309,16 @@ pub fn no_loss(h: &History) -> Verdict {
     v
 }
 
-/// §D3: a dead letter the harness staged (`DeadLetterStaged`, for rules to refuse) that was
-/// published must reach `craig.dlx` — the tap saw it — or have been handled after all. One
-/// that did neither vanished: a consumer queue without dead-letter arguments drops what
-/// its consumer rejects (compat `pre-d3`). Blamed on the replicas consuming its queue
-/// (rules), with the behaviour each ran when it was published. Returns (published, lost).
+/// §D3: a dead letter the harness staged (`DeadLetterStaged`, for its consumer to refuse)
+/// that was published must reach `craig.dlx` — the tap saw it — or have been handled after
+/// all. One that did neither vanished: a consumer queue without dead-letter arguments drops
+/// what its consumer rejects (compat `pre-d3`). Blamed on the replicas that said they
+/// rejected it, with the behaviour each ran then. Returns (published, lost).
 fn dead_letters_lost(h: &History, v: &mut Verdict) -> (usize, usize) {
-    let staged: Vec<Uuid> =
-        h.iter().filter_map(|e| if let Event::DeadLetterStaged { envelope } = e.event { Some(envelope) } else { None }).collect();
+    let staged: Vec<(Uuid, &str)> = h
+        .iter()
+        .filter_map(|e| if let Event::DeadLetterStaged { envelope, service } = &e.event { Some((*envelope, service.as_str())) } else { None })
+        .collect();
     if staged.is_empty() {
         return (0, 0);
     }
@@ -343,7 +345,7 @@ fn dead_letters_lost(h: &History, v: &mut Verdict) -> (usize, usize) {
         }
     }
     let (mut n, mut lost) = (0, 0);
-    for env in staged {
+    for (env, consumer) in staged {
         if !published.contains(&env) {
             continue; // still pending: liveness's to judge, not a loss
         }
@@ -372,7 +374,7 @@ fn dead_letters_lost(h: &History, v: &mut Verdict) -> (usize, usize) {
         };
         v.blame(tags);
         v.witness(format!(
-            "dead letter {env} (staged for rules to refuse) was published{}, {by}, and never reached {} nor took effect",
+            "dead letter {env} (staged for {consumer} to refuse) was published{}, {by}, and never reached {} nor took effect",
             stamp.map(|t| format!(" @{t}ms")).unwrap_or_default(),
             craig_mq::topology::DLX_EXCHANGE,
         ));
@@ -432,6 +434,11 @@ pub fn no_phantom(h: &History) -> Verdict {
 /// handler commits and the inbox stamps within milliseconds, so a fault starting later than
 /// this cannot have come between the two. It narrows the window; it never excuses alone.
 pub const STAMP_DUE_MS: u64 = 2_000;
+
+/// Consumers whose side effect carries its own arbiter (ADR-022 #1179: financial's
+/// `payments_one_perdiem_per_placement_period`): the #1180 window excuses nothing for them —
+/// a re-run must be absorbed by the arbiter, so any second effect is a violation.
+pub const ARBITER_BACKED: &[&str] = &["financial"];
 
 /// Re-executions one fault can excuse per consumer replica: a subscriber runs one handler
 /// at a time, so at most one envelope of a replica can sit between handler and stamp.
@@ -520,7 +527,9 @@ fn window_faults(h: &History) -> Vec<WindowFault> {
 /// - the system corroborates it: the inbox reported reprocessing that envelope
 ///   (`Event::Reprocessed`, from `inbox.reprocessed`) — logged by the replica that ran the
 ///   re-execution, within [`STAMP_DUE_MS`] after it, each report excusing one re-run.
-///   Timing alone never excuses.
+///   Timing alone never excuses;
+/// - the consumer is not arbiter-backed ([`ARBITER_BACKED`]): one that is must absorb the
+///   re-run itself (#1179), so its second effect is never excused.
 pub fn effect_once(h: &History) -> Verdict {
     let mut v = Verdict::new("effect_once");
     let fx = effects(h);
@@ -550,6 +559,13 @@ pub fn effect_once(h: &History) -> Verdict {
             _ => {}
         }
     }
+    let arbitered: HashSet<Uuid> = h
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::Effect { envelope, service, .. } if ARBITER_BACKED.contains(&service.as_str()) => Some(*envelope),
+            _ => None,
+        })
+        .collect();
     let republish = republishers(h);
     let mut republished: HashSet<(Uuid, usize)> = HashSet::new();
     let mut used: HashMap<(usize, Option<String>), usize> = HashMap::new();
@@ -564,7 +580,12 @@ pub fn effect_once(h: &History) -> Verdict {
             let on = r1.as_deref().unwrap_or("an unnamed replica");
             let candidates: Vec<usize> =
                 (0..faults.len()).filter(|&i| faults[i].opens(*t1, r1.as_deref()) && faults[i].from <= *t2).collect();
-            let free = candidates.iter().copied().find(|&i| used.get(&(i, r1.clone())).copied().unwrap_or(0) < HANDLER_CONCURRENCY);
+            let arbiter = arbitered.contains(envelope);
+            let free = candidates
+                .iter()
+                .copied()
+                .filter(|_| !arbiter)
+                .find(|&i| used.get(&(i, r1.clone())).copied().unwrap_or(0) < HANDLER_CONCURRENCY);
             // Corroboration of THIS re-run: the replica that ran it logged `inbox.reprocessed`
             // for the envelope right after it (the line follows the stamp), once per re-run.
             let r2 = pair[1].1.as_deref();
@@ -643,7 +664,9 @@ pub fn effect_once(h: &History) -> Verdict {
                         }
                     }
                     v.blame(tags);
-                    let why = if candidates.is_empty() {
+                    let why = if arbiter {
+                        "an arbiter-backed consumer (#1179) must absorb every re-run itself: the #1180 window excuses nothing here".to_owned()
+                    } else if candidates.is_empty() {
                         format!("no crash of {on}, database kill/pause or cut of its database link within {STAMP_DUE_MS} ms after the first run")
                     } else if free.is_none() {
                         format!("the only fault in its window ({}) already excused {HANDLER_CONCURRENCY} re-execution(s) of {on}", faults[candidates[0]].label)
@@ -720,7 +743,7 @@ fn fault_replica(tag: &str) -> Option<&str> {
 /// What a dead-letter violation was, as a cause tag (`kind:<name>`) a twin can name, so a
 /// twin is red for its documented cause and not for any violation of the same checker.
 pub const VIOLATION_KINDS: &[&str] =
-    &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "misattributed"];
+    &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed"];
 
 /// Which faults can cause a dead-letter violation of a kind, by the fault tag.
 #[derive(Clone, Copy)]
@@ -773,8 +796,9 @@ fn dead_letter_tags(h: &History, kind: &str, service: &str, through: Through) ->
 ///   pre-C2 duplicate rows by the ADR's own bound: extras are counted, not violations);
 /// - an audit row of bytes that never reached `craig.dlx` is a violation (a record of
 ///   nothing);
-/// - completed XOR dead-lettered: an envelope that took effect on `rules` must not also be
-///   dead-lettered from `craig-rules.events`, unless the inbox reported re-running it;
+/// - completed XOR dead-lettered: an envelope that took effect on a consumer (rules,
+///   financial) must not also be dead-lettered from that consumer's queue, unless the inbox
+///   reported re-running it;
 /// - #1196: a dead letter names the consumer queue of the replica that gave it up (its
 ///   reject or app-path surface, from the replica's own log), on either path.
 pub fn dlq_occurrence_once(h: &History) -> Verdict {
@@ -782,7 +806,8 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
     let mut taps_by_token: BTreeMap<String, HashSet<String>> = BTreeMap::new();
     let mut tokenless_taps: BTreeMap<String, usize> = BTreeMap::new();
     let mut tapped_keys: HashSet<String> = HashSet::new();
-    let mut dead_from_rules: HashSet<Uuid> = HashSet::new();
+    // Each dead-lettered envelope and the consumer queues it was dead-lettered from.
+    let mut dead_from: HashMap<Uuid, HashSet<&str>> = HashMap::new();
     let mut taps = 0;
     let mut rows: Vec<(&str, Option<&str>, &str)> = Vec::new();
     // Who handed each envelope to dead-lettering (a reject, an app-path surface).
@@ -800,8 +825,10 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
             _ => None,
         })
         .collect();
-    let staged_for_rules: HashSet<Uuid> =
-        h.iter().filter_map(|e| if let Event::DeadLetterStaged { envelope } = e.event { Some(envelope) } else { None }).collect();
+    let staged_for: HashMap<Uuid, &str> = h
+        .iter()
+        .filter_map(|e| if let Event::DeadLetterStaged { envelope, service } = &e.event { Some((*envelope, service.as_str())) } else { None })
+        .collect();
     let mut misattributed = 0;
     for e in h.iter() {
         match &e.event {
@@ -809,12 +836,15 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
                 // #1196: a dead letter names the CONSUMER queue that failed it, on either
                 // path (x-death's queue, the wrapper's original_queue).
                 if let (Some(env), Some(q)) = (envelope, queue.as_deref()) {
-                    // A dead letter the harness staged for rules, with no replica's word on
-                    // who gave it up: it still belongs to rules' queue.
-                    if !gave_up.contains_key(env) && staged_for_rules.contains(env) && q != "craig-rules.events" {
+                    // A dead letter the harness staged for a consumer, with no replica's word on
+                    // who gave it up: it still belongs to that consumer's queue.
+                    if let Some(consumer) = staged_for.get(env).filter(|c| !gave_up.contains_key(env) && q != craig_mq::topology::consumer_queue(c)) {
                         misattributed += 1;
-                        v.blame(dead_letter_tags(h, "misattributed", "rules", Through::Nothing));
-                        v.witness(format!("dead letter of envelope {env} names queue {q}, but the harness staged it for rules (craig-rules.events); no replica logged giving it up"));
+                        v.blame(dead_letter_tags(h, "misattributed", consumer, Through::Nothing));
+                        v.witness(format!(
+                            "dead letter of envelope {env} names queue {q}, but the harness staged it for {consumer} ({}); no replica logged giving it up",
+                            craig_mq::topology::consumer_queue(consumer)
+                        ));
                     }
                     if let Some(by) = gave_up.get(env) {
                         let wrong: Vec<&(u64, &str, &[String])> =
@@ -844,8 +874,8 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
                     }
                     None => *tokenless_taps.entry(key.clone()).or_default() += 1,
                 }
-                if let (Some(env), Some("craig-rules.events")) = (envelope, queue.as_deref()) {
-                    dead_from_rules.insert(*env);
+                if let (Some(env), Some(q)) = (envelope, queue.as_deref()) {
+                    dead_from.entry(*env).or_default().insert(q);
                 }
             }
             Event::Audited { key, token, disposition, .. } => rows.push((key.as_str(), token.as_deref(), disposition.as_str())),
@@ -923,18 +953,22 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
     let mut both = 0;
     let reprocessed: HashSet<Uuid> =
         h.iter().filter_map(|e| if let Event::Reprocessed { envelope, .. } = &e.event { Some(*envelope) } else { None }).collect();
-    let effected: HashSet<Uuid> = h
-        .iter()
-        .filter_map(|e| match &e.event {
-            Event::Effect { envelope, service, .. } if service == "rules" => Some(*envelope),
-            _ => None,
-        })
-        .collect();
-    for env in dead_from_rules.intersection(&effected) {
-        if !reprocessed.contains(env) {
-            both += 1;
-            v.blame(dead_letter_tags(h, "completed_and_dead_lettered", "rules", Through::Nothing));
-            v.witness(format!("envelope {env} took effect on rules AND was dead-lettered from craig-rules.events, with no redelivery in between"));
+    // Which consumer queue each envelope took effect behind.
+    let mut effected: BTreeMap<Uuid, std::collections::BTreeSet<String>> = BTreeMap::new();
+    for e in h.iter() {
+        if let Event::Effect { envelope, service, .. } = &e.event {
+            effected.entry(*envelope).or_default().insert(craig_mq::topology::consumer_queue(service));
+        }
+    }
+    for (env, queues) in &effected {
+        let Some(dead) = dead_from.get(env) else { continue };
+        for q in queues.iter().filter(|q| dead.contains(q.as_str())) {
+            if !reprocessed.contains(env) {
+                both += 1;
+                let service = q.strip_prefix("craig-").and_then(|r| r.strip_suffix(".events")).unwrap_or(q);
+                v.blame(dead_letter_tags(h, "completed_and_dead_lettered", service, Through::Nothing));
+                v.witness(format!("envelope {env} took effect on {service} AND was dead-lettered from {q}, with no redelivery in between"));
+            }
         }
     }
     v.count("dead_lettered", taps);
@@ -951,41 +985,72 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
 
 /// Exactly one `security.dlq.threshold_exceeded` per crossing per event type (§D3 #1156,
 /// re-keyed by #1181 R5/R8). The crossings are re-derived from the audit rows, one per
-/// occurrence (the first row of a token; a duplicate row is `dlq_occurrence_once`'s
-/// finding, and must not make a crossing here): taken in order of receipt, a row in the
+/// occurrence (the first row of the token the tap saw its bytes carry, else of its own
+/// token; a duplicate row is `dlq_occurrence_once`'s finding, and must not make a crossing
+/// here): taken in order of receipt, a row in the
 /// window (its key `LEAST(COALESCE(occurred_at, received), received)` within the hour
 /// before its receipt) that brings its type's in-window count to exactly 11 is a crossing —
 /// unless it is a divergent quarantine row, alert-inert on its own turn (R7). The events
-/// staged must match per type, no more (a re-emit) and no fewer (a missed crossing).
+/// staged must match per type, no more and no fewer (a missed crossing). One more is a
+/// spurious crossing when counting every row (a redelivery recorded twice, #1181) would
+/// reach it, else a re-emit.
 pub fn threshold_crossing_once(h: &History) -> Verdict {
     const HOUR_MS: i64 = 3_600_000;
     const CROSSING: usize = 11;
     let mut v = Verdict::new("threshold_crossing_once");
     let mut seen_tokens: HashSet<&str> = HashSet::new();
+    // (received, window key, event type, disposition) of every row, and of the first row
+    // of each occurrence.
     let mut rows: Vec<(i64, i64, &str, &str)> = Vec::new();
-    let mut all_rows = 0;
+    let mut every_row: Vec<(i64, i64, &str, &str)> = Vec::new();
+    // The occurrence a row records is the one the harness's tap saw its bytes carry (a
+    // recorder that mints its own token per delivery, pre-1181, cannot hide a redelivery
+    // behind a fresh token); without the tap's word, the row's own token.
+    let tapped: HashMap<&str, &str> = h
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::DeadLettered { key, token: Some(t), .. } => Some((key.as_str(), t.as_str())),
+            _ => None,
+        })
+        .collect();
     for e in h.iter() {
-        if let Event::Audited { token, disposition, event_type: Some(et), received_epoch_ms, window_epoch_ms, .. } = &e.event {
-            all_rows += 1;
-            if token.as_deref().is_some_and(|t| !seen_tokens.insert(t)) {
+        if let Event::Audited { key, token, disposition, event_type: Some(et), received_epoch_ms, window_epoch_ms, .. } = &e.event {
+            let row = (*received_epoch_ms, *window_epoch_ms, et.as_str(), disposition.as_str());
+            every_row.push(row);
+            let occurrence = tapped.get(key.as_str()).copied().or(token.as_deref());
+            if occurrence.is_some_and(|t| !seen_tokens.insert(t)) {
                 continue;
             }
-            rows.push((*received_epoch_ms, *window_epoch_ms, et.as_str(), disposition.as_str()));
+            rows.push(row);
         }
     }
-    rows.sort_by_key(|r| r.0);
-    let mut expected: BTreeMap<&str, usize> = BTreeMap::new();
-    let mut per_type: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
-    for (received, window, et, disposition) in &rows {
-        let keys = per_type.entry(*et).or_default();
-        keys.push(*window);
-        expected.entry(*et).or_default();
-        if *window > received - HOUR_MS {
-            let count = keys.iter().filter(|k| **k > received - HOUR_MS).count();
-            if count == CROSSING && *disposition != "divergent" {
-                *expected.get_mut(*et).expect("inserted above") += 1;
+    let all_rows = every_row.len();
+    // The crossings of a row sequence, per type, taken in order of receipt.
+    let crossings = |rows: &mut Vec<(i64, i64, &'_ str, &'_ str)>| {
+        rows.sort_by_key(|r| r.0);
+        let mut found: BTreeMap<String, usize> = BTreeMap::new();
+        let mut keys_of: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+        for (received, window, et, disposition) in rows.iter() {
+            let keys = keys_of.entry(*et).or_default();
+            keys.push(*window);
+            let n = found.entry(et.to_string()).or_default();
+            if *window > received - HOUR_MS {
+                let count = keys.iter().filter(|k| **k > received - HOUR_MS).count();
+                if count == CROSSING && *disposition != "divergent" {
+                    *n += 1;
+                }
             }
         }
+        found
+    };
+    let expected = crossings(&mut rows);
+    // What a recorder counting every row (a redelivery recorded twice included) would see
+    // cross: an announcement beyond `expected` but within this was made by an inflated
+    // count — a spurious crossing, not a re-emit.
+    let inflated = crossings(&mut every_row);
+    let mut per_type: BTreeMap<&str, usize> = BTreeMap::new();
+    for (.., et, _) in &rows {
+        *per_type.entry(*et).or_default() += 1;
     }
     // Emitted exactly AT the crossing: the event's own in-window count is 11 (10 -> 11).
     // One emitted at any other count announces no crossing: re-emitted.
@@ -1002,13 +1067,23 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
             }
         }
     }
-    let types: std::collections::BTreeSet<String> = expected.keys().map(|k| k.to_string()).chain(observed.keys().cloned()).collect();
+    let types: std::collections::BTreeSet<String> = expected.keys().cloned().chain(observed.keys().cloned()).collect();
     for et in &types {
-        let want = expected.get(et.as_str()).copied().unwrap_or(0);
+        let want = expected.get(et).copied().unwrap_or(0);
         let got = observed.get(et).copied().unwrap_or(0);
-        if want != got {
+        let could = inflated.get(et).copied().unwrap_or(0);
+        let occurrences = per_type.get(et.as_str()).copied().unwrap_or(0);
+        if got > want && got <= could {
+            // Announced at a count of 11 that only rows which are no occurrence of their own
+            // (a redelivery recorded twice, #1181) could reach: the cause is what records
+            // twice.
+            v.blame(dead_letter_tags(h, "spurious_crossing", "security", Through::Broker));
+            v.witness(format!(
+                "{et}: {occurrences} recorded occurrence(s) cross the threshold {want} time(s), but {got} threshold event(s) were emitted: a crossing the occurrences never made, reached only by counting {} row(s) that are no occurrence of their own",
+                all_rows_of(&every_row, et) - occurrences
+            ));
+        } else if got != want {
             v.blame(dead_letter_tags(h, if got > want { "re_emitted" } else { "missed_crossing" }, "security", Through::Nothing));
-            let occurrences = per_type.get(et.as_str()).map_or(0, Vec::len);
             v.witness(format!(
                 "{et}: {occurrences} recorded occurrence(s) cross the threshold {want} time(s), but {got} threshold event(s) were emitted{}",
                 if got > want { " (re-emitted during a sustained breach)" } else { " (a crossing went unannounced)" }
@@ -1021,6 +1096,11 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
     v.count("threshold_events", observed.values().sum::<usize>() + off_crossing);
     v.count("off_crossing_events", off_crossing);
     v.settle(rows.is_empty(), "nothing to check: no dead letter was audited")
+}
+
+/// How many of `rows` are of event type `et`.
+fn all_rows_of(rows: &[(i64, i64, &str, &str)], et: &str) -> usize {
+    rows.iter().filter(|r| r.2 == et).count()
 }
 
 /// Everything drains within the bound after faults heal; no row stays claimed past its lease.
@@ -1286,7 +1366,7 @@ mod tests {
         staged(&mut h, 11, 1);
         effect(&mut h, 50, 11, 1);
         let dead = |h: &mut History, env: u128, published: bool| {
-            h.push(1, Event::DeadLetterStaged { envelope: id(env) });
+            h.push(1, Event::DeadLetterStaged { envelope: id(env), service: "rules".into() });
             h.push(0, Event::Staged { envelope: id(env), referral: None, service: "cases".into(), published, attempts: 1, last_error: None });
         };
         dead(&mut h, 21, true); // reached craig.dlx
@@ -1369,7 +1449,7 @@ mod tests {
         // No replica logged giving it up, but the harness staged it for rules: still checked.
         let mut h = History::default();
         started(&mut h, 0, "rules-1", &["pre-1196"]);
-        h.push(1, Event::DeadLetterStaged { envelope: id(6) });
+        h.push(1, Event::DeadLetterStaged { envelope: id(6), service: "rules".into() });
         h.push(30, Event::DeadLettered { key: "k6".into(), token: Some("t6".into()), envelope: Some(id(6)), queue: Some("craig-cases".into()) });
         audited(&mut h, "k6", Some("t6"), "recorded", "case.referral_created", 1);
         h.sort();
@@ -1642,6 +1722,102 @@ mod tests {
         let v = effect_once(&h);
         assert_eq!((v.validity, v.counts["crash_window_reexecutions"]), (Validity::Valid, 1), "{:?}", v.witnesses);
         assert!(v.witnesses[0].contains("after crash rules-1 (SIGABRT) @15ms; the inbox reported the reprocess"), "{:?}", v.witnesses);
+    }
+
+    /// #1179: the same crash-window re-run on financial (arbiter-backed) is never excused:
+    /// its arbiter must absorb it. The second payment is blamed on the replica's compat
+    /// (pre-1179, no arbiter) and on the crash between the runs.
+    #[test]
+    fn a_rerun_of_an_arbiter_backed_consumer_is_never_excused() {
+        let mut h = History::default();
+        started(&mut h, 0, "financial-1", &["pre-1179"]);
+        let pay = |h: &mut History, t| {
+            h.push(t, Event::Effect { envelope: id(101), referral: Some(id(7)), service: "financial".into(), replica: Some("financial-1".into()) })
+        };
+        pay(&mut h, 10);
+        crash(&mut h, 15, "financial-1");
+        h.push(15, Event::Fault { kind: "crash".into(), target: "financial-1 at inbox::after_handler_before_stamp".into(), phase: Phase::Start });
+        h.push(400, Event::Fault { kind: "crash".into(), target: "financial-1 restarted".into(), phase: Phase::End });
+        reprocessed(&mut h, 900, 101, "financial-1");
+        pay(&mut h, 900);
+        h.sort();
+        let v = effect_once(&h);
+        assert_eq!((v.validity, v.counts["crash_window_reexecutions"], v.counts["unattributed"]), (Validity::Invalid, 0, 1), "{:?}", v.witnesses);
+        assert!(v.witnesses[0].contains("an arbiter-backed consumer (#1179) must absorb every re-run itself"), "{:?}", v.witnesses);
+        assert!(v.all_point_at("compat:pre-1179") && v.all_point_at("fault:crash financial-1"), "{:?}", v.culprits);
+        // With the arbiter the re-run is absorbed: one payment, nothing to excuse.
+        let mut current = History::default();
+        started(&mut current, 0, "financial-1", &[]);
+        pay(&mut current, 10);
+        crash(&mut current, 15, "financial-1");
+        reprocessed(&mut current, 900, 101, "financial-1");
+        current.sort();
+        let v = effect_once(&current);
+        assert_eq!((v.validity, v.counts["duplicated"]), (Validity::Valid, 0), "{:?}", v.witnesses);
+    }
+
+    /// Issue 9: exactly 10 occurrences, one redelivered and recorded twice (pre-1181): the
+    /// recorder's count reached 11 and it announced a crossing the occurrences never made —
+    /// a spurious crossing, blamed on security's compat and the fault that redelivered.
+    /// With the occurrence arbiter (10 rows) nothing crosses and nothing is announced.
+    #[test]
+    fn a_crossing_reached_only_by_a_doubled_row_is_spurious() {
+        let build = |compat: &[&str], doubled: bool, events: usize| {
+            let mut h = History::default();
+            started(&mut h, 0, "security-1", compat);
+            h.push(5, Event::Fault { kind: "crash".into(), target: "security-1 at dlq::after_record_before_ack".into(), phase: Phase::Start });
+            // The recorder under pre-1181 mints a token per delivery: its rows' tokens hide
+            // nothing from the tap, which saw each delivery's bytes with its x-death token.
+            for i in 0..10i64 {
+                tapped(&mut h, &format!("k{i}"), Some(&format!("xdeath:{i}")));
+                audited(&mut h, &format!("k{i}"), Some(&format!("minted:{i}")), "recorded", "case.referral_created", 1_000 + i);
+            }
+            if doubled {
+                audited(&mut h, "k3", Some("minted:redelivery"), "recorded", "case.referral_created", 2_000);
+            }
+            for _ in 0..events {
+                h.push(30, Event::ThresholdExceeded { event_type: "case.referral_created".into(), count: 11 });
+            }
+            h.sort();
+            h
+        };
+        let v = threshold_crossing_once(&build(&[], false, 0));
+        assert_eq!((v.validity, v.counts["crossings"], v.counts["threshold_events"]), (Validity::Valid, 0, 0), "{v:?}");
+        let v = threshold_crossing_once(&build(&["pre-1181"], true, 1));
+        assert_eq!((v.validity, v.counts["crossings"]), (Validity::Invalid, 0), "{v:?}");
+        assert!(
+            ["kind:spurious_crossing", "compat:pre-1181", "fault:crash security-1"].iter().all(|c| v.all_point_at(c)),
+            "{:?}",
+            v.culprits
+        );
+        assert!(v.witnesses[0].contains("a crossing the occurrences never made, reached only by counting 1 row(s)"), "{:?}", v.witnesses);
+        assert!(!v.culprits.contains_key("kind:re_emitted"), "{:?}", v.culprits);
+        // Two events where the inflated count crosses once: one spurious is explained, the
+        // second is a re-emit.
+        let v = threshold_crossing_once(&build(&["pre-1181"], true, 2));
+        assert!(v.culprits.contains_key("kind:re_emitted"), "{:?}", v.culprits);
+    }
+
+    /// A dead letter staged for financial must come from craig-financial.events, and an
+    /// envelope that took effect on financial and was dead-lettered from its queue is
+    /// completed-and-dead-lettered, as for rules.
+    #[test]
+    fn dead_letters_of_a_second_consumer_are_held_to_its_own_queue() {
+        let mut h = History::default();
+        started(&mut h, 0, "financial-1", &[]);
+        started(&mut h, 0, "security-1", &[]);
+        h.push(1, Event::DeadLetterStaged { envelope: id(6), service: "financial".into() });
+        h.push(10, Event::DeadLettered { key: "k6".into(), token: Some("xdeath:6".into()), envelope: Some(id(6)), queue: Some("craig-rules.events".into()) });
+        h.push(10, Event::DeadLettered { key: "k7".into(), token: Some("xdeath:7".into()), envelope: Some(id(7)), queue: Some("craig-financial.events".into()) });
+        audited(&mut h, "k6", Some("xdeath:6"), "recorded", "placement.activated", 1);
+        audited(&mut h, "k7", Some("xdeath:7"), "recorded", "placement.activated", 2);
+        h.push(30, Event::Effect { envelope: id(7), referral: Some(id(70)), service: "financial".into(), replica: Some("financial-1".into()) });
+        h.sort();
+        let v = dlq_occurrence_once(&h);
+        assert_eq!((v.counts["misattributed"], v.counts["completed_and_dead_lettered"]), (1, 1), "{v:?}");
+        assert!(v.witnesses.iter().any(|w| w.contains("staged it for financial (craig-financial.events)")), "{:?}", v.witnesses);
+        assert!(v.witnesses.iter().any(|w| w.contains("took effect on financial AND was dead-lettered from craig-financial.events")), "{:?}", v.witnesses);
+        assert_eq!(v.culprits.get("replica:financial-1"), Some(&2), "{:?}", v.culprits);
     }
 
     /// Issue 8.1: a duplicate beside an UNRELATED replica's crash is a violation.

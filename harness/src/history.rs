@@ -25,7 +25,9 @@ pub enum Outcome {
 pub enum Event {
     /// The first line: the seed every random choice of the run was drawn from.
     Seed { seed: u64, scenario: String },
-    /// A domain write attempted through a replica (`referral` id chosen by the harness).
+    /// A domain write attempted through a replica: `referral` is the id of the aggregate the
+    /// harness chose (a referral, or a placement for `kind = "placements"`), which its
+    /// effect carries back.
     Write { referral: Uuid, replica: String, outcome: Outcome, status: Option<u16> },
     /// A write staged in a transaction the harness rolled back on purpose.
     RolledBack { referral: Uuid },
@@ -40,7 +42,8 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         last_error: Option<String>,
     },
-    /// A counted side effect (a `rule_evaluations` row): the DB's time of it converted to the
+    /// A counted side effect (a `rule_evaluations` row on rules, a `payments` row on
+    /// financial; `referral` is the aggregate id it names): the DB's time of it converted to the
     /// run's clock, and the replica that ran it (when it said).
     Effect {
         envelope: Uuid,
@@ -121,11 +124,21 @@ pub enum Event {
     /// (`subscriber.permanent_failure`, running `compat`): the system's own word that it
     /// handed the message to dead-lettering.
     Rejected { envelope: Uuid, replica: String, compat: Vec<String> },
-    /// An envelope the harness staged through cases' outbox for rules to refuse for good
-    /// (`[workload] dead_letters`): published, it must reach `craig.dlx` (§D3).
-    DeadLetterStaged { envelope: Uuid },
+    /// An envelope the harness staged through cases' outbox for `service` (its consumer) to
+    /// refuse for good (`[workload] dead_letters`, `placement_dead_letters`,
+    /// `app_dead_letters`): published, it must reach `craig.dlx` (§D3) from that service's
+    /// queue.
+    DeadLetterStaged {
+        envelope: Uuid,
+        #[serde(default = "rules")]
+        service: String,
+    },
     /// A row still claimed past its lease at the end.
     Stuck { envelope: Uuid, service: String, claimed_ms_ago: i64 },
+}
+
+fn rules() -> String {
+    "rules".into()
 }
 
 /// The identity of one dead-letter delivery's bytes: a digest of its routing key and body,

@@ -22,15 +22,20 @@
 //!                           # connect_timeout_ms, backoff_base_ms, backoff_max_ms
 //!
 //! [workload]
+//! kind = "referrals"        # referrals (POST /v1/cases/referrals, counted in rules'
+//!                           # rule_evaluations) | placements (POST /v1/cases/placements/
+//!                           # {id}/activate, counted in financial's payments, #1179)
 //! writes = 200              # HTTP writes through the cases replicas
 //! rate = 100                # per second
 //! rollback_share = 0.1      # extra writes the harness stages and rolls back
 //! poison_rows = 1           # malformed cases outbox rows, older than everything, written
 //!                           # by hand before the workload: they must stay pending, refused
 //! dead_letters = 30         # envelopes staged in cases' outbox that rules refuses for good
+//!                           # (no referral_id): each is dead-lettered to craig.dlx (§D3)
 //! app_dead_letters = 5      # … whose evaluation fails transiently until rules' retry cap
 //!                           # surfaces them on the app path (#1196)
-//!                           # (no referral_id): each is dead-lettered to craig.dlx (§D3)
+//! placement_dead_letters = 15  # placement.activated envelopes (no placement_id) that
+//!                           # financial refuses for good: a second event type
 //! after_heal = 20           # writes made once every fault has healed (default 20)
 //!
 //! [[faults]]
@@ -55,7 +60,8 @@
 //!
 //! [expect]
 //! min_acknowledged = 150    # floors (default: half the writes; 0 redeliveries, 0 dead
-//! min_redeliveries = 1      # letters): a run below one is inconclusive
+//! min_redeliveries = 1      # letters, 0 crossings): a run below one is inconclusive
+//! min_crossings = 2         # threshold events staged (#1156)
 //! no_loss = "hold"          # hold | violate (bare only where no cause is attributed:
 //!                           # liveness, no_phantom)
 //! effect_once = { violate = "compat:pre-d2" }  # violated, and every witness points at
@@ -253,6 +259,9 @@ impl Default for Settings {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Workload {
+    /// What each write is (default: referrals).
+    #[serde(default)]
+    pub kind: WorkloadKind,
     pub writes: u32,
     pub rate: f64,
     #[serde(default)]
@@ -269,6 +278,11 @@ pub struct Workload {
     /// up to its inbox retry cap, then surfaces it on the app path (§D3, #1196).
     #[serde(default)]
     pub app_dead_letters: u32,
+    /// `placement.activated` envelopes staged in cases' outbox without the `placement_id`
+    /// the financial handler needs: financial refuses each permanently and the broker
+    /// dead-letters it under `dlq.craig-financial.events` (a second event type, §D3).
+    #[serde(default)]
+    pub placement_dead_letters: u32,
     /// Writes made once every fault has healed (and every crashed replica is back), at
     /// `rate`: the run must show the system working again, not only surviving. At least 1
     /// when the scenario has faults.
@@ -278,6 +292,29 @@ pub struct Workload {
 
 fn after_heal() -> u32 {
     20
+}
+
+/// The writes a workload makes through the cases replicas, and where their effect lands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkloadKind {
+    /// `POST /v1/cases/referrals` (201) → `case.referral_created` → one `rule_evaluations`
+    /// row on rules (behind the inbox alone).
+    #[default]
+    Referrals,
+    /// `POST /v1/cases/placements/{id}/activate` (200) → `placement.activated` → one
+    /// `payments` row on financial (the #1179 arbiter).
+    Placements,
+}
+
+impl WorkloadKind {
+    /// The service whose side effect counts each write.
+    pub fn consumer(self) -> &'static str {
+        match self {
+            WorkloadKind::Referrals => "rules",
+            WorkloadKind::Placements => "financial",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -423,7 +460,7 @@ impl TryFrom<toml::Value> for Expectation {
 }
 
 /// Minimum activity (`[expect]` keys `min_acknowledged`, `min_redeliveries`,
-/// `min_dead_letters`): a run below any of them is inconclusive — it exercised too little
+/// `min_dead_letters`, `min_crossings`): a run below any of them is inconclusive — it exercised too little
 /// to be trusted, whatever its verdicts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Floor {
@@ -433,13 +470,16 @@ pub struct Floor {
     pub redeliveries: u64,
     /// Messages dead-lettered to the DLQ by the end of the run.
     pub dead_letters: u64,
+    /// `security.dlq.threshold_exceeded` events staged (#1156): a scenario that shows one
+    /// crossing per type must show them, not only agree that none was due.
+    pub crossings: u64,
 }
 
-const FLOORS: &[&str] = &["min_acknowledged", "min_redeliveries", "min_dead_letters"];
+const FLOORS: &[&str] = &["min_acknowledged", "min_redeliveries", "min_dead_letters", "min_crossings"];
 
 impl Default for Floor {
     fn default() -> Self {
-        Self { acknowledged: 1, redeliveries: 0, dead_letters: 0 }
+        Self { acknowledged: 1, redeliveries: 0, dead_letters: 0, crossings: 0 }
     }
 }
 
@@ -575,6 +615,16 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
     if w.writes == 0 || !(w.rate > 0.0 && w.rate <= 5000.0) || !(0.0..=1.0).contains(&w.rollback_share) {
         return Err(err(at("[workload]"), "workload needs writes > 0, 0 < rate <= 5000, 0 <= rollback_share <= 1".into()));
     }
+    for (needed, service, why) in [
+        (w.kind == WorkloadKind::Placements, "financial", "kind = \"placements\": financial consumes placement.activated"),
+        (w.placement_dead_letters > 0, "financial", "placement_dead_letters: financial refuses them"),
+        (w.dead_letters > 0, "rules", "dead_letters: rules refuses them"),
+        (w.app_dead_letters > 0, "rules", "app_dead_letters: rules' retry cap surfaces them"),
+    ] {
+        if needed && !s.fleet.contains_key(service) {
+            return Err(err(at("[workload]"), format!("{why}, so the fleet needs {service}")));
+        }
+    }
     if w.after_heal == 0 && !s.faults.is_empty() {
         return Err(err(at("after_heal"), "after_heal must be at least 1: the workload writes again after every fault heals".into()));
     }
@@ -694,6 +744,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
             match key.as_str() {
                 "min_acknowledged" => s.floor.acknowledged = n,
                 "min_redeliveries" => s.floor.redeliveries = n,
+                "min_crossings" => s.floor.crossings = n,
                 _ => s.floor.dead_letters = n,
             }
             continue;
@@ -960,12 +1011,24 @@ effect_once = { violate = "compat:pre-d2" }
     }
 
     #[test]
+    fn a_workload_needs_the_consumer_that_counts_or_refuses_it() {
+        let s = parse_str(&GOOD.replace("[workload]\n", "[workload]\nkind = \"placements\"\n").replace("[fleet]\n", "[fleet]\nfinancial = { replicas = 1 }\n")).unwrap();
+        assert_eq!((s.workload.kind, s.workload.kind.consumer()), (WorkloadKind::Placements, "financial"));
+        let e = rejected(&GOOD.replace("[workload]\n", "[workload]\nkind = \"placements\"\n"));
+        assert!(e.reason.contains("financial consumes placement.activated, so the fleet needs financial"), "{e}");
+        let e = rejected(&GOOD.replace("[workload]\n", "[workload]\nplacement_dead_letters = 3\n"));
+        assert!(e.reason.contains("placement_dead_letters: financial refuses them, so the fleet needs financial"), "{e}");
+        let e = rejected(&GOOD.replace("[workload]\n", "[workload]\nkind = \"payments\"\n"));
+        assert!(e.reason.contains("unknown variant `payments`"), "{e}");
+    }
+
+    #[test]
     fn floors_are_counts_in_expect_with_defaults() {
         let s = parse_str(GOOD).unwrap();
-        assert_eq!(s.floor, Floor { acknowledged: 5, redeliveries: 0, dead_letters: 0 });
+        assert_eq!(s.floor, Floor { acknowledged: 5, redeliveries: 0, dead_letters: 0, crossings: 0 });
         assert_eq!(s.workload.after_heal, 20);
-        let s = parse_str(&GOOD.replace("[expect]\n", "[expect]\nmin_acknowledged = 8\nmin_redeliveries = 2\nmin_dead_letters = 1\n")).unwrap();
-        assert_eq!(s.floor, Floor { acknowledged: 8, redeliveries: 2, dead_letters: 1 });
+        let s = parse_str(&GOOD.replace("[expect]\n", "[expect]\nmin_acknowledged = 8\nmin_redeliveries = 2\nmin_dead_letters = 1\nmin_crossings = 2\n")).unwrap();
+        assert_eq!(s.floor, Floor { acknowledged: 8, redeliveries: 2, dead_letters: 1, crossings: 2 });
         assert_eq!(s.expect.len(), 2, "floors are not invariants");
         let e = rejected(&GOOD.replace("[expect]\n", "[expect]\nmin_redeliveries = \"many\"\n"));
         assert_eq!(e.line, 26, "{e}");

@@ -12,6 +12,25 @@ use uuid::Uuid;
 use super::{COLLECT, Log, bounded};
 use crate::history::Event;
 
+/// Where a consuming service's counted side effects live (CONTRACT § fleet): the table,
+/// the column naming the aggregate the write created, and the row's time. rules'
+/// `rule_evaluations` (only the inbox protects it), financial's `payments` (the #1179
+/// arbiter).
+pub(super) fn effect_source(svc: &str) -> Option<(&'static str, &'static str, &'static str)> {
+    match svc {
+        "rules" => Some(("rule_evaluations", "referral_id", "evaluated_at")),
+        "financial" => Some(("payments", "placement_id", "created_at")),
+        _ => None,
+    }
+}
+
+/// How many counted side effects `pool` (service `svc`'s database) holds (0 for a service
+/// that counts none).
+pub(super) async fn effect_count(svc: &str, pool: &PgPool) -> Result<i64, sqlx::Error> {
+    let Some((table, ..)) = effect_source(svc) else { return Ok(0) };
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}"))).fetch_one(pool).await
+}
+
 /// Read what the databases say happened: staged envelopes and counted side effects.
 pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyhow::Result<()> {
     for (svc, pool) in pools {
@@ -31,18 +50,18 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
         if svc == "security" {
             collect_dead_letters(log, pool).await?;
         }
-        if svc == "rules" {
+        if let Some((table, aggregate, at)) = effect_source(svc) {
             let rows: Vec<(Uuid, Option<Uuid>, i64, Option<String>)> = bounded(
                 COLLECT,
-                "reading rule_evaluations",
-                sqlx::query_as(
-                    "SELECT envelope_id, referral_id, (EXTRACT(EPOCH FROM evaluated_at) * 1000)::int8, replica FROM rule_evaluations",
-                )
+                "reading the counted side effects",
+                sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                    "SELECT envelope_id, {aggregate}, (EXTRACT(EPOCH FROM {at}) * 1000)::int8, replica FROM {table}"
+                )))
                 .fetch_all(pool),
             )
             .await?;
             for (envelope, referral, at, replica) in rows {
-                log.push_at(log.rel_db(at), Event::Effect { envelope, referral, service: "rules".into(), replica });
+                log.push_at(log.rel_db(at), Event::Effect { envelope, referral, service: svc.clone(), replica });
             }
         }
     }

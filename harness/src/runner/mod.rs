@@ -235,6 +235,10 @@ fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<St
     if (redeliveries as u64) < f.redeliveries {
         why.push(format!("{redeliveries} redeliveries absorbed by an inbox (inbox_dedup_hits_total), below min_redeliveries = {}", f.redeliveries));
     }
+    let crossings = h.iter().filter(|e| matches!(e.event, Event::ThresholdExceeded { .. })).count() as u64;
+    if crossings < f.crossings {
+        why.push(format!("{crossings} threshold events staged (security.dlq.threshold_exceeded), below min_crossings = {}", f.crossings));
+    }
     if f.dead_letters > 0 && dead.unwrap_or(0) < f.dead_letters {
         why.push(format!("{} dead letters (in {} or dead_letter_audit), below min_dead_letters = {}", dead.map_or("unknown".into(), |d| d.to_string()), craig_mq::topology::DLQ_QUEUE, f.dead_letters));
     }
@@ -306,6 +310,15 @@ async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: 
     outcome.and(stop)
 }
 
+/// The compat modes every replica of `svc` starts on (the schema its fleet had).
+fn schema_compat(s: &Scenario, svc: &str) -> craig_fleet::CompatSet {
+    let Some(entry) = s.fleet.get(svc) else { return Default::default() };
+    let e = entry.get_ref();
+    let first = e.compat_of(1);
+    let common = first.iter().filter(|m| (2..=e.count()).all(|i| e.compat_of(i).contains(*m)));
+    craig_fleet::CompatSet::new(common.filter_map(|m| m.parse::<craig_fleet::Compat>().ok()))
+}
+
 async fn drive(
     s: &Scenario,
     opts: &RunOptions,
@@ -325,7 +338,11 @@ async fn drive(
     let mut pools: BTreeMap<String, PgPool> = BTreeMap::new();
     for svc in s.fleet.keys() {
         let url = ep.database_url(svc).context("backend has no database for a fleet service")?;
-        bounded(Duration::from_secs(90), "applying migrations", craig_fleet::node::migrate(svc.parse()?, url, Duration::from_secs(30))).await?;
+        // The schema the service's fleet had: an amendment's migration is left out only when
+        // every replica starts on the mode that reverts it (`craig-node migrate --compat`).
+        let schema = schema_compat(s, svc);
+        bounded(Duration::from_secs(90), "applying migrations", craig_fleet::node::migrate_for(svc.parse()?, url, Duration::from_secs(30), &schema))
+            .await?;
         pools.insert(
             svc.clone(),
             sqlx::postgres::PgPoolOptions::new().max_connections(3).acquire_timeout(Duration::from_secs(5)).connect_lazy(url)?,
@@ -428,7 +445,7 @@ async fn drive(
     // The dead-letter checkers need the truth of what reached craig.dlx: the harness's own
     // tap, bound before the workload makes any.
     // no_loss follows every staged dead letter to craig.dlx through the tap too.
-    let tapped = s.workload.dead_letters > 0 || s.expect.keys().any(|k| k == "dlq_occurrence_once" || k == "threshold_crossing_once");
+    let tapped = s.workload.dead_letters > 0 || s.workload.placement_dead_letters > 0 || s.expect.keys().any(|k| k == "dlq_occurrence_once" || k == "threshold_crossing_once");
     if tapped {
         tap::open(&ep.amqp_url, Duration::from_secs(15)).await?;
     }

@@ -47,11 +47,7 @@ pub(super) async fn sample(
                     lag_n += 1;
                 }
             }
-            if svc == "rules" {
-                effects += bounded(PROBE, "effect count", sqlx::query_scalar::<_, i64>("SELECT count(*) FROM rule_evaluations").fetch_one(pool))
-                    .await
-                    .unwrap_or(0);
-            }
+            effects += bounded(PROBE, "effect count", super::collect::effect_count(svc, pool)).await.unwrap_or(0);
         }
         let lag_ms = if lag_n > 0 { lag / lag_n as f64 } else { 0.0 };
         log.push(Event::Sample { outbox_pending: pending, published, effects, lag_ms });
@@ -107,12 +103,10 @@ pub(super) async fn drain(
                 1
             }
         };
-        let effects = match pools.get("rules") {
-            Some(p) => bounded(PROBE, "effect count", sqlx::query_scalar::<_, i64>("SELECT count(*) FROM rule_evaluations").fetch_one(p))
-                .await
-                .unwrap_or(-1),
-            None => 0,
-        };
+        let mut effects = 0;
+        for (svc, pool) in pools {
+            effects += bounded(PROBE, "effect count", super::collect::effect_count(svc, pool)).await.unwrap_or(-1);
+        }
         if pending_total == 0 && depth == 0 {
             match quiet_since {
                 Some((since, n)) if n == effects => {

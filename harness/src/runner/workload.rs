@@ -16,7 +16,7 @@ use uuid::Uuid;
 use super::{COLLECT, Log, PROBE, Replicas, bounded};
 use crate::history::{Event, Outcome};
 use crate::process::Replica;
-use crate::scenario::Scenario;
+use crate::scenario::{Scenario, WorkloadKind};
 
 /// What the workload stages straight into the databases, around the replicas' start: a
 /// new staged kind is a field and a line here, never a change to the runner's sequence.
@@ -39,13 +39,18 @@ impl Staged {
         for envelope in &self.poison {
             log.push(Event::Poison { envelope: *envelope, service: "cases".into() });
         }
-        for envelope in stage_dead_letters(cases, s.workload.dead_letters).await? {
-            log.push(Event::DeadLetterStaged { envelope });
+        for (event_type, n, service) in [
+            (craig_fleet::cases::REFERRAL_CREATED, s.workload.dead_letters, "rules"),
+            (craig_fleet::cases::PLACEMENT_ACTIVATED, s.workload.placement_dead_letters, "financial"),
+        ] {
+            for envelope in stage_dead_letters(cases, event_type, n).await? {
+                log.push(Event::DeadLetterStaged { envelope, service: service.into() });
+            }
         }
         if s.workload.app_dead_letters > 0 {
             let rules = pools.get("rules").context("app_dead_letters needs rules in the fleet")?;
             for envelope in stage_app_dead_letters(cases, rules, s.workload.app_dead_letters).await? {
-                log.push(Event::DeadLetterStaged { envelope });
+                log.push(Event::DeadLetterStaged { envelope, service: "rules".into() });
             }
         }
         Ok(())
@@ -65,22 +70,37 @@ impl Writer<'_> {
     /// `count` operations at the scenario's rate, numbered from `first` (so a replica
     /// rotation goes on across phases), drawn from `seed`; `done` counts completions.
     pub(super) async fn write(&self, seed: u64, range: (u32, u32), done: watch::Sender<u32>) {
-        // One kind today (HTTP referrals through the cases replicas, plus rolled-back
-        // writes); the kinds the next issues bring dispatch here.
-        referrals(self, seed, range, done).await
+        // HTTP writes through the cases replicas (plus rolled-back writes): referrals or
+        // placement activations; the kinds the next issues bring dispatch here too.
+        http_writes(self, seed, range, done).await
+    }
+}
+
+/// One write of the workload's kind: the path, the body and the status that acknowledges
+/// it, for the aggregate `id` the harness chose (its referral or placement id).
+fn request(kind: WorkloadKind, id: Uuid, rng: &mut ChaCha8Rng) -> (String, serde_json::Value, u16) {
+    use fake::Fake;
+    match kind {
+        WorkloadKind::Referrals => {
+            let subject: String = fake::faker::name::en::Name().fake_with_rng(rng);
+            ("/v1/cases/referrals".into(), json!({ "id": id, "subject": subject }), 201)
+        }
+        WorkloadKind::Placements => {
+            let care_level = if rng.random_bool(0.5) { "standard" } else { "enhanced" };
+            (format!("/v1/cases/placements/{id}/activate"), json!({ "care_level": care_level }), 200)
+        }
     }
 }
 
 /// `count` writes at the scenario's rate through the cases replicas (round robin), numbered
 /// from `first` (so the replica rotation goes on across phases); `done` counts completions.
-async fn referrals(
+async fn http_writes(
     Writer { s, log, replicas, cases, secret }: &Writer<'_>,
     seed: u64,
     (first, count): (u32, u32),
     done: watch::Sender<u32>,
 ) {
     let (s, log, replicas, cases, secret) = (*s, *log, *replicas, *cases, *secret);
-    use fake::Fake;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let cases_replicas: Vec<Arc<Mutex<Replica>>> =
         replicas.iter().filter(|(n, _)| n.starts_with("cases-")).map(|(_, r)| r.clone()).collect();
@@ -105,7 +125,8 @@ async fn referrals(
             // Bounded: a paused database must not stall the workload's schedule.
             let _ = tokio::time::timeout(PROBE, rolled_back_write(log, cases)).await;
         }
-        let subject: String = fake::faker::name::en::Name().fake_with_rng(&mut rng);
+        let referral = Uuid::now_v7();
+        let (path, body, acked) = request(s.workload.kind, referral, &mut rng);
         // Round robin, like a load balancer: a replica that is down or being restarted
         // (its lock held by a fault) is skipped for the next one that is up.
         let n = cases_replicas.len();
@@ -124,22 +145,16 @@ async fn referrals(
         let (http, token, log, completed, done) = (http.clone(), token.clone(), log.clone(), completed.clone(), done.clone());
         let replica_name = format!("cases-{}", j + 1);
         tasks.spawn(async move {
-            let referral = Uuid::now_v7();
             let t = log.now();
             let (outcome, status) = match addr {
                 None => (Outcome::Failed, None), // replica down: nothing was sent
                 Some(addr) => {
-                    let sent = http
-                        .post(format!("http://{addr}/v1/cases/referrals"))
-                        .bearer_auth(&token)
-                        .json(&json!({ "id": referral, "subject": subject }))
-                        .send()
-                        .await;
+                    let sent = http.post(format!("http://{addr}{path}")).bearer_auth(&token).json(&body).send().await;
                     match sent {
                         Ok(resp) => {
                             let code = resp.status().as_u16();
                             let o = match code {
-                                201 => Outcome::Ok,
+                                c if c == acked => Outcome::Ok,
                                 400..=499 => Outcome::Failed,
                                 _ => Outcome::Unknown,
                             };
@@ -182,17 +197,19 @@ async fn rolled_back_write(log: &Log, cases: &PgPool) {
     }
 }
 
-/// `dead_letters` envelopes staged through cases' outbox (their ids returned), valid but without the
-/// `referral_id` the rules handler needs: rules refuses each permanently and the broker
-/// dead-letters it under `dlq.craig-rules.events` (§D3 broker path).
-async fn stage_dead_letters(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> {
+/// `n` envelopes of `event_type` staged through cases' outbox (their ids returned), valid but
+/// without the aggregate id their consumer needs (`referral_id` for rules, `placement_id`
+/// for financial): the consumer refuses each permanently and the broker dead-letters it
+/// under `dlq.<its consumer queue>` (§D3 broker path).
+async fn stage_dead_letters(cases: &PgPool, event_type: &str, n: u32) -> anyhow::Result<Vec<Uuid>> {
     if n == 0 {
         return Ok(Vec::new());
     }
     let mut ids = Vec::new();
     let mut tx = bounded(COLLECT, "staging dead letters", cases.begin()).await?;
     for i in 0..n {
-        let env = craig_mq::EventEnvelope::new("case.referral_created", "cases", None, json!({ "subject": format!("chaos dead letter {i}") }))?;
+        let payload = json!({ "subject": format!("chaos dead letter {i}"), "care_level": "standard", "days": 1 });
+        let env = craig_mq::EventEnvelope::new(event_type, "cases", None, payload)?;
         bounded(COLLECT, "staging a dead letter", craig_mq::publish_in_tx(&mut tx, &env)).await?;
         ids.push(env.id);
     }
