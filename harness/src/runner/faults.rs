@@ -136,17 +136,33 @@ fn start_late(s: &Scenario, log: &Log, replicas: &Replicas) -> Vec<tokio::task::
     tasks
 }
 
+/// How long the heal waits for a crash point that has not fired yet when the writes end.
+const CRASH_FIRE_WAIT: Duration = Duration::from_secs(10);
+
 /// Every replica whose crash point fired and asks for a restart is running again before
 /// the drain: a restart that failed, or one not done within its delay plus 30 s, is an
-/// error of the run. A crash point that has not fired leaves its replica running (the
-/// run's verdict says it never fired).
+/// error of the run. A crash point that has not fired within [`CRASH_FIRE_WAIT`] leaves its
+/// replica running (the run's verdict says it never fired).
 async fn wait_crash_restarts(s: &Scenario, replicas: &Replicas, restarts: &Restarts) -> anyhow::Result<()> {
     for f in s.faults.iter().map(|f| f.get_ref()).filter(|f| f.kind == FaultKind::Crash) {
         let (Some(ms), Some(r)) = (f.restart_after_ms, replicas.get(&f.target)) else { continue };
-        let deadline = Instant::now() + Duration::from_millis(ms) + Duration::from_secs(30);
+        // A crash point the workload has not reached yet (its hit comes from work still
+        // pending when the writes end) must fire and heal BEFORE the after-heal writes, or
+        // it would fire among them; one that does not fire within the wait never will here
+        // (the run is inconclusive for it).
+        let fire_by = Instant::now() + CRASH_FIRE_WAIT;
+        let mut deadline = None;
         loop {
             restarts.failure()?;
-            if !restarts.fired(&f.target) || r.lock().await.pid().is_some() {
+            if !restarts.fired(&f.target) {
+                if Instant::now() > fire_by {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + Duration::from_millis(ms) + Duration::from_secs(30));
+            if r.lock().await.pid().is_some() {
                 break;
             }
             if Instant::now() > deadline {
