@@ -28,6 +28,8 @@ pub enum Compat {
     Pre1181,
     Pre1183,
     Pre1184,
+    /// #1185: the send queue's boot-time sweep keyed on `next_attempt_at`, claims without a
+    /// timestamp or generation, bare-id finalizers, no terminal guard on the transaction.
     Pre1185,
     /// #1196: the app dead-letter path keyed by the producer (`dlq.craig-<source_service>`).
     Pre1196,
@@ -68,6 +70,7 @@ impl Compat {
                 | Compat::Pre1156
                 | Compat::Pre1179
                 | Compat::Pre1181
+                | Compat::Pre1185
                 | Compat::Pre1196
                 | Compat::Pre1197
         )
@@ -146,7 +149,7 @@ mod tests {
     #[test]
     fn parses_implemented_refuses_the_rest() {
         assert_eq!("pre-d2".parse::<Compat>(), Ok(Compat::PreD2));
-        assert_eq!("pre-1185".parse::<Compat>(), Err(CompatError::NotImplemented(Compat::Pre1185)));
+        assert_eq!("pre-1183".parse::<Compat>(), Err(CompatError::NotImplemented(Compat::Pre1183)));
         let err = "pre-9999".parse::<Compat>().unwrap_err();
         assert!(err.to_string().contains("pre-1197"), "{err}");
         for (name, mode) in NAMES {

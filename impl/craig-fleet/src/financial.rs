@@ -1,6 +1,7 @@
 //! The financial service's consumer — ADR-022 Amendment #1179, the arbiter-backed idempotent
-//! consumer (first instance): `placement.activated` → one per-diem payment and a staged
-//! `payment.created`, behind the §D2 inbox ([`Consumer::consume`]).
+//! consumer (first instance): `placement.activated` → one per-diem payment, a staged
+//! `payment.created` and its transmission to the partner (`crate::send_jobs`), behind the
+//! §D2 inbox ([`Consumer::consume`]).
 //!
 //! The inbox is best-effort at-least-once (#1180: a crash between the handler's commit and
 //! the `processed_at` stamp re-runs the handler), so this handler is idempotent on its own:
@@ -184,8 +185,10 @@ pub async fn pay(pool: &PgPool, env: &EventEnvelope, replica: Option<&str>, arbi
         .await?;
     match inserted {
         Some(id) => {
-            // Staged only on a real insert, in the same transaction.
+            // Staged only on a real insert, in the same transaction: the event and the
+            // payment's transmission to the partner (#1185 send queue).
             publish_in_tx(&mut tx, &created).await?;
+            crate::send_jobs::stage_in_tx(&mut tx, Some(id), &created.payload).await?;
             tx.commit().await?;
             tracing::info!(event = "financial.payment_created", envelope_id = %env.id, payment_id = %id, placement_id = %f.placement_id, amount_cents = amount);
             Ok(Paid::Created(id))

@@ -11,6 +11,7 @@ pub mod financial;
 pub mod node;
 pub mod rules;
 pub mod security;
+pub mod send_jobs;
 pub mod service;
 
 pub use compat::{Compat, CompatSet};

@@ -273,6 +273,19 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
                 tasks.spawn(run_subscriber(cfg, handler, shutdown.clone()));
             }
             Service::Financial => {
+                // #1185: the partner send queue, where the node knows its partner.
+                if let Some(partner_url) = std::env::var("CRAIG_PARTNER_URL").ok().filter(|u| !u.is_empty()) {
+                    let send = crate::send_jobs::SendConfig {
+                        partner_url,
+                        poll: opts.settings.outbox.poll_interval,
+                        batch: 20,
+                        pre_1185: opts.compat.has(Compat::Pre1185),
+                        replica: std::env::var("CRAIG_REPLICA").ok().filter(|r| !r.is_empty()),
+                    };
+                    tasks.spawn(crate::send_jobs::run(pool.clone(), send, shutdown.clone()));
+                } else {
+                    tracing::info!(event = "send_jobs.disabled", "CRAIG_PARTNER_URL is not set: transmissions wait in exchange_send_jobs");
+                }
                 // #1179: the arbiter-backed payment consumer (compat pre-1179: without it).
                 let consumer = inbox_consumer(queue);
                 let arbiter = !opts.compat.has(Compat::Pre1179);

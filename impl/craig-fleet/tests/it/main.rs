@@ -8,3 +8,4 @@ mod crash;
 mod financial;
 mod node;
 mod security;
+mod send_jobs;
