@@ -10,6 +10,7 @@
 //! | `effect_once` | an envelope's effect ran twice and no consumer crash or consumer-database fault sits between the two runs (#1180 attribution); for an arbiter-backed consumer (#1179), any second effect |
 //! | `liveness` | the outbox did not drain within the bound after faults healed, or a row stayed claimed past its lease |
 //! | `dlq_occurrence_once` | a dead letter that reached `craig.dlx` has no audit row, or one occurrence has two; or an envelope both took effect and was dead-lettered |
+//! | `fencing` | the partner got two POSTs of one transmission while a send lease was live, a send job has both `exchange.sent` and `exchange.failed`, or a transaction left a terminal status other than `failed → pending` (#1185) |
 //! | `threshold_crossing_once` | the `security.dlq.threshold_exceeded` events per type differ from the crossings (10 → 11 in the sliding hour) of the recorded occurrences |
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -146,10 +147,10 @@ impl Verdict {
 }
 
 pub const INVARIANTS: &[&str] =
-    &["no_loss", "no_phantom", "effect_once", "liveness", "dlq_occurrence_once", "threshold_crossing_once"];
+    &["no_loss", "no_phantom", "effect_once", "liveness", "dlq_occurrence_once", "threshold_crossing_once", "fencing"];
 /// Checkers that blame every violation on a replica and its compat mode
 /// ([`Verdict::culprits`]), so a scenario can name the cause it must be violated for.
-pub const ATTRIBUTING: &[&str] = &["no_loss", "effect_once", "dlq_occurrence_once", "threshold_crossing_once"];
+pub const ATTRIBUTING: &[&str] = &["no_loss", "effect_once", "dlq_occurrence_once", "threshold_crossing_once", "fencing"];
 
 /// Run one checker by name (None: no such checker).
 pub fn check(name: &str, h: &History) -> Option<Verdict> {
@@ -160,6 +161,7 @@ pub fn check(name: &str, h: &History) -> Option<Verdict> {
         "liveness" => liveness,
         "dlq_occurrence_once" => dlq_occurrence_once,
         "threshold_crossing_once" => threshold_crossing_once,
+        "fencing" => fencing,
         _ => return None,
     };
     Some(match std::panic::catch_unwind(|| f(h)) {
@@ -743,7 +745,7 @@ fn fault_replica(tag: &str) -> Option<&str> {
 /// What a dead-letter violation was, as a cause tag (`kind:<name>`) a twin can name, so a
 /// twin is red for its documented cause and not for any violation of the same checker.
 pub const VIOLATION_KINDS: &[&str] =
-    &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed"];
+    &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed", "double_post", "conflicting_events", "terminal_flip"];
 
 /// Which faults can cause a dead-letter violation of a kind, by the fault tag.
 #[derive(Clone, Copy)]
@@ -762,16 +764,8 @@ enum Through {
 /// their links, or the server in question.
 fn dead_letter_tags(h: &History, kind: &str, service: &str, through: Through) -> Vec<String> {
     debug_assert!(VIOLATION_KINDS.contains(&kind));
-    let end = h.iter().last().map_or(0, |e| e.t_ms);
     let mut tags = vec![format!("kind:{kind}")];
-    let mut seen = HashSet::new();
-    for e in h.iter() {
-        if let Event::Started { replica, .. } = &e.event {
-            if service_of(replica) == service && seen.insert(replica.clone()) {
-                tags.extend(culprit_tags(replica, h.compat_at(replica, end)));
-            }
-        }
-    }
+    tags.extend(service_culprits(h, service));
     let server = match through {
         Through::Database => "database",
         Through::Broker => "broker",
@@ -1096,6 +1090,126 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
     v.count("threshold_events", observed.values().sum::<usize>() + off_crossing);
     v.count("off_crossing_events", off_crossing);
     v.settle(rows.is_empty(), "nothing to check: no dead letter was audited")
+}
+
+/// The send-jobs claim lease (#1185): a second POST of one transmission sooner than this
+/// after an accepted one was made while the first claim's lease was live.
+pub const SEND_LEASE_MS: u64 = craig_fleet::send_jobs::CLAIM_LEASE_SECS * 1000;
+/// The per-send transport cap: a POST the partner never answered ends for its sender then.
+pub const SEND_CAP_MS: u64 = craig_fleet::send_jobs::SEND_TIMEOUT_SECS * 1000;
+
+/// The send queue's fencing (§ Amendment #1185), from the partner's record, financial's
+/// staged events and the transaction status changes:
+/// - no transmission POSTed twice while a lease was live: a POST answered 409 (it arrived
+///   while the partner was still processing the same `craig_correlation_id`), or one sooner
+///   than [`SEND_LEASE_MS`] after the same transmission was accepted (or sooner than
+///   [`SEND_CAP_MS`] after a POST the partner never answered). A POST after one answered
+///   500 is the sender's fenced retry, never a violation; a re-send after the lease expired
+///   is the ADR's at-least-once, never a violation;
+/// - no send job with both `exchange.sent` and `exchange.failed`;
+/// - no transaction leaving a terminal status (`sent`, `failed`) other than
+///   `failed → pending`.
+///
+/// Double POSTs are blamed on both senders (the `craig-replica` header) with the behaviour
+/// each ran then and the faults on the re-sender; conflicting events on the replicas that
+/// staged them; a flip (the trigger cannot say who wrote it) on every financial replica.
+pub fn fencing(h: &History) -> Verdict {
+    let mut v = Verdict::new("fencing");
+    let windows = h.fault_windows();
+    let mut posts: BTreeMap<Uuid, Vec<(u64, Option<&str>, u16)>> = BTreeMap::new();
+    let mut all_posts = 0;
+    let mut outcomes: BTreeMap<Uuid, Vec<(&str, Option<&str>, u64)>> = BTreeMap::new();
+    let mut flips = 0;
+    for e in h.iter() {
+        match &e.event {
+            Event::PartnerPost { correlation, replica, status } => {
+                all_posts += 1;
+                if let Some(c) = correlation {
+                    posts.entry(*c).or_default().push((e.t_ms, replica.as_deref(), *status));
+                }
+            }
+            Event::Exchanged { job, outcome, replica, .. } => outcomes.entry(*job).or_default().push((outcome.as_str(), replica.as_deref(), e.t_ms)),
+            Event::TransactionStatus { transaction, from, to } => {
+                let terminal = |s: &str| s == "sent" || s == "failed";
+                if terminal(from) && !(from == "failed" && to == "pending") {
+                    flips += 1;
+                    let mut tags = vec!["kind:terminal_flip".to_owned()];
+                    tags.extend(service_culprits(h, "financial"));
+                    v.blame(tags);
+                    v.witness(format!("transaction {transaction} went {from} -> {to} @{}ms: a terminal status left other than failed -> pending", e.t_ms));
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut double = 0;
+    for (correlation, ps) in &posts {
+        for pair in ps.windows(2) {
+            let ((t1, r1, s1), (t2, r2, s2)) = (pair[0], pair[1]);
+            let live = s2 == 409 || (s1 == 200 && t2 < t1 + SEND_LEASE_MS) || (s1 == 0 && t2 < t1 + SEND_CAP_MS);
+            if !live {
+                continue;
+            }
+            double += 1;
+            let mut tags = vec!["kind:double_post".to_owned()];
+            for (r, t) in [(r1, t1), (r2, t2)] {
+                match r {
+                    Some(r) => tags.extend(culprit_tags(r, h.compat_at(r, t))),
+                    None => tags.extend(["replica:unknown".to_owned(), "compat:unknown".to_owned()]),
+                }
+            }
+            if let Some(r) = r2 {
+                tags.extend(faults_on(&windows, r, t2));
+            }
+            v.blame(tags);
+            let who = |r: Option<&str>, t: u64| r.map_or_else(|| "an unnamed sender".to_owned(), |r| running(r, h.compat_at(r, t)));
+            v.witness(format!(
+                "transmission {correlation} POSTed by {} @{t1}ms (answered {s1}) and again by {} @{t2}ms (answered {s2}) while the first claim's lease was live; {}",
+                who(r1, t1),
+                who(r2, t2),
+                h.fault_near(t2)
+            ));
+        }
+    }
+    let mut conflicting = 0;
+    for (job, os) in &outcomes {
+        if os.iter().any(|o| o.0 == "sent") && os.iter().any(|o| o.0 == "failed") {
+            conflicting += 1;
+            let mut tags = vec!["kind:conflicting_events".to_owned()];
+            for (_, r, t) in os {
+                match r {
+                    Some(r) => tags.extend(culprit_tags(r, h.compat_at(r, *t))),
+                    None => tags.extend(service_culprits(h, "financial")),
+                }
+            }
+            v.blame(tags);
+            let staged: Vec<String> = os.iter().map(|(o, r, t)| format!("exchange.{o} by {} @{t}ms", r.unwrap_or("?"))).collect();
+            v.witness(format!("send job {job} staged both outcomes: {}", staged.join(", ")));
+        }
+    }
+    v.count("posts", all_posts);
+    v.count("transmissions", posts.len());
+    v.count("double_posts", double);
+    v.count("jobs_finalized", outcomes.len());
+    v.count("conflicting_events", conflicting);
+    v.count("terminal_flips", flips);
+    v.settle(all_posts == 0 && outcomes.is_empty(), "nothing to check: the partner got no POST and no send job was finalized")
+}
+
+/// Every replica of `service` with the compat it ran last: the culprits of harm no record
+/// attributes to one replica.
+fn service_culprits(h: &History, service: &str) -> Vec<String> {
+    let end = h.iter().last().map_or(0, |e| e.t_ms);
+    let mut tags = Vec::new();
+    let mut seen = HashSet::new();
+    for e in h.iter() {
+        if let Event::Started { replica, .. } = &e.event {
+            if service_of(replica) == service && seen.insert(replica.clone()) {
+                tags.extend(culprit_tags(replica, h.compat_at(replica, end)));
+            }
+        }
+    }
+    tags
 }
 
 /// How many of `rows` are of event type `et`.
@@ -1818,6 +1932,69 @@ mod tests {
         assert!(v.witnesses.iter().any(|w| w.contains("staged it for financial (craig-financial.events)")), "{:?}", v.witnesses);
         assert!(v.witnesses.iter().any(|w| w.contains("took effect on financial AND was dead-lettered from craig-financial.events")), "{:?}", v.witnesses);
         assert_eq!(v.culprits.get("replica:financial-1"), Some(&2), "{:?}", v.culprits);
+    }
+
+    fn post(h: &mut History, t: u64, c: u128, replica: &str, status: u16) {
+        h.push(t, Event::PartnerPost { correlation: Some(id(c)), replica: Some(replica.into()), status });
+    }
+
+    fn exchanged(h: &mut History, t: u64, job: u128, outcome: &str, replica: &str) {
+        h.push(t, Event::Exchanged { job: id(job), transaction: id(job + 1000), outcome: outcome.into(), replica: Some(replica.into()) });
+    }
+
+    fn flip(h: &mut History, t: u64, tx: u128, from: &str, to: &str) {
+        h.push(t, Event::TransactionStatus { transaction: id(tx), from: from.into(), to: to.into() });
+    }
+
+    /// #1185: what a fenced send queue may do — a retry after a 500, a re-send after a
+    /// hung POST's transport cap or after the lease expired, failed -> pending — holds.
+    #[test]
+    fn fencing_allows_fenced_retries_and_the_at_least_once_resend() {
+        let mut h = History::default();
+        started(&mut h, 0, "financial-1", &[]);
+        post(&mut h, 10, 1, "financial-1", 500);
+        post(&mut h, 2_010, 1, "financial-1", 200);
+        post(&mut h, 100, 2, "financial-1", 0);
+        post(&mut h, 100 + SEND_CAP_MS, 2, "financial-1", 200);
+        post(&mut h, 50, 3, "financial-1", 200);
+        post(&mut h, 50 + SEND_LEASE_MS, 3, "financial-1", 200);
+        exchanged(&mut h, 3_000, 1, "sent", "financial-1");
+        exchanged(&mut h, 4_000, 4, "failed", "financial-1");
+        flip(&mut h, 3_000, 1, "pending", "sent");
+        flip(&mut h, 4_000, 4, "pending", "failed");
+        flip(&mut h, 5_000, 4, "failed", "pending");
+        h.sort();
+        let v = fencing(&h);
+        assert_eq!((v.validity, v.counts["transmissions"], v.counts["double_posts"]), (Validity::Valid, 3, 0), "{v:?}");
+        assert_eq!(fencing(&History::default()).validity, Validity::Unknown, "nothing to check");
+    }
+
+    /// #1185's bug, as the partner, the outbox and the trigger see it: a concurrent duplicate
+    /// (409), a re-send inside the lease of an accepted POST, both outcomes staged for one job
+    /// and sent -> failed. Every violation points at the old replica's compat.
+    #[test]
+    fn fencing_finds_double_posts_conflicting_events_and_terminal_flips() {
+        let mut h = History::default();
+        started(&mut h, 0, "financial-1", &["pre-1185"]);
+        started(&mut h, 0, "financial-2", &[]);
+        post(&mut h, 10, 1, "financial-2", 200);
+        post(&mut h, 500, 1, "financial-1", 409);
+        post(&mut h, 20, 2, "financial-1", 200);
+        post(&mut h, 20 + SEND_LEASE_MS - 1, 2, "financial-1", 200);
+        exchanged(&mut h, 1_000, 1, "failed", "financial-1");
+        exchanged(&mut h, 1_500, 1, "sent", "financial-2");
+        flip(&mut h, 1_000, 1001, "pending", "failed");
+        flip(&mut h, 1_500, 1001, "failed", "sent");
+        h.sort();
+        let v = fencing(&h);
+        assert_eq!(v.validity, Validity::Invalid);
+        assert_eq!((v.counts["double_posts"], v.counts["conflicting_events"], v.counts["terminal_flips"]), (2, 1, 1), "{v:?}");
+        assert!(v.all_point_at("compat:pre-1185"), "{:?}", v.culprits);
+        assert_eq!(v.culprits.get("kind:double_post"), Some(&2));
+        let all = v.witnesses.join("\n");
+        assert!(all.contains("POSTed by financial-2 (current) @10ms (answered 200) and again by financial-1 (compat pre-1185) @500ms (answered 409)"), "{all}");
+        assert!(all.contains("staged both outcomes: exchange.failed by financial-1 @1000ms, exchange.sent by financial-2 @1500ms"), "{all}");
+        assert!(all.contains("went failed -> sent"), "{all}");
     }
 
     /// Issue 8.1: a duplicate beside an UNRELATED replica's crash is a violation.

@@ -133,6 +133,29 @@ pub enum Event {
         #[serde(default = "rules")]
         service: String,
     },
+    /// The partner received a POST of a transmission (#1185 send queue): its
+    /// `craig_correlation_id` (None: the body named none), the replica that sent it, and the
+    /// answer the partner chose at receipt (200, 500, 409 for a concurrent duplicate; 0: it
+    /// hung).
+    PartnerPost {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        correlation: Option<Uuid>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        replica: Option<String>,
+        status: u16,
+    },
+    /// financial staged `exchange.<outcome>` (sent | failed) for a send job, by `replica`
+    /// (from the event's payload), read from its outbox at the end.
+    Exchanged {
+        job: Uuid,
+        transaction: Uuid,
+        outcome: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        replica: Option<String>,
+    },
+    /// An `exchange_transactions` status change, recorded by a trigger the harness installs
+    /// (every writer's change, an old replica's bare-id UPDATE included).
+    TransactionStatus { transaction: Uuid, from: String, to: String },
     /// A row still claimed past its lease at the end.
     Stuck { envelope: Uuid, service: String, claimed_ms_ago: i64 },
 }

@@ -36,7 +36,14 @@
 //!                           # surfaces them on the app path (#1196)
 //! placement_dead_letters = 15  # placement.activated envelopes (no placement_id) that
 //!                           # financial refuses for good: a second event type
+//! send_jobs = 30            # transmissions staged in financial's send queue, already
+//! send_overdue_ms = 300000  # this far past next_attempt_at (a backlog, #1185)
 //! after_heal = 20           # writes made once every fault has healed (default 20)
+//!
+//! [partner]                 # the partner server financial POSTs to (#1185); optional
+//! delay_ms = 1500           # each accepted POST answers this late
+//! fail_share = 0.1          # new transmissions answered 500
+//! hang_share = 0.0          # new transmissions accepted and never answered
 //!
 //! [[faults]]
 //! kind = "crash"            # crash | kill | pause | toxic | down | queue_limit | upgrade | downgrade
@@ -102,6 +109,10 @@ pub struct Scenario {
     #[serde(default)]
     pub settings: Settings,
     pub workload: Workload,
+    /// The partner HTTP server financial's send queue POSTs to (#1185): run by the harness
+    /// when present, and given to every financial replica as `CRAIG_PARTNER_URL`.
+    #[serde(default)]
+    pub partner: Option<PartnerSpec>,
     #[serde(default)]
     pub faults: Vec<Spanned<Fault>>,
     /// `[expect]` as written: invariants and `min_*` floors (split by [`parse`]).
@@ -283,6 +294,13 @@ pub struct Workload {
     /// dead-letters it under `dlq.craig-financial.events` (a second event type, §D3).
     #[serde(default)]
     pub placement_dead_letters: u32,
+    /// Transmissions (transaction + send job) staged in financial's database before any
+    /// replica starts, already `send_overdue_ms` past their `next_attempt_at`: a backlog for
+    /// the send queue (#1185).
+    #[serde(default)]
+    pub send_jobs: u32,
+    #[serde(default = "send_overdue_ms")]
+    pub send_overdue_ms: u64,
     /// Writes made once every fault has healed (and every crashed replica is back), at
     /// `rate`: the run must show the system working again, not only surviving. At least 1
     /// when the scenario has faults.
@@ -292,6 +310,25 @@ pub struct Workload {
 
 fn after_heal() -> u32 {
     20
+}
+
+fn send_overdue_ms() -> u64 {
+    300_000
+}
+
+/// `[partner]`: how the harness's partner server behaves.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PartnerSpec {
+    /// How long each accepted POST takes to answer.
+    #[serde(default)]
+    pub delay_ms: u64,
+    /// Share of new transmissions answered 500 (the sender retries).
+    #[serde(default)]
+    pub fail_share: f64,
+    /// Share of new transmissions accepted and then never answered.
+    #[serde(default)]
+    pub hang_share: f64,
 }
 
 /// The writes a workload makes through the cases replicas, and where their effect lands.
@@ -620,10 +657,20 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         (w.placement_dead_letters > 0, "financial", "placement_dead_letters: financial refuses them"),
         (w.dead_letters > 0, "rules", "dead_letters: rules refuses them"),
         (w.app_dead_letters > 0, "rules", "app_dead_letters: rules' retry cap surfaces them"),
+        (w.send_jobs > 0, "financial", "send_jobs: financial's send queue sends them"),
+        (s.partner.is_some(), "financial", "[partner]: financial's send queue POSTs to it"),
     ] {
         if needed && !s.fleet.contains_key(service) {
             return Err(err(at("[workload]"), format!("{why}, so the fleet needs {service}")));
         }
+    }
+    if let Some(p) = &s.partner {
+        if !(0.0..=1.0).contains(&p.fail_share) || !(0.0..=1.0).contains(&p.hang_share) || p.delay_ms > 60_000 {
+            return Err(err(at("[partner]"), "[partner] needs 0 <= fail_share, hang_share <= 1 and delay_ms <= 60000".into()));
+        }
+    }
+    if w.send_jobs > 0 && s.partner.is_none() {
+        return Err(err(at("send_jobs"), "send_jobs need a [partner] to be sent to".into()));
     }
     if w.after_heal == 0 && !s.faults.is_empty() {
         return Err(err(at("after_heal"), "after_heal must be at least 1: the workload writes again after every fault heals".into()));
@@ -911,8 +958,8 @@ effect_once = { violate = "compat:pre-d2" }
         assert_eq!(e.line, 6, "{e}");
         assert!(e.reason.contains("unknown compat mode \"pre-nope\""), "{e}");
 
-        let e = rejected(&GOOD.replace("no_loss", "fencing"));
-        assert!(e.reason.contains("fencing is not checked by this build yet"), "{e}");
+        let e = rejected(&GOOD.replace("no_loss", "sentinel_integrity"));
+        assert!(e.reason.contains("sentinel_integrity is not checked by this build yet"), "{e}");
 
         let e = rejected(&GOOD.replace("writes = 10", "writes = -1"));
         assert_eq!(e.line, 9, "{e}");

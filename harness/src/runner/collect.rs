@@ -50,6 +50,9 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
         if svc == "security" {
             collect_dead_letters(log, pool).await?;
         }
+        if svc == "financial" {
+            collect_exchanges(log, pool).await?;
+        }
         if let Some((table, aggregate, at)) = effect_source(svc) {
             let rows: Vec<(Uuid, Option<Uuid>, i64, Option<String>)> = bounded(
                 COLLECT,
@@ -64,6 +67,40 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
                 log.push_at(log.rel_db(at), Event::Effect { envelope, referral, service: svc.clone(), replica });
             }
         }
+    }
+    Ok(())
+}
+
+/// financial's send queue (#1185): every `exchange.sent` / `exchange.failed` it staged, and
+/// every transaction status change the harness's trigger recorded.
+async fn collect_exchanges(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
+    let events: Vec<(String, Option<Uuid>, Option<Uuid>, Option<String>, i64)> = bounded(
+        COLLECT,
+        "reading exchange events",
+        sqlx::query_as(
+            "SELECT event_type, (envelope->'payload'->>'job_id')::uuid, (envelope->'payload'->>'transaction_id')::uuid, \
+                    envelope->'payload'->>'replica', (EXTRACT(EPOCH FROM created_at) * 1000)::int8 \
+             FROM event_outbox WHERE event_type IN ('exchange.sent', 'exchange.failed')",
+        )
+        .fetch_all(pool),
+    )
+    .await?;
+    for (event_type, job, transaction, replica, at) in events {
+        let (Some(job), Some(transaction)) = (job, transaction) else { continue };
+        let outcome = event_type.trim_start_matches("exchange.").to_owned();
+        log.push_at(log.rel_db(at), Event::Exchanged { job, transaction, outcome, replica });
+    }
+    let flips: Vec<(Uuid, String, String, i64)> = bounded(
+        COLLECT,
+        "reading transaction transitions",
+        sqlx::query_as(
+            "SELECT transaction_id, from_status, to_status, (EXTRACT(EPOCH FROM at) * 1000)::int8 FROM chaos_transaction_transitions ORDER BY id",
+        )
+        .fetch_all(pool),
+    )
+    .await?;
+    for (transaction, from, to, at) in flips {
+        log.push_at(log.rel_db(at), Event::TransactionStatus { transaction, from, to });
     }
     Ok(())
 }

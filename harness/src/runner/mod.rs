@@ -26,6 +26,7 @@ use crate::scenario::{Expect, Expectation, FaultKind, Scenario, Trigger};
 
 mod collect;
 mod faults;
+mod partner;
 mod record;
 mod sampler;
 mod tap;
@@ -368,7 +369,12 @@ async fn drive(
     let cases_pool = pools.get("cases").cloned().context("fleet has no cases")?;
     // What the workload puts in place before the replicas start (poison rows, older
     // than anything else); the rest of its staging follows once the run's clock starts.
-    let staged = workload::Staged::before_start(s, &cases_pool).await?;
+    let staged = workload::Staged::before_start(s, &pools).await?;
+    // The partner financial's send queue POSTs to (#1185), when the scenario has one.
+    let partner = match s.partner {
+        Some(spec) => Some(partner::serve(spec, log.clone(), seed.rotate_left(29)).await?),
+        None => None,
+    };
 
     let (api_addr, api_task) = api::serve(FaultProxy::new(seed.rotate_left(17)), "127.0.0.1:0".parse()?).await?;
     let toxi = ToxiproxyClient::new(format!("http://{api_addr}"));
@@ -425,6 +431,9 @@ async fn drive(
                 // `craig_mq::outbox=debug` for `outbox.stamped`: who stamped what.
                 ("RUST_LOG".into(), "info,craig_mq::outbox=debug,sqlx=warn,lapin=warn,lapin::returned_messages=error".into()),
             ];
+            if let (Some((url, _)), "financial") = (&partner, svc.as_str()) {
+                spec.env.push(("CRAIG_PARTNER_URL".into(), url.clone()));
+            }
             let mut r = Replica::new(spec, program.clone(), &logs_dir);
             if entry.get_ref().start_after_ms.is_none() {
                 r.start().await.with_context(|| format!("starting replica {name}"))?;

@@ -26,8 +26,15 @@ pub(super) struct Staged {
 }
 
 impl Staged {
-    /// Before the replicas start: the poison rows, older than anything the workload writes.
-    pub(super) async fn before_start(s: &Scenario, cases: &PgPool) -> anyhow::Result<Self> {
+    /// Before the replicas start: the poison rows, older than anything the workload writes;
+    /// in financial's database, the transition recorder and the send-queue backlog.
+    pub(super) async fn before_start(s: &Scenario, pools: &std::collections::BTreeMap<String, PgPool>) -> anyhow::Result<Self> {
+        use anyhow::Context as _;
+        let cases = pools.get("cases").context("fleet has no cases")?;
+        if let Some(financial) = pools.get("financial") {
+            record_transaction_transitions(financial).await?;
+            stage_send_jobs(financial, s.workload.send_jobs, s.workload.send_overdue_ms).await?;
+        }
         Ok(Self { poison: stage_poison_rows(cases, s.workload.poison_rows).await? })
     }
 
@@ -276,4 +283,46 @@ async fn stage_app_dead_letters(cases: &PgPool, rules: &PgPool, n: u32) -> anyho
     }
     bounded(COLLECT, "staging app-path dead letters", tx.commit()).await?;
     Ok(ids)
+}
+
+/// A trigger on financial's `exchange_transactions` that records every status change into
+/// `chaos_transaction_transitions` (#1185: the harness sees an old replica's bare-id UPDATE
+/// as well as a current one's guarded one).
+async fn record_transaction_transitions(financial: &PgPool) -> anyhow::Result<()> {
+    for sql in [
+        "CREATE TABLE IF NOT EXISTS chaos_transaction_transitions (id bigserial PRIMARY KEY, transaction_id uuid NOT NULL, \
+           from_status text NOT NULL, to_status text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        "CREATE OR REPLACE FUNCTION chaos_record_transition() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF NEW.status IS DISTINCT FROM OLD.status THEN \
+             INSERT INTO chaos_transaction_transitions (transaction_id, from_status, to_status) VALUES (NEW.id, OLD.status, NEW.status); \
+           END IF; RETURN NEW; END $$",
+        "DROP TRIGGER IF EXISTS chaos_transition ON exchange_transactions",
+        "CREATE TRIGGER chaos_transition AFTER UPDATE ON exchange_transactions FOR EACH ROW EXECUTE FUNCTION chaos_record_transition()",
+    ] {
+        bounded(COLLECT, "installing the transition recorder in financial's database", sqlx::query(sql).execute(financial)).await?;
+    }
+    Ok(())
+}
+
+/// `n` transmissions (transaction + send job) in financial's send queue, already
+/// `overdue_ms` past their `next_attempt_at`: a backlog (#1185).
+async fn stage_send_jobs(financial: &PgPool, n: u32, overdue_ms: u64) -> anyhow::Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let mut tx = bounded(COLLECT, "staging send jobs", financial.begin()).await?;
+    for i in 0..n {
+        let payload = json!({ "chaos_backlog": i, "amount_cents": 1000 + i });
+        bounded(COLLECT, "staging a send job", craig_fleet::send_jobs::stage_in_tx(&mut tx, None, &payload)).await?;
+    }
+    bounded(
+        COLLECT,
+        "backdating the send jobs",
+        sqlx::query("UPDATE exchange_send_jobs SET next_attempt_at = now() - make_interval(secs => $1)")
+            .bind(overdue_ms as f64 / 1000.0)
+            .execute(&mut *tx),
+    )
+    .await?;
+    bounded(COLLECT, "staging send jobs", tx.commit()).await?;
+    Ok(())
 }
