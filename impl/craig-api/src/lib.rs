@@ -3,14 +3,15 @@
 //! | module | what |
 //! |---|---|
 //! | [`auth`] | bearer tokens (ADR-021 audiences, referenced by ADR-022 §D4) |
+//! | [`replay`] | §D4 admin event replay (#795 scope, the #965/#1129 retention rule) |
 //!
-//! The §D5 idempotency middleware and the §D4 admin replay router land here next
-//! (`idempotency/{mod,layer,service,store}.rs`, `replay.rs`).
+//! The §D5 idempotency middleware lands here next (`idempotency/{mod,layer,service,store}.rs`).
 //!
 //! Every error leaves as a JSON response `{"error": "..."}` with a typed status: the
 //! connection is never dropped unanswered.
 
 pub mod auth;
+pub mod replay;
 
 use axum::Json;
 use axum::http::StatusCode;

@@ -15,6 +15,8 @@ pub enum Compat {
     /// §D3 context item 3: consumer queues declared without DLX arguments.
     PreD3,
     PreD5,
+    /// #965/#1129: the prune deletes pending outbox rows too and windows the inbox like the
+    /// outbox.
     Pre965,
     /// #1128: locks held across publishes, no publisher confirms, one batch a tick.
     Pre1128,
@@ -66,6 +68,7 @@ impl Compat {
             Compat::PreD1
                 | Compat::PreD2
                 | Compat::PreD3
+                | Compat::Pre965
                 | Compat::Pre1128
                 | Compat::Pre1156
                 | Compat::Pre1179

@@ -208,6 +208,13 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
     if service == Service::Cases {
         app = app.merge(cases::router());
     }
+    // §D4: every service's admin replay, refused past the outbox retention (#965/#1129).
+    let replay = craig_api::replay::router(craig_api::replay::ReplayState {
+        pool: pool.clone(),
+        key: JwtKey::new(&opts.jwt_secret),
+        service: service.name().to_owned(),
+        retention: opts.settings.retention,
+    });
     let listener = tokio::net::TcpListener::bind(opts.http).await.with_context(|| format!("binding {}", opts.http))?;
     let addr = listener.local_addr()?;
     // One stdout line a supervisor can wait for (the port may have been 0).
@@ -217,15 +224,19 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
     let mut tasks = tokio::task::JoinSet::new();
     let http_stop = shutdown.clone();
     tasks.spawn(async move {
-        let served = axum::serve(listener, app.with_state(state)).with_graceful_shutdown(http_stop.cancelled_owned()).await;
+        let served = axum::serve(listener, app.with_state(state).merge(replay)).with_graceful_shutdown(http_stop.cancelled_owned()).await;
         if let Err(e) = served {
             tracing::error!(event = "node.http_failed", error = %e);
         }
     });
 
     let mode = if opts.compat.has(Compat::Pre1128) { DrainMode::Pre1128 } else { DrainMode::ClaimLease };
-    let worker =
-        OutboxWorker::new(pool.clone(), &opts.settings.amqp_url, opts.settings.publisher, opts.settings.outbox).with_mode(mode);
+    // The retention prune runs inside the worker (#965/#1129; compat pre-965: the prune that
+    // deleted pending rows and windowed the inbox like the outbox).
+    let prune = craig_mq::retention::PruneConfig { pre_965: opts.compat.has(Compat::Pre965), ..opts.settings.prune };
+    let worker = OutboxWorker::new(pool.clone(), &opts.settings.amqp_url, opts.settings.publisher, opts.settings.outbox)
+        .with_mode(mode)
+        .with_prune(prune);
     tasks.spawn(worker.run(shutdown.clone()));
 
     let own_queue = queue_spec(service, !opts.compat.has(Compat::PreD3));

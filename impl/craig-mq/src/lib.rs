@@ -12,6 +12,7 @@
 //! | [`subscriber`] | §D3 consumer sessions, #1197 ack-failure posture |
 //! | [`dlq`] | §D3 DLQ consumer: #1181 occurrence tokens, #1196 queue identity, #1197 no log-and-ack |
 //! | [`metrics`] | the Prometheus instruments (CONTRACT § Metrics) |
+//! | [`retention`] | § Retention policy enforced (#965/#1129): the prune, the replay rule |
 //! | [`settings`] | § Retention policy (#965/#1129), worker knobs |
 //! | [`crash`] | crash points for the harness (feature `failpoints`) |
 
@@ -22,6 +23,7 @@ pub mod inbox;
 pub mod metrics;
 pub mod outbox;
 pub mod publisher;
+pub mod retention;
 pub mod settings;
 pub mod subscriber;
 pub mod topology;

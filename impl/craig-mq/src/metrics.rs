@@ -27,6 +27,8 @@ pub const INBOX_DEDUP_HITS: &str = "inbox_dedup_hits_total";
 pub const INBOX_PROCESSED: &str = "inbox_processed_total";
 pub const INBOX_REPROCESSED: &str = "inbox_reprocessed_total";
 pub const DLQ_QUEUE_DEPTH: &str = "dlq_queue_depth";
+/// Pending outbox rows older than the grace (#965/#1129: kept forever, the operator signal).
+pub const OUTBOX_UNPUBLISHED_BEYOND_GRACE: &str = "outbox_unpublished_beyond_grace";
 pub const DLQ_OUTCOMES: &str = "dlq_outcomes_total";
 
 /// Every `outcome` label `dlq_outcomes_total` can carry.
@@ -40,6 +42,10 @@ pub const PUBLISH_ERROR_KINDS: &[&str] = &["nacked", "confirm_timeout", "connect
 /// (a counter that never moved is a fact worth seeing, not a missing line).
 pub fn describe() {
     metrics::describe_gauge!(OUTBOX_DEPTH, "Outbox rows not yet ACKed by the broker (published_at IS NULL)");
+    metrics::describe_gauge!(
+        OUTBOX_UNPUBLISHED_BEYOND_GRACE,
+        "Pending outbox rows older than the grace: kept forever by the prune, the evidence of an undelivered event"
+    );
     metrics::describe_histogram!(OUTBOX_PUBLISH_LAG, metrics::Unit::Seconds, "Outbox commit to broker ACK");
     metrics::describe_counter!(OUTBOX_PUBLISHED, "Outbox rows stamped published after a broker ACK");
     metrics::describe_counter!(OUTBOX_PUBLISH_ERRORS, "Outbox rows released unpublished, by failure kind");
@@ -50,6 +56,7 @@ pub fn describe() {
     metrics::describe_counter!(DLQ_OUTCOMES, "DLQ deliveries by outcome (#1199); no event_type label (#1205 honesty note)");
     metrics::gauge!(OUTBOX_DEPTH).set(0.0);
     metrics::gauge!(DLQ_QUEUE_DEPTH).set(0.0);
+    metrics::gauge!(OUTBOX_UNPUBLISHED_BEYOND_GRACE).set(0.0);
     for outcome in DLQ_OUTCOMES_LABELS {
         metrics::counter!(DLQ_OUTCOMES, "outcome" => *outcome).increment(0);
     }

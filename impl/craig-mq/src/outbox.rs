@@ -154,6 +154,8 @@ pub struct OutboxWorker {
     publisher: Option<Publisher>,
     failures: u32,
     mode: DrainMode,
+    /// The retention prune that runs inside this worker (#965/#1129), if any.
+    prune: Option<crate::retention::PruneConfig>,
 }
 
 /// Which drain the worker runs.
@@ -170,7 +172,13 @@ pub enum DrainMode {
 
 impl OutboxWorker {
     pub fn new(pool: PgPool, amqp_url: impl Into<String>, publisher_cfg: PublisherConfig, cfg: OutboxConfig) -> Self {
-        Self { pool, amqp_url: amqp_url.into(), publisher_cfg, cfg, publisher: None, failures: 0, mode: DrainMode::default() }
+        Self { pool, amqp_url: amqp_url.into(), publisher_cfg, cfg, publisher: None, failures: 0, mode: DrainMode::default(), prune: None }
+    }
+
+    /// Run the retention prune (`crate::retention`) inside this worker, beside the drain.
+    pub fn with_prune(mut self, prune: crate::retention::PruneConfig) -> Self {
+        self.prune = Some(prune);
+        self
     }
 
     pub fn with_mode(mut self, mode: DrainMode) -> Self {
@@ -183,6 +191,7 @@ impl OutboxWorker {
     /// least 5 s) even while other replicas keep the outbox full, and a pass is never cut
     /// in half, so no claim is abandoned to wait out its lease.
     pub async fn run(mut self, shutdown: CancellationToken) {
+        let prune = self.prune.take().map(|cfg| tokio::spawn(crate::retention::run(self.pool.clone(), cfg, shutdown.clone())));
         loop {
             // A drain other replicas keep full must still notice the stop between passes.
             let pause = match self.drain_until(Stop { deadline: None, shutdown: Some(&shutdown) }).await {
@@ -212,6 +221,9 @@ impl OutboxWorker {
         // The hard stop only guards a pass that hangs past every timeout it has.
         let hard = window + self.publisher_cfg.worst_case_publish() + Duration::from_secs(10);
         let last = tokio::time::timeout(hard, self.drain_until(Stop { deadline: Some(deadline), shutdown: None })).await;
+        if let Some(prune) = prune {
+            let _ = prune.await;
+        }
         tracing::info!(event = "outbox.stopped", final_drain = ?last.ok().and_then(Result::ok));
         if let Some(p) = self.publisher.take() {
             p.close().await;

@@ -19,6 +19,9 @@
 //! | `CRAIG_AMQP_HEARTBEAT_SECS` | 5 |
 //! | `CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS` | 5000 |
 //! | `CRAIG_AMQP_CONNECT_TIMEOUT_MS` | 5000 |
+//! | `CRAIG_RETENTION_INTERVAL_SECS` | 3600 (the prune's cadence, jittered ±10 %; at least 1) |
+//! | `CRAIG_RETENTION_BATCH` / `CRAIG_RETENTION_MAX_BATCHES` | 1000 / 100 (rows a DELETE, DELETEs a table a cycle) |
+//! | `CRAIG_OUTBOX_UNPUBLISHED_GRACE_SECS` | 3600 (pending rows older than this: `outbox_unpublished_beyond_grace`) |
 //!
 //! Settings that would silently switch the protocol off are rejected with the value and the
 //! rule ([`SettingsError::Unsafe`]): a zero lease, poll interval, backoff base or confirm
@@ -63,6 +66,8 @@ pub struct ServiceSettings {
     /// Transient handler failures of one envelope before the inbox surfaces it to
     /// `craig.dlx` (§D3 app path, #1196), `CRAIG_INBOX_RETRY_CAP`, at least 1.
     pub inbox_retry_cap: u32,
+    /// The retention prune (#965/#1129), windows from [`Self::retention`].
+    pub prune: crate::retention::PruneConfig,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -146,7 +151,23 @@ impl ServiceSettings {
                 expected: "retry cap of at least 1",
             });
         }
+        let positive = |name: &'static str, default: u64, expected: &'static str| -> Result<u64, SettingsError> {
+            let v = num(name, default)?;
+            if v == 0 {
+                return Err(SettingsError::Invalid { name, value: "0".into(), expected });
+            }
+            Ok(v)
+        };
+        let prune = crate::retention::PruneConfig {
+            retention,
+            interval: Duration::from_secs(positive("CRAIG_RETENTION_INTERVAL_SECS", 3600, "prune interval of at least 1 s (a window of 0 disables one table)")?),
+            batch: positive("CRAIG_RETENTION_BATCH", 1000, "prune batch of at least 1 row")? as i64,
+            max_batches: u32::try_from(positive("CRAIG_RETENTION_MAX_BATCHES", 100, "cycle cap of at least 1 batch")?).unwrap_or(u32::MAX),
+            grace: Duration::from_secs(num("CRAIG_OUTBOX_UNPUBLISHED_GRACE_SECS", 3600)?),
+            pre_965: false,
+        };
         Ok(Self {
+            prune,
             database_url: lookup("DATABASE_URL").unwrap_or_else(|| DEFAULT_DATABASE_URL.into()),
             amqp_url: lookup("AMQP_URL").unwrap_or_else(|| DEFAULT_AMQP_URL.into()),
             retention,

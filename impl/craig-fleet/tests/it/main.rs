@@ -7,5 +7,6 @@ mod common;
 mod crash;
 mod financial;
 mod node;
+mod retention;
 mod security;
 mod send_jobs;
