@@ -11,6 +11,7 @@
 //! | `liveness` | the outbox did not drain within the bound after faults healed, or a row stayed claimed past its lease |
 //! | `dlq_occurrence_once` | a dead letter that reached `craig.dlx` has no audit row, or one occurrence has two; or an envelope both took effect and was dead-lettered |
 //! | `fencing` | the partner got two POSTs of one transmission while a send lease was live, a send job has both `exchange.sent` and `exchange.failed`, or a transaction left a terminal status other than `failed → pending` (#1185) |
+//! | `retention_safety` | a pending outbox row was pruned, or an admin replay reaching past the outbox window was accepted (#965/#1129) |
 //! | `threshold_crossing_once` | the `security.dlq.threshold_exceeded` events per type differ from the crossings (10 → 11 in the sliding hour) of the recorded occurrences |
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -147,10 +148,11 @@ impl Verdict {
 }
 
 pub const INVARIANTS: &[&str] =
-    &["no_loss", "no_phantom", "effect_once", "liveness", "dlq_occurrence_once", "threshold_crossing_once", "fencing"];
+    &["no_loss", "no_phantom", "effect_once", "liveness", "dlq_occurrence_once", "threshold_crossing_once", "fencing", "retention_safety"];
 /// Checkers that blame every violation on a replica and its compat mode
 /// ([`Verdict::culprits`]), so a scenario can name the cause it must be violated for.
-pub const ATTRIBUTING: &[&str] = &["no_loss", "effect_once", "dlq_occurrence_once", "threshold_crossing_once", "fencing"];
+pub const ATTRIBUTING: &[&str] =
+    &["no_loss", "effect_once", "dlq_occurrence_once", "threshold_crossing_once", "fencing", "retention_safety"];
 
 /// Run one checker by name (None: no such checker).
 pub fn check(name: &str, h: &History) -> Option<Verdict> {
@@ -162,6 +164,7 @@ pub fn check(name: &str, h: &History) -> Option<Verdict> {
         "dlq_occurrence_once" => dlq_occurrence_once,
         "threshold_crossing_once" => threshold_crossing_once,
         "fencing" => fencing,
+        "retention_safety" => retention_safety,
         _ => return None,
     };
     Some(match std::panic::catch_unwind(|| f(h)) {
@@ -745,7 +748,7 @@ fn fault_replica(tag: &str) -> Option<&str> {
 /// What a dead-letter violation was, as a cause tag (`kind:<name>`) a twin can name, so a
 /// twin is red for its documented cause and not for any violation of the same checker.
 pub const VIOLATION_KINDS: &[&str] =
-    &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed", "double_post", "conflicting_events", "terminal_flip"];
+    &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed", "double_post", "conflicting_events", "terminal_flip", "pruned_pending", "replay_past_window"];
 
 /// Which faults can cause a dead-letter violation of a kind, by the fault tag.
 #[derive(Clone, Copy)]
@@ -1194,6 +1197,69 @@ pub fn fencing(h: &History) -> Verdict {
     v.count("conflicting_events", conflicting);
     v.count("terminal_flips", flips);
     v.settle(all_posts == 0 && outcomes.is_empty(), "nothing to check: the partner got no POST and no send job was finalized")
+}
+
+/// Retention never costs an undelivered event or a dedup record a replay relies on
+/// (§ Retention policy, #965/#1129):
+/// - no pending outbox row is ever deleted (the harness's trigger records every such
+///   DELETE): blamed on every replica of that service, the prune's advisory lock leaves no
+///   record of which one ran it;
+/// - no admin replay whose window starts before the outbox window is accepted: blamed on
+///   the replica that accepted it.
+///
+/// Corroborated by the system, or unknown: a prune cycle logged (`retention.cycle`), or a
+/// replay asked. A run that staged pending rows for the prune to keep must show a cycle that
+/// saw and kept them (`retention.outbox_unpublished_beyond_grace`) or deleted them.
+pub fn retention_safety(h: &History) -> Verdict {
+    let mut v = Verdict::new("retention_safety");
+    let (mut cycles, mut kept, mut pruned) = (0, 0i64, 0);
+    let (mut accepted, mut refused, mut past_accepted) = (0, 0, 0);
+    for e in h.iter() {
+        match &e.event {
+            Event::PruneCycle { kept_pending, .. } => {
+                cycles += 1;
+                kept = kept.max(*kept_pending);
+            }
+            Event::PrunedPending { envelope, service } => {
+                pruned += 1;
+                let mut tags = vec!["kind:pruned_pending".to_owned()];
+                tags.extend(service_culprits(h, service));
+                v.blame(tags);
+                v.witness(format!("pending outbox row {envelope} of {service} was deleted @{}ms: the only evidence of an undelivered event", e.t_ms));
+            }
+            Event::Replay { replica, from_age_ms, window_ms, status, .. } => {
+                let ok = *status == Some(200);
+                if ok {
+                    accepted += 1;
+                } else {
+                    refused += 1;
+                }
+                if ok && from_age_ms > window_ms {
+                    past_accepted += 1;
+                    let mut tags = vec!["kind:replay_past_window".to_owned()];
+                    tags.extend(culprit_tags(replica, h.compat_at(replica, e.t_ms)));
+                    v.blame(tags);
+                    v.witness(format!(
+                        "{} accepted a replay starting {} h back, past the {} h outbox window @{}ms",
+                        running(replica, h.compat_at(replica, e.t_ms)),
+                        from_age_ms / 3_600_000,
+                        window_ms / 3_600_000,
+                        e.t_ms
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    let staged_pending = h.iter().any(|e| matches!(e.event, Event::Backdated { .. }));
+    v.count("prune_cycles", cycles);
+    v.count("pending_kept_by_a_cycle", kept as usize);
+    v.count("pending_pruned", pruned);
+    v.count("replays_accepted", accepted);
+    v.count("replays_refused", refused);
+    v.count("replays_past_window_accepted", past_accepted);
+    let proven = (cycles > 0 && (kept > 0 || pruned > 0 || !staged_pending)) || accepted + refused > 0;
+    v.settle(!proven, "nothing to check: no prune cycle saw a pending row and no replay was asked")
 }
 
 /// Every replica of `service` with the compat it ran last: the culprits of harm no record
@@ -1995,6 +2061,45 @@ mod tests {
         assert!(all.contains("POSTed by financial-2 (current) @10ms (answered 200) and again by financial-1 (compat pre-1185) @500ms (answered 409)"), "{all}");
         assert!(all.contains("staged both outcomes: exchange.failed by financial-1 @1000ms, exchange.sent by financial-2 @1500ms"), "{all}");
         assert!(all.contains("went failed -> sent"), "{all}");
+    }
+
+    /// #965/#1129: a prune that kept the pending rows and a replay rule that refused the
+    /// window past retention hold; a pending row deleted, or a past-window replay accepted,
+    /// is a violation of its own kind; a run where nothing pruned or replayed proves nothing.
+    #[test]
+    fn retention_safety_holds_the_prune_and_the_replay_rule() {
+        let day = 86_400_000;
+        let replay = |h: &mut History, t, age, status| {
+            h.push(t, Event::Replay { replica: "cases-1".into(), from_age_ms: age, window_ms: 30 * day, status: Some(status), restaged: None })
+        };
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", &[]);
+        h.push(0, Event::Backdated { referral: id(1) });
+        h.push(900, Event::PruneCycle { replica: "cases-1".into(), kept_pending: 1 });
+        replay(&mut h, 5_000, 30 * day - 3_600_000, 200);
+        replay(&mut h, 5_100, 30 * day + 3_600_000, 422);
+        let v = retention_safety(&h);
+        assert_eq!((v.validity, v.counts["pending_kept_by_a_cycle"], v.counts["replays_refused"]), (Validity::Valid, 1, 1), "{v:?}");
+
+        let mut bad = History::default();
+        started(&mut bad, 0, "cases-1", &["pre-965"]);
+        bad.push(0, Event::Backdated { referral: id(1) });
+        bad.push(900, Event::PruneCycle { replica: "cases-1".into(), kept_pending: 0 });
+        bad.push(900, Event::PrunedPending { envelope: id(2), service: "cases".into() });
+        replay(&mut bad, 5_100, 30 * day + 3_600_000, 200);
+        bad.sort();
+        let v = retention_safety(&bad);
+        assert_eq!((v.validity, v.counts["pending_pruned"], v.counts["replays_past_window_accepted"]), (Validity::Invalid, 1, 1), "{v:?}");
+        assert!(v.all_point_at("compat:pre-965"), "{:?}", v.culprits);
+        assert_eq!((v.culprits.get("kind:pruned_pending"), v.culprits.get("kind:replay_past_window")), (Some(&1), Some(&1)));
+        assert!(v.witnesses[1].contains("accepted a replay starting 721 h back, past the 720 h outbox window"), "{:?}", v.witnesses);
+
+        // Backdated rows staged, a cycle that never saw them: the fault never met the prune.
+        let mut blind = History::default();
+        blind.push(0, Event::Backdated { referral: id(1) });
+        blind.push(900, Event::PruneCycle { replica: "cases-1".into(), kept_pending: 0 });
+        assert_eq!(retention_safety(&blind).validity, Validity::Unknown);
+        assert_eq!(retention_safety(&History::default()).validity, Validity::Unknown);
     }
 
     /// Issue 8.1: a duplicate beside an UNRELATED replica's crash is a violation.

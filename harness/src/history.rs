@@ -156,6 +156,22 @@ pub enum Event {
     /// An `exchange_transactions` status change, recorded by a trigger the harness installs
     /// (every writer's change, an old replica's bare-id UPDATE included).
     TransactionStatus { transaction: Uuid, from: String, to: String },
+    /// A referral the harness wrote "long ago" (`[workload] backdated`): its event pending
+    /// and past the outbox window, for the prune to keep.
+    Backdated { referral: Uuid },
+    /// A pending outbox row was deleted (a trigger the harness installs in every service
+    /// database records each DELETE of a row with `published_at IS NULL`).
+    PrunedPending { envelope: Uuid, service: String },
+    /// A replica's retention prune ran a cycle (`retention.cycle`) and how many pending rows
+    /// older than the grace it saw and kept (`retention.outbox_unpublished_beyond_grace`).
+    PruneCycle {
+        replica: String,
+        #[serde(default)]
+        kept_pending: i64,
+    },
+    /// An admin replay the workload asked of `replica`: its window's start `from_age_ms`
+    /// before the request, the outbox window it must respect, and the answer.
+    Replay { replica: String, from_age_ms: u64, window_ms: u64, status: Option<u16>, restaged: Option<i64> },
     /// A row still claimed past its lease at the end.
     Stuck { envelope: Uuid, service: String, claimed_ms_ago: i64 },
 }

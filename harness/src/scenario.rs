@@ -19,7 +19,8 @@
 //! [settings]                # optional; worker knobs passed to every replica
 //! claim_lease_secs = 4      # must be >= 2 x confirm_timeout_ms + connect_timeout_ms
 //! inbox_retry_cap = 10      # also poll_ms, confirm_timeout_ms, heartbeat_secs,
-//!                           # connect_timeout_ms, backoff_base_ms, backoff_max_ms
+//!                           # connect_timeout_ms, backoff_base_ms, backoff_max_ms,
+//!                           # retention_interval_secs (the prune's cadence, #965)
 //!
 //! [workload]
 //! kind = "referrals"        # referrals (POST /v1/cases/referrals, counted in rules'
@@ -38,6 +39,8 @@
 //!                           # financial refuses for good: a second event type
 //! send_jobs = 30            # transmissions staged in financial's send queue, already
 //! send_overdue_ms = 300000  # this far past next_attempt_at (a backlog, #1185)
+//! backdated = 10            # referrals written 30 d 1 h ago, events still pending
+//! replay = true             # admin replays just inside and just past the outbox window
 //! after_heal = 20           # writes made once every fault has healed (default 20)
 //!
 //! [partner]                 # the partner server financial POSTs to (#1185); optional
@@ -223,10 +226,18 @@ pub struct Settings {
     /// one envelope before it is surfaced on the app path.
     #[serde(default = "retry_cap")]
     pub inbox_retry_cap: u32,
+    /// The retention prune's cadence (`CRAIG_RETENTION_INTERVAL_SECS`, #965/#1129); the
+    /// production hour by default, so a scenario prunes only when it asks to.
+    #[serde(default = "retention_interval")]
+    pub retention_interval_secs: u64,
 }
 
 fn retry_cap() -> u32 {
     10
+}
+
+fn retention_interval() -> u64 {
+    3600
 }
 
 fn backoff_base() -> u64 {
@@ -263,6 +274,7 @@ impl Default for Settings {
             inbox_retry_cap: retry_cap(),
             backoff_base_ms: backoff_base(),
             backoff_max_ms: backoff_max(),
+            retention_interval_secs: retention_interval(),
         }
     }
 }
@@ -301,6 +313,17 @@ pub struct Workload {
     pub send_jobs: u32,
     #[serde(default = "send_overdue_ms")]
     pub send_overdue_ms: u64,
+    /// Referrals written "long ago" straight into cases' database before any replica starts:
+    /// created 30 days and an hour in the past, their events still pending (backing off,
+    /// due 3 s into the run) — past the outbox window, so only a prune that touches pending
+    /// rows (compat `pre-965`) can delete them. Recorded as acknowledged writes.
+    #[serde(default)]
+    pub backdated: u32,
+    /// At the end (after the after-heal writes): one admin replay of a window just inside
+    /// the outbox retention (accepted: everything re-published, absorbed by inbox dedup) and
+    /// one reaching just past it (must be refused), through a cases replica (§D4, #965).
+    #[serde(default)]
+    pub replay: bool,
     /// Writes made once every fault has healed (and every crashed replica is back), at
     /// `rate`: the run must show the system working again, not only surviving. At least 1
     /// when the scenario has faults.
@@ -675,8 +698,8 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
     if w.after_heal == 0 && !s.faults.is_empty() {
         return Err(err(at("after_heal"), "after_heal must be at least 1: the workload writes again after every fault heals".into()));
     }
-    if s.settings.claim_lease_secs == 0 || s.settings.poll_ms == 0 {
-        return Err(err(at("[settings]"), "claim_lease_secs and poll_ms must be positive".into()));
+    if s.settings.claim_lease_secs == 0 || s.settings.poll_ms == 0 || s.settings.retention_interval_secs == 0 {
+        return Err(err(at("[settings]"), "claim_lease_secs, poll_ms and retention_interval_secs must be positive".into()));
     }
     // The nodes would refuse these settings at start; say so here, with the line.
     let st = &s.settings;

@@ -44,6 +44,15 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
             .fetch_all(pool),
         )
         .await?;
+        let pruned: Vec<(Uuid, i64)> = bounded(
+            COLLECT,
+            "reading pending rows deleted",
+            sqlx::query_as("SELECT envelope_id, (EXTRACT(EPOCH FROM at) * 1000)::int8 FROM chaos_pruned_pending").fetch_all(pool),
+        )
+        .await?;
+        for (envelope, at) in pruned {
+            log.push_at(log.rel_db(at), Event::PrunedPending { envelope, service: svc.clone() });
+        }
         for (envelope, referral, published, attempts, at, last_error) in rows {
             log.push_at(log.rel_db(at), Event::Staged { envelope, referral, service: svc.clone(), published, attempts, last_error });
         }
@@ -196,6 +205,18 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
             }
             continue;
         }
+        if line.contains("event=\"retention.cycle\"") {
+            out.push((at(), Event::PruneCycle { replica: replica.to_owned(), kept_pending: 0 }));
+            continue;
+        }
+        if line.contains("event=\"retention.outbox_unpublished_beyond_grace\"") {
+            let rows = line.split_once(" rows=").and_then(|(_, r)| r.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap_or(0);
+            // The cycle just logged saw these pending rows and kept them.
+            if let Some((_, Event::PruneCycle { kept_pending, .. })) = out.iter_mut().rev().find(|(_, e)| matches!(e, Event::PruneCycle { .. })) {
+                *kept_pending = rows;
+            }
+            continue;
+        }
         let reprocessed = line.contains("event=\"inbox.reprocessed\"");
         let stamped = line.contains("event=\"outbox.stamped\"");
         // A consumer handing a message to dead-lettering: the broker path's reject, or the
@@ -258,6 +279,8 @@ mod tests {
              2026-11-30T16:00:01.500000Z  WARN craig_mq::inbox: event=\"inbox.reprocessed\" envelope_id={env} source=x\n\
              2026-11-30T16:00:01.700000Z ERROR craig_mq::subscriber: dead-lettering to craig.dlx event=\"subscriber.permanent_failure\" queue=\"craig-rules.events\" envelope_id={env} error=no referral_id\n\
              2026-11-30T16:00:01.800000Z  WARN craig_mq::dlq: event=\"security.dlq.log_and_ack\" digest=00ff00ff00ff00ff envelope_id={env} routing_key=dlq.x error=db\n\
+             2026-11-30T16:00:01.900000Z  INFO craig_mq::retention: event=\"retention.cycle\" outbox=0 inbox=0 idempotency=0 pre_965=false\n\
+             2026-11-30T16:00:01.900000Z  WARN craig_mq::retention: pending outbox rows older than the grace: kept event=\"retention.outbox_unpublished_beyond_grace\" rows=10 grace_secs=3600\n\
              not a line of interest envelope_id={env}\n"
         );
         let origin = chrono::DateTime::parse_from_rfc3339("2026-11-30T16:00:00Z").unwrap().timestamp_millis();
@@ -270,6 +293,7 @@ mod tests {
                 (Some(1500), Event::Reprocessed { envelope: env, replica: "cases-1".into() }),
                 (Some(1700), Event::Rejected { envelope: env, replica: "cases-1".into(), compat: vec![] }),
                 (Some(1800), Event::AckedUnrecorded { key: "00ff00ff00ff00ff".into(), replica: "cases-1".into(), compat: vec![] }),
+                (Some(1900), Event::PruneCycle { replica: "cases-1".into(), kept_pending: 10 }),
             ]
         );
     }

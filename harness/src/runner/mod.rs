@@ -428,6 +428,7 @@ async fn drive(
                 ("CRAIG_OUTBOX_BACKOFF_BASE_MS".into(), s.settings.backoff_base_ms.to_string()),
                 ("CRAIG_OUTBOX_BACKOFF_MAX_MS".into(), s.settings.backoff_max_ms.to_string()),
                 ("CRAIG_INBOX_RETRY_CAP".into(), s.settings.inbox_retry_cap.to_string()),
+                ("CRAIG_RETENTION_INTERVAL_SECS".into(), s.settings.retention_interval_secs.to_string()),
                 // `craig_mq::outbox=debug` for `outbox.stamped`: who stamped what.
                 ("RUST_LOG".into(), "info,craig_mq::outbox=debug,sqlx=warn,lapin=warn,lapin::returned_messages=error".into()),
             ];
@@ -470,6 +471,9 @@ async fn drive(
     // Every fault has healed: the system must work again, not only have survived.
     log.push(Event::Healed);
     writer.write(seed ^ 0x4ea1, (s.workload.writes, s.workload.after_heal), watch::channel(0u32).0).await;
+    if s.workload.replay {
+        writer.replays().await;
+    }
     sampler::drain(s, log, &pools, &staged.poison, &ep.amqp_url, &backend).await;
     for (svc, pool) in &pools {
         let stuck: Vec<(Uuid, f64)> = bounded(

@@ -23,6 +23,8 @@ use crate::scenario::{Scenario, WorkloadKind};
 pub(super) struct Staged {
     /// Malformed outbox rows (`[workload] poison_rows`), staged before any replica starts.
     pub poison: Vec<Uuid>,
+    /// Referrals written "long ago" (`[workload] backdated`), recorded once the clock runs.
+    pub backdated: Vec<Uuid>,
 }
 
 impl Staged {
@@ -31,11 +33,15 @@ impl Staged {
     pub(super) async fn before_start(s: &Scenario, pools: &std::collections::BTreeMap<String, PgPool>) -> anyhow::Result<Self> {
         use anyhow::Context as _;
         let cases = pools.get("cases").context("fleet has no cases")?;
+        for pool in pools.values() {
+            record_pending_deletes(pool).await?;
+        }
         if let Some(financial) = pools.get("financial") {
             record_transaction_transitions(financial).await?;
             stage_send_jobs(financial, s.workload.send_jobs, s.workload.send_overdue_ms).await?;
         }
-        Ok(Self { poison: stage_poison_rows(cases, s.workload.poison_rows).await? })
+        let backdated = stage_backdated(cases, s.workload.backdated).await?;
+        Ok(Self { poison: stage_poison_rows(cases, s.workload.poison_rows).await?, backdated })
     }
 
     /// Once the run's clock started (and the dead-letter tap is bound): record the poison
@@ -45,6 +51,11 @@ impl Staged {
         let cases = pools.get("cases").context("fleet has no cases")?;
         for envelope in &self.poison {
             log.push(Event::Poison { envelope: *envelope, service: "cases".into() });
+        }
+        for referral in &self.backdated {
+            // Acknowledged long ago by a cases replica of this fleet.
+            log.push_at(0, Event::Write { referral: *referral, replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+            log.push_at(0, Event::Backdated { referral: *referral });
         }
         for (event_type, n, service) in [
             (craig_fleet::cases::REFERRAL_CREATED, s.workload.dead_letters, "rules"),
@@ -80,6 +91,51 @@ impl Writer<'_> {
         // HTTP writes through the cases replicas (plus rolled-back writes): referrals or
         // placement activations; the kinds the next issues bring dispatch here too.
         http_writes(self, seed, range, done).await
+    }
+}
+
+impl Writer<'_> {
+    /// Two admin replays through a cases replica (§D4, #965/#1129): a window starting an
+    /// hour inside the outbox retention (accepted), and one starting an hour past it
+    /// (must be refused with 422). Each recorded with its answer.
+    pub(super) async fn replays(&self) {
+        const DAY_MS: u64 = 86_400_000;
+        let window_ms = 30 * DAY_MS;
+        let key = craig_api::JwtKey::new(self.secret);
+        let token = key.sign(&craig_api::Claims {
+            sub: Uuid::now_v7(),
+            aud: vec!["craig-cases".into()],
+            scope: "cases.admin".into(),
+            exp: chrono::Utc::now().timestamp() + 3600,
+        });
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().expect("http client");
+        for from_age_ms in [window_ms - 3_600_000, window_ms + 3_600_000] {
+            let Some((name, addr)) = self.any_cases_replica().await else { continue };
+            let now = chrono::Utc::now();
+            let from = now - chrono::Duration::milliseconds(from_age_ms as i64);
+            let rfc = |t: chrono::DateTime<chrono::Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+            let url = format!("http://{addr}/v1/cases/admin/events/replay?from={}&to={}", rfc(from), rfc(now + chrono::Duration::seconds(1)));
+            let answer = http.post(url).bearer_auth(&token).send().await;
+            let (status, restaged) = match answer {
+                Ok(r) => {
+                    let status = r.status().as_u16();
+                    let body: Option<serde_json::Value> = r.json().await.ok();
+                    (Some(status), body.and_then(|b| b.get("restaged").and_then(|n| n.as_i64())))
+                }
+                Err(_) => (None, None),
+            };
+            self.log.push(Event::Replay { replica: name, from_age_ms, window_ms, status, restaged });
+        }
+    }
+
+    /// The first cases replica that is up, with its address.
+    async fn any_cases_replica(&self) -> Option<(String, String)> {
+        for (name, r) in self.replicas.iter().filter(|(n, _)| n.starts_with("cases-")) {
+            if let Some(addr) = r.lock().await.addr.clone() {
+                return Some((name.clone(), addr));
+            }
+        }
+        None
     }
 }
 
@@ -325,4 +381,64 @@ async fn stage_send_jobs(financial: &PgPool, n: u32, overdue_ms: u64) -> anyhow:
     .await?;
     bounded(COLLECT, "staging send jobs", tx.commit()).await?;
     Ok(())
+}
+
+/// A trigger on `event_outbox` that records every DELETE of a PENDING row into
+/// `chaos_pruned_pending`: the only code that deletes outbox rows is the prune, and it must
+/// never take a pending one (#965/#1129).
+async fn record_pending_deletes(pool: &PgPool) -> anyhow::Result<()> {
+    for sql in [
+        "CREATE TABLE IF NOT EXISTS chaos_pruned_pending (envelope_id uuid NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        "CREATE OR REPLACE FUNCTION chaos_record_pending_delete() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF OLD.published_at IS NULL THEN INSERT INTO chaos_pruned_pending (envelope_id) VALUES (OLD.id); END IF; \
+           RETURN OLD; END $$",
+        "DROP TRIGGER IF EXISTS chaos_pending_delete ON event_outbox",
+        "CREATE TRIGGER chaos_pending_delete BEFORE DELETE ON event_outbox FOR EACH ROW EXECUTE FUNCTION chaos_record_pending_delete()",
+    ] {
+        bounded(COLLECT, "installing the pending-delete recorder", sqlx::query(sql).execute(pool)).await?;
+    }
+    Ok(())
+}
+
+/// `n` referrals written 30 days and an hour ago, their events still pending: they failed
+/// to publish back then and back off until 3 s from now (`attempts`, `last_error`,
+/// `next_attempt_at` as the worker leaves a refused row). Their referral ids returned.
+async fn stage_backdated(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> {
+    let mut ids = Vec::new();
+    if n == 0 {
+        return Ok(ids);
+    }
+    let mut tx = bounded(COLLECT, "staging backdated writes", cases.begin()).await?;
+    for i in 0..n {
+        let referral = Uuid::now_v7();
+        bounded(
+            COLLECT,
+            "writing a backdated referral",
+            sqlx::query("INSERT INTO referrals (id, subject, created_by, created_at) VALUES ($1, $2, $1, now() - interval '30 days 1 hour')")
+                .bind(referral)
+                .bind(format!("backdated {i}"))
+                .execute(&mut *tx),
+        )
+        .await?;
+        let env = craig_mq::EventEnvelope::new(
+            craig_fleet::cases::REFERRAL_CREATED,
+            "cases",
+            Some(referral),
+            json!({ "referral_id": referral, "subject": format!("backdated {i}") }),
+        )?;
+        bounded(COLLECT, "staging a backdated event", craig_mq::publish_in_tx(&mut tx, &env)).await?;
+        ids.push(referral);
+    }
+    bounded(
+        COLLECT,
+        "backdating the events",
+        sqlx::query(
+            "UPDATE event_outbox SET created_at = now() - interval '30 days 1 hour', attempts = 3, \
+             last_error = 'connection: broker unreachable (backdated by the harness)', next_attempt_at = now() + interval '3 seconds'",
+        )
+        .execute(&mut *tx),
+    )
+    .await?;
+    bounded(COLLECT, "staging backdated writes", tx.commit()).await?;
+    Ok(ids)
 }
