@@ -1010,13 +1010,23 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
             _ => None,
         })
         .collect();
+    // When each occurrence was first recorded, and per type the spans (first row → a further
+    // row of the same occurrence) in which something recorded twice.
+    let mut first_row: HashMap<&str, u64> = HashMap::new();
+    let mut doubled_spans: BTreeMap<&str, Vec<(u64, u64)>> = BTreeMap::new();
     for e in h.iter() {
         if let Event::Audited { key, token, disposition, event_type: Some(et), received_epoch_ms, window_epoch_ms, .. } = &e.event {
             let row = (*received_epoch_ms, *window_epoch_ms, et.as_str(), disposition.as_str());
             every_row.push(row);
-            let occurrence = tapped.get(key.as_str()).copied().or(token.as_deref());
-            if occurrence.is_some_and(|t| !seen_tokens.insert(t)) {
-                continue;
+            // A divergent quarantine row (R7) is a row of its own in the window whatever
+            // token its bytes carry.
+            let occurrence = tapped.get(key.as_str()).copied().or(token.as_deref()).filter(|_| disposition != "divergent");
+            if let Some(t) = occurrence {
+                if !seen_tokens.insert(t) {
+                    doubled_spans.entry(et.as_str()).or_default().push((first_row.get(t).copied().unwrap_or(0), e.t_ms));
+                    continue;
+                }
+                first_row.insert(t, e.t_ms);
             }
             rows.push(row);
         }
@@ -1073,8 +1083,18 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
         if got > want && got <= could {
             // Announced at a count of 11 that only rows which are no occurrence of their own
             // (a redelivery recorded twice, #1181) could reach: the cause is what records
-            // twice.
-            v.blame(dead_letter_tags(h, "spurious_crossing", "security", Through::Broker));
+            // twice — and of the faults, only one in force between an occurrence's first row
+            // and its further one.
+            let spans = doubled_spans.get(et.as_str()).map(Vec::as_slice).unwrap_or(&[]);
+            let windows = h.fault_windows();
+            let mut tags = dead_letter_tags(h, "spurious_crossing", "security", Through::Broker);
+            tags.retain(|tag| {
+                !tag.starts_with("fault:")
+                    || windows.iter().any(|(w, from, to)| {
+                        w == tag && spans.iter().any(|(a, b)| from.saturating_sub(WINDOW_SLACK_MS) <= *b && to.saturating_add(WINDOW_SLACK_MS) >= *a)
+                    })
+            });
+            v.blame(tags);
             v.witness(format!(
                 "{et}: {occurrences} recorded occurrence(s) cross the threshold {want} time(s), but {got} threshold event(s) were emitted: a crossing the occurrences never made, reached only by counting {} row(s) that are no occurrence of their own",
                 all_rows_of(&every_row, et) - occurrences
@@ -1096,7 +1116,8 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
 }
 
 /// The send-jobs claim lease (#1185): a second POST of one transmission sooner than this
-/// after an accepted one was made while the first claim's lease was live.
+/// after an accepted one was made while the first claim's lease was live. (A run that
+/// shortened it says so with `Event::SendQueue`.)
 pub const SEND_LEASE_MS: u64 = craig_fleet::send_jobs::CLAIM_LEASE_SECS * 1000;
 /// The per-send transport cap: a POST the partner never answered ends for its sender then.
 pub const SEND_CAP_MS: u64 = craig_fleet::send_jobs::SEND_TIMEOUT_SECS * 1000;
@@ -1106,7 +1127,8 @@ pub const SEND_CAP_MS: u64 = craig_fleet::send_jobs::SEND_TIMEOUT_SECS * 1000;
 /// - no transmission POSTed twice while a lease was live: a POST answered 409 (it arrived
 ///   while the partner was still processing the same `craig_correlation_id`), or one sooner
 ///   than [`SEND_LEASE_MS`] after the same transmission was accepted (or sooner than
-///   [`SEND_CAP_MS`] after a POST the partner never answered). A POST after one answered
+///   [`SEND_CAP_MS`] after a POST the partner never answered), each POST held against the
+///   last one not refused as a duplicate. A POST after one answered
 ///   500 is the sender's fenced retry, never a violation; a re-send after the lease expired
 ///   is the ADR's at-least-once, never a violation;
 /// - no send job with both `exchange.sent` and `exchange.failed`;
@@ -1145,11 +1167,26 @@ pub fn fencing(h: &History) -> Verdict {
             _ => {}
         }
     }
+    // The send queue's timing in this run (production's unless the scenario shortened it).
+    let (lease_ms, cap_ms) = h
+        .iter()
+        .find_map(|e| if let Event::SendQueue { lease_ms, cap_ms } = e.event { Some((lease_ms, cap_ms)) } else { None })
+        .unwrap_or((SEND_LEASE_MS, SEND_CAP_MS));
     let mut double = 0;
     for (correlation, ps) in &posts {
-        for pair in ps.windows(2) {
-            let ((t1, r1, s1), (t2, r2, s2)) = (pair[0], pair[1]);
-            let live = s2 == 409 || (s1 == 200 && t2 < t1 + SEND_LEASE_MS) || (s1 == 0 && t2 < t1 + SEND_CAP_MS);
+        // Each POST against the last one that was not itself refused as a duplicate.
+        let mut last: Option<(u64, Option<&str>, u16)> = None;
+        for &(t2, r2, s2) in ps {
+            let Some((t1, r1, s1)) = last else {
+                last = Some((t2, r2, s2));
+                continue;
+            };
+            // 409: the partner was still processing an earlier POST, whose sender (the
+            // partner answers inside the send cap) was still waiting on its claim.
+            let live = s2 == 409 || (s1 == 200 && t2 < t1 + lease_ms) || (s1 == 0 && t2 < t1 + cap_ms);
+            if s2 != 409 {
+                last = Some((t2, r2, s2));
+            }
             if !live {
                 continue;
             }
@@ -1258,8 +1295,10 @@ pub fn retention_safety(h: &History) -> Verdict {
     v.count("replays_accepted", accepted);
     v.count("replays_refused", refused);
     v.count("replays_past_window_accepted", past_accepted);
-    let proven = (cycles > 0 && (kept > 0 || pruned > 0 || !staged_pending)) || accepted + refused > 0;
-    v.settle(!proven, "nothing to check: no prune cycle saw a pending row and no replay was asked")
+    // Each half proves itself: staged pending rows need a cycle that saw them (kept or
+    // deleted them); without them, a cycle or a replay is something to check.
+    let proven = if staged_pending { cycles > 0 && (kept > 0 || pruned > 0) } else { cycles > 0 || accepted + refused > 0 };
+    v.settle(!proven, "nothing to check: no prune cycle saw the pending rows staged for it (or nothing pruned and no replay was asked)")
 }
 
 /// Every replica of `service` with the compat it ran last: the culprits of harm no record
@@ -1972,6 +2011,12 @@ mod tests {
         );
         assert!(v.witnesses[0].contains("a crossing the occurrences never made, reached only by counting 1 row(s)"), "{:?}", v.witnesses);
         assert!(!v.culprits.contains_key("kind:re_emitted"), "{:?}", v.culprits);
+        // A fault long after the doubled row is not its cause.
+        let mut late = build(&["pre-1181"], true, 1);
+        late.push(50_000, Event::Fault { kind: "kill".into(), target: "security-1".into(), phase: Phase::Start });
+        late.sort();
+        let v = threshold_crossing_once(&late);
+        assert!(!v.culprits.contains_key("fault:kill security-1") && v.all_point_at("fault:crash security-1"), "{:?}", v.culprits);
         // Two events where the inflated count crosses once: one spurious is explained, the
         // second is a re-emit.
         let v = threshold_crossing_once(&build(&["pre-1181"], true, 2));
@@ -2061,6 +2106,17 @@ mod tests {
         assert!(all.contains("POSTed by financial-2 (current) @10ms (answered 200) and again by financial-1 (compat pre-1185) @500ms (answered 409)"), "{all}");
         assert!(all.contains("staged both outcomes: exchange.failed by financial-1 @1000ms, exchange.sent by financial-2 @1500ms"), "{all}");
         assert!(all.contains("went failed -> sent"), "{all}");
+
+        // A 409 in between does not hide a third POST inside the first one's lease; a run
+        // with a shortened lease is judged by it.
+        let mut h = History::default();
+        h.push(0, Event::SendQueue { lease_ms: 6_000, cap_ms: 2_000 });
+        post(&mut h, 10, 9, "financial-1", 200);
+        post(&mut h, 20, 9, "financial-2", 409);
+        post(&mut h, 3_000, 9, "financial-2", 200);
+        post(&mut h, 9_100, 9, "financial-2", 200);
+        let v = fencing(&h);
+        assert_eq!(v.counts["double_posts"], 2, "the 409 and the POST @3000ms, not the one after the 6 s lease: {v:?}");
     }
 
     /// #965/#1129: a prune that kept the pending rows and a replay rule that refused the

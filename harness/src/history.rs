@@ -144,6 +144,9 @@ pub enum Event {
         replica: Option<String>,
         status: u16,
     },
+    /// The send queue's timing in this run (#1185): the claim lease and the per-send cap
+    /// the financial replicas were given.
+    SendQueue { lease_ms: u64, cap_ms: u64 },
     /// financial staged `exchange.<outcome>` (sent | failed) for a send job, by `replica`
     /// (from the event's payload), read from its outbox at the end.
     Exchanged {

@@ -20,7 +20,8 @@
 //! claim_lease_secs = 4      # must be >= 2 x confirm_timeout_ms + connect_timeout_ms
 //! inbox_retry_cap = 10      # also poll_ms, confirm_timeout_ms, heartbeat_secs,
 //!                           # connect_timeout_ms, backoff_base_ms, backoff_max_ms,
-//!                           # retention_interval_secs (the prune's cadence, #965)
+//!                           # retention_interval_secs (the prune's cadence, #965),
+//!                           # send_timeout_secs / send_lease_secs (#1185 send queue)
 //!
 //! [workload]
 //! kind = "referrals"        # referrals (POST /v1/cases/referrals, counted in rules'
@@ -72,6 +73,7 @@
 //! min_acknowledged = 150    # floors (default: half the writes; 0 redeliveries, 0 dead
 //! min_redeliveries = 1      # letters, 0 crossings): a run below one is inconclusive
 //! min_crossings = 2         # threshold events staged (#1156)
+//! min_dlq_duplicates = 1    # redelivered dead letters the #1181 arbiter absorbed
 //! no_loss = "hold"          # hold | violate (bare only where no cause is attributed:
 //!                           # liveness, no_phantom)
 //! effect_once = { violate = "compat:pre-d2" }  # violated, and every witness points at
@@ -230,6 +232,21 @@ pub struct Settings {
     /// production hour by default, so a scenario prunes only when it asks to.
     #[serde(default = "retention_interval")]
     pub retention_interval_secs: u64,
+    /// financial's send queue (#1185): the per-send transport cap and the claim lease
+    /// (`CRAIG_SEND_TIMEOUT_SECS`, `CRAIG_SEND_CLAIM_LEASE_SECS`; production's 30 / 90 by
+    /// default). A scenario shortens both, lease >= 3 x cap, to see a lease expire.
+    #[serde(default = "send_timeout")]
+    pub send_timeout_secs: u64,
+    #[serde(default = "send_lease")]
+    pub send_lease_secs: u64,
+}
+
+fn send_timeout() -> u64 {
+    craig_fleet::send_jobs::SEND_TIMEOUT_SECS
+}
+
+fn send_lease() -> u64 {
+    craig_fleet::send_jobs::CLAIM_LEASE_SECS
 }
 
 fn retry_cap() -> u32 {
@@ -275,6 +292,8 @@ impl Default for Settings {
             backoff_base_ms: backoff_base(),
             backoff_max_ms: backoff_max(),
             retention_interval_secs: retention_interval(),
+            send_timeout_secs: send_timeout(),
+            send_lease_secs: send_lease(),
         }
     }
 }
@@ -533,13 +552,16 @@ pub struct Floor {
     /// `security.dlq.threshold_exceeded` events staged (#1156): a scenario that shows one
     /// crossing per type must show them, not only agree that none was due.
     pub crossings: u64,
+    /// Redelivered dead letters the occurrence arbiter absorbed
+    /// (`dlq_outcomes_total{outcome="duplicate"}`, #1181): proof that a DLQ ack failed.
+    pub dlq_duplicates: u64,
 }
 
-const FLOORS: &[&str] = &["min_acknowledged", "min_redeliveries", "min_dead_letters", "min_crossings"];
+const FLOORS: &[&str] = &["min_acknowledged", "min_redeliveries", "min_dead_letters", "min_crossings", "min_dlq_duplicates"];
 
 impl Default for Floor {
     fn default() -> Self {
-        Self { acknowledged: 1, redeliveries: 0, dead_letters: 0, crossings: 0 }
+        Self { acknowledged: 1, redeliveries: 0, dead_letters: 0, crossings: 0, dlq_duplicates: 0 }
     }
 }
 
@@ -688,9 +710,24 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         }
     }
     if let Some(p) = &s.partner {
-        if !(0.0..=1.0).contains(&p.fail_share) || !(0.0..=1.0).contains(&p.hang_share) || p.delay_ms > 60_000 {
-            return Err(err(at("[partner]"), "[partner] needs 0 <= fail_share, hang_share <= 1 and delay_ms <= 60000".into()));
+        // A partner slower than the sender's transport cap would answer 409 to the sender's
+        // own fenced retry: the fencing checker reads a 409 as a live lease's duplicate.
+        let cap_ms = s.settings.send_timeout_secs * 1000;
+        if !(0.0..=1.0).contains(&p.fail_share) || !(0.0..=1.0).contains(&p.hang_share) || p.delay_ms >= cap_ms {
+            return Err(err(at("[partner]"), format!("[partner] needs 0 <= fail_share, hang_share <= 1 and delay_ms below the send timeout ({cap_ms} ms)")));
         }
+    }
+    if s.settings.send_timeout_secs == 0
+        || s.settings.send_timeout_secs > craig_fleet::send_jobs::SEND_TIMEOUT_SECS
+        || s.settings.send_lease_secs < 3 * s.settings.send_timeout_secs
+    {
+        return Err(err(
+            at("[settings]"),
+            format!(
+                "send_timeout_secs must be 1..={} and send_lease_secs at least 3 x send_timeout_secs (#1185)",
+                craig_fleet::send_jobs::SEND_TIMEOUT_SECS
+            ),
+        ));
     }
     if w.send_jobs > 0 && s.partner.is_none() {
         return Err(err(at("send_jobs"), "send_jobs need a [partner] to be sent to".into()));
@@ -815,6 +852,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
                 "min_acknowledged" => s.floor.acknowledged = n,
                 "min_redeliveries" => s.floor.redeliveries = n,
                 "min_crossings" => s.floor.crossings = n,
+                "min_dlq_duplicates" => s.floor.dlq_duplicates = n,
                 _ => s.floor.dead_letters = n,
             }
             continue;
@@ -1095,10 +1133,10 @@ effect_once = { violate = "compat:pre-d2" }
     #[test]
     fn floors_are_counts_in_expect_with_defaults() {
         let s = parse_str(GOOD).unwrap();
-        assert_eq!(s.floor, Floor { acknowledged: 5, redeliveries: 0, dead_letters: 0, crossings: 0 });
+        assert_eq!(s.floor, Floor { acknowledged: 5, redeliveries: 0, dead_letters: 0, crossings: 0, dlq_duplicates: 0 });
         assert_eq!(s.workload.after_heal, 20);
         let s = parse_str(&GOOD.replace("[expect]\n", "[expect]\nmin_acknowledged = 8\nmin_redeliveries = 2\nmin_dead_letters = 1\nmin_crossings = 2\n")).unwrap();
-        assert_eq!(s.floor, Floor { acknowledged: 8, redeliveries: 2, dead_letters: 1, crossings: 2 });
+        assert_eq!(s.floor, Floor { acknowledged: 8, redeliveries: 2, dead_letters: 1, crossings: 2, dlq_duplicates: 0 });
         assert_eq!(s.expect.len(), 2, "floors are not invariants");
         let e = rejected(&GOOD.replace("[expect]\n", "[expect]\nmin_redeliveries = \"many\"\n"));
         assert_eq!(e.line, 26, "{e}");

@@ -236,6 +236,18 @@ fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<St
     if (redeliveries as u64) < f.redeliveries {
         why.push(format!("{redeliveries} redeliveries absorbed by an inbox (inbox_dedup_hits_total), below min_redeliveries = {}", f.redeliveries));
     }
+    let dlq_duplicates: f64 = metrics
+        .values()
+        .flat_map(|m| m.iter())
+        .filter(|(k, _)| k.as_str() == "dlq_outcomes_total{outcome=\"duplicate\"}")
+        .map(|(_, v)| v)
+        .sum();
+    if (dlq_duplicates as u64) < f.dlq_duplicates {
+        why.push(format!(
+            "{dlq_duplicates} redelivered dead letters absorbed (dlq_outcomes_total{{outcome=\"duplicate\"}}), below min_dlq_duplicates = {}",
+            f.dlq_duplicates
+        ));
+    }
     let crossings = h.iter().filter(|e| matches!(e.event, Event::ThresholdExceeded { .. })).count() as u64;
     if crossings < f.crossings {
         why.push(format!("{crossings} threshold events staged (security.dlq.threshold_exceeded), below min_crossings = {}", f.crossings));
@@ -434,6 +446,8 @@ async fn drive(
             ];
             if let (Some((url, _)), "financial") = (&partner, svc.as_str()) {
                 spec.env.push(("CRAIG_PARTNER_URL".into(), url.clone()));
+                spec.env.push(("CRAIG_SEND_TIMEOUT_SECS".into(), s.settings.send_timeout_secs.to_string()));
+                spec.env.push(("CRAIG_SEND_CLAIM_LEASE_SECS".into(), s.settings.send_lease_secs.to_string()));
             }
             let mut r = Replica::new(spec, program.clone(), &logs_dir);
             if entry.get_ref().start_after_ms.is_none() {
@@ -446,6 +460,9 @@ async fn drive(
 
     log.rebase();
     log.measure_db_clock(&cases_pool).await;
+    if partner.is_some() {
+        log.push_at(0, Event::SendQueue { lease_ms: s.settings.send_lease_secs * 1000, cap_ms: s.settings.send_timeout_secs * 1000 });
+    }
     for (name, r) in replicas.iter() {
         let r = r.lock().await;
         if r.pid().is_some() {

@@ -2,11 +2,13 @@
 //! harness on loopback. It records every POST — its `craig_correlation_id` and the replica
 //! that sent it (the `craig-replica` header) — as `Event::PartnerPost`, and behaves as
 //! `[partner]` says: slow (`delay_ms`), failing (`fail_share` answered 500) or accepting and
-//! then hanging (`hang_share`: recorded, never answered; the sender's 30 s cap ends it).
+//! then hanging (`hang_share`: accepted at receipt, never answered; the sender's transport
+//! cap ends it).
 //!
 //! Like a real partner with a dedup boundary on the correlation id, a POST of a
 //! transmission it is still processing is answered 409 (a concurrent duplicate: refused),
-//! and one it already accepted is answered 200 again (an idempotent replay).
+//! and one it already accepted is answered 200 again (an idempotent replay). A request whose
+//! sender went away mid-request (timed out, died) is still processed to the end.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -47,6 +49,26 @@ pub(super) async fn serve(spec: PartnerSpec, log: Log, seed: u64) -> anyhow::Res
     Ok((url, task))
 }
 
+/// The partner's processing of one new transmission: however it ends — answered, or the
+/// sender gone mid-request (its timeout, its death) — the partner got the whole request and
+/// finishes it: accepted, unless it was chosen to fail (then forgotten, so a retry is new).
+struct Processing {
+    p: Arc<Shared>,
+    correlation: Uuid,
+    fail: bool,
+}
+
+impl Drop for Processing {
+    fn drop(&mut self) {
+        let mut seen = self.p.seen.lock().unwrap();
+        if self.fail {
+            seen.remove(&self.correlation);
+        } else {
+            seen.insert(self.correlation, Seen::Accepted);
+        }
+    }
+}
+
 async fn transmission(State(p): State<Arc<Shared>>, headers: HeaderMap, body: axum::body::Bytes) -> StatusCode {
     let correlation = serde_json::from_slice::<serde_json::Value>(&body)
         .ok()
@@ -73,19 +95,86 @@ async fn transmission(State(p): State<Arc<Shared>>, headers: HeaderMap, body: ax
                 (rng.random_bool(p.spec.fail_share), rng.random_bool(p.spec.hang_share))
             };
             p.log.push(Event::PartnerPost { correlation: Some(correlation), replica, status: if hang { 0 } else if fail { 500 } else { 200 } });
+            let processing = Processing { p: p.clone(), correlation, fail: fail && !hang };
             if hang {
-                tokio::time::sleep(Duration::from_secs(120)).await;
+                // Accepted at receipt, never answered: the sender's transport cap ends it.
+                drop(processing);
+                std::future::pending::<()>().await;
+                unreachable!("a hung answer never comes");
             }
             tokio::time::sleep(Duration::from_millis(p.spec.delay_ms)).await;
-            let mut seen = p.seen.lock().unwrap();
-            if fail {
-                seen.remove(&correlation);
-                return StatusCode::INTERNAL_SERVER_ERROR;
-            }
-            seen.insert(correlation, Seen::Accepted);
-            return StatusCode::OK;
+            drop(processing);
+            return if fail { StatusCode::INTERNAL_SERVER_ERROR } else { StatusCode::OK };
         }
     };
     p.log.push(Event::PartnerPost { correlation: Some(correlation), replica, status: status.as_u16() });
     status
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(c: Uuid) -> serde_json::Value {
+        serde_json::json!({ "craig_correlation_id": c, "payload": {} })
+    }
+
+    fn posts(log: &Log) -> Vec<(Option<Uuid>, Option<String>, u16)> {
+        log.history
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|e| match &e.event {
+                Event::PartnerPost { correlation, replica, status } => Some((*correlation, replica.clone(), *status)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// A real server on loopback: a concurrent duplicate is refused (409), a replay of an
+    /// accepted transmission is answered 200, each POST is recorded with its sender.
+    #[tokio::test]
+    async fn the_partner_refuses_a_concurrent_duplicate_and_answers_a_replay() {
+        let log = Log::new();
+        let spec = PartnerSpec { delay_ms: 300, fail_share: 0.0, hang_share: 0.0 };
+        let (url, task) = serve(spec, log.clone(), 7).await.unwrap();
+        let http = reqwest::Client::new();
+        let c = Uuid::now_v7();
+        let send = |who: &'static str| http.post(&url).header("craig-replica", who).json(&body(c)).send();
+        let (a, b) = tokio::join!(send("financial-1"), async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            send("financial-2").await
+        });
+        assert_eq!((a.unwrap().status().as_u16(), b.unwrap().status().as_u16()), (200, 409));
+        assert_eq!(send("financial-2").await.unwrap().status().as_u16(), 200, "a replay of an accepted transmission");
+        let bad = http.post(&url).json(&serde_json::json!({})).send().await.unwrap();
+        assert_eq!(bad.status().as_u16(), 400, "no craig_correlation_id");
+        let statuses: Vec<(Option<String>, u16)> = posts(&log).into_iter().map(|(_, r, s)| (r, s)).collect();
+        assert_eq!(
+            statuses,
+            vec![(Some("financial-1".into()), 200), (Some("financial-2".into()), 409), (Some("financial-2".into()), 200), (None, 400)]
+        );
+        task.abort();
+    }
+
+    /// Failing and hanging partners: a 500 frees the transmission for a retry; a hung POST
+    /// is recorded (status 0) and never answered.
+    #[tokio::test]
+    async fn the_partner_can_fail_and_hang() {
+        let log = Log::new();
+        let (url, task) = serve(PartnerSpec { delay_ms: 0, fail_share: 1.0, hang_share: 0.0 }, log.clone(), 7).await.unwrap();
+        let http = reqwest::Client::new();
+        let c = Uuid::now_v7();
+        for _ in 0..2 {
+            assert_eq!(http.post(&url).json(&body(c)).send().await.unwrap().status().as_u16(), 500);
+        }
+        task.abort();
+        let (url, task) = serve(PartnerSpec { delay_ms: 0, fail_share: 0.0, hang_share: 1.0 }, log.clone(), 7).await.unwrap();
+        let quick = reqwest::Client::builder().timeout(Duration::from_millis(300)).build().unwrap();
+        let hung = quick.post(&url).json(&body(Uuid::now_v7())).send().await;
+        assert!(hung.is_err_and(|e| e.is_timeout()), "accepted and never answered");
+        let statuses: Vec<u16> = posts(&log).into_iter().map(|(_, _, s)| s).collect();
+        assert_eq!(statuses, vec![500, 500, 0]);
+        task.abort();
+    }
 }

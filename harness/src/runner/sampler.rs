@@ -90,9 +90,14 @@ pub(super) async fn drain(
     let mut probe = DepthProbe { amqp: amqp_url, conn: None };
     while healed.elapsed() < bound {
         pending_total = 0;
-        for pool in pools.values() {
+        for (svc, pool) in pools {
             // The injected poison rows stay pending by design; every other row must drain.
             pending_total += bounded(PROBE, "pending count", pending_except(pool, poison)).await.unwrap_or(1);
+            // With a partner, financial's send queue must drain too (#1185): a job a killed
+            // sender held comes back when its lease expires.
+            if svc == "financial" && s.partner.is_some() {
+                pending_total += bounded(PROBE, "send-queue count", unsent_jobs(pool)).await.unwrap_or(1);
+            }
         }
         // Bounded: a probe that hangs must not hang the run (a hung connection is dropped).
         let depth = match tokio::time::timeout(Duration::from_secs(5), probe.depths(s)).await {
@@ -159,6 +164,10 @@ async fn pending_except(pool: &PgPool, except: &[Uuid]) -> Result<i64, sqlx::Err
         .bind(except)
         .fetch_one(pool)
         .await
+}
+
+async fn unsent_jobs(pool: &PgPool) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT count(*) FROM exchange_send_jobs WHERE status IN ('pending', 'in_flight')").fetch_one(pool).await
 }
 
 /// The drain's view of the consumer queues: ONE connection for every poll, opened again

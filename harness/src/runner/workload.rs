@@ -307,7 +307,7 @@ async fn stage_poison_rows(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> 
 /// `chaos_failing_referrals`. Only rules' inbox retry cap ends it, on the app path (§D3,
 /// #1196). Their envelope ids returned.
 async fn stage_app_dead_letters(cases: &PgPool, rules: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> {
-    for sql in [
+    execute_all(rules, "installing the failing-evaluation trigger in rules' database", &[
         "CREATE TABLE IF NOT EXISTS chaos_failing_referrals (referral_id uuid PRIMARY KEY)",
         "CREATE OR REPLACE FUNCTION chaos_fail_evaluation() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
            IF EXISTS (SELECT 1 FROM chaos_failing_referrals WHERE referral_id = NEW.referral_id) THEN \
@@ -315,9 +315,8 @@ async fn stage_app_dead_letters(cases: &PgPool, rules: &PgPool, n: u32) -> anyho
            END IF; RETURN NEW; END $$",
         "DROP TRIGGER IF EXISTS chaos_fail ON rule_evaluations",
         "CREATE TRIGGER chaos_fail BEFORE INSERT ON rule_evaluations FOR EACH ROW EXECUTE FUNCTION chaos_fail_evaluation()",
-    ] {
-        bounded(COLLECT, "installing the failing-evaluation trigger in rules' database", sqlx::query(sql).execute(rules)).await?;
-    }
+    ])
+    .await?;
     let mut ids = Vec::new();
     let mut tx = bounded(COLLECT, "staging app-path dead letters", cases.begin()).await?;
     for i in 0..n {
@@ -345,7 +344,7 @@ async fn stage_app_dead_letters(cases: &PgPool, rules: &PgPool, n: u32) -> anyho
 /// `chaos_transaction_transitions` (#1185: the harness sees an old replica's bare-id UPDATE
 /// as well as a current one's guarded one).
 async fn record_transaction_transitions(financial: &PgPool) -> anyhow::Result<()> {
-    for sql in [
+    execute_all(financial, "installing the transition recorder in financial's database", &[
         "CREATE TABLE IF NOT EXISTS chaos_transaction_transitions (id bigserial PRIMARY KEY, transaction_id uuid NOT NULL, \
            from_status text NOT NULL, to_status text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())",
         "CREATE OR REPLACE FUNCTION chaos_record_transition() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
@@ -354,10 +353,8 @@ async fn record_transaction_transitions(financial: &PgPool) -> anyhow::Result<()
            END IF; RETURN NEW; END $$",
         "DROP TRIGGER IF EXISTS chaos_transition ON exchange_transactions",
         "CREATE TRIGGER chaos_transition AFTER UPDATE ON exchange_transactions FOR EACH ROW EXECUTE FUNCTION chaos_record_transition()",
-    ] {
-        bounded(COLLECT, "installing the transition recorder in financial's database", sqlx::query(sql).execute(financial)).await?;
-    }
-    Ok(())
+    ])
+    .await
 }
 
 /// `n` transmissions (transaction + send job) in financial's send queue, already
@@ -387,17 +384,15 @@ async fn stage_send_jobs(financial: &PgPool, n: u32, overdue_ms: u64) -> anyhow:
 /// `chaos_pruned_pending`: the only code that deletes outbox rows is the prune, and it must
 /// never take a pending one (#965/#1129).
 async fn record_pending_deletes(pool: &PgPool) -> anyhow::Result<()> {
-    for sql in [
+    execute_all(pool, "installing the pending-delete recorder", &[
         "CREATE TABLE IF NOT EXISTS chaos_pruned_pending (envelope_id uuid NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())",
         "CREATE OR REPLACE FUNCTION chaos_record_pending_delete() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
            IF OLD.published_at IS NULL THEN INSERT INTO chaos_pruned_pending (envelope_id) VALUES (OLD.id); END IF; \
            RETURN OLD; END $$",
         "DROP TRIGGER IF EXISTS chaos_pending_delete ON event_outbox",
         "CREATE TRIGGER chaos_pending_delete BEFORE DELETE ON event_outbox FOR EACH ROW EXECUTE FUNCTION chaos_record_pending_delete()",
-    ] {
-        bounded(COLLECT, "installing the pending-delete recorder", sqlx::query(sql).execute(pool)).await?;
-    }
-    Ok(())
+    ])
+    .await
 }
 
 /// `n` referrals written 30 days and an hour ago, their events still pending: they failed
@@ -434,11 +429,22 @@ async fn stage_backdated(cases: &PgPool, n: u32) -> anyhow::Result<Vec<Uuid>> {
         "backdating the events",
         sqlx::query(
             "UPDATE event_outbox SET created_at = now() - interval '30 days 1 hour', attempts = 3, \
-             last_error = 'connection: broker unreachable (backdated by the harness)', next_attempt_at = now() + interval '3 seconds'",
+             last_error = 'connection: broker unreachable (backdated by the harness)', next_attempt_at = now() + interval '3 seconds' \
+             WHERE aggregate_id = ANY($1)",
         )
+        .bind(&ids)
         .execute(&mut *tx),
     )
     .await?;
     bounded(COLLECT, "staging backdated writes", tx.commit()).await?;
     Ok(ids)
+}
+
+/// Run `statements` in order on `pool`, each bounded: the harness's own scaffolding (the
+/// triggers that record or inject what a scenario needs).
+async fn execute_all(pool: &PgPool, what: &str, statements: &[&'static str]) -> anyhow::Result<()> {
+    for sql in statements {
+        bounded(COLLECT, what, sqlx::query(*sql).execute(pool)).await?;
+    }
+    Ok(())
 }

@@ -237,7 +237,11 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
     let worker = OutboxWorker::new(pool.clone(), &opts.settings.amqp_url, opts.settings.publisher, opts.settings.outbox)
         .with_mode(mode)
         .with_prune(prune);
-    tasks.spawn(worker.run(shutdown.clone()));
+    // The outbox stops last: whatever the other tasks stage while they drain (financial's
+    // send queue finishing its sends stages exchange.*) is still published.
+    let outbox_stop = CancellationToken::new();
+    tasks.spawn(worker.run(outbox_stop.clone()));
+    let mut before_outbox: Vec<tokio::sync::oneshot::Receiver<()>> = Vec::new();
 
     let own_queue = queue_spec(service, !opts.compat.has(Compat::PreD3));
     if let (Some(spec), true) = (&own_queue, service.consumes().is_empty()) {
@@ -286,14 +290,24 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
             Service::Financial => {
                 // #1185: the partner send queue, where the node knows its partner.
                 if let Some(partner_url) = std::env::var("CRAIG_PARTNER_URL").ok().filter(|u| !u.is_empty()) {
+                    let (send_timeout, lease) = crate::send_jobs::SendConfig::timing_from_env(|k| std::env::var(k).ok())
+                        .map_err(|why| anyhow::anyhow!(why))?;
                     let send = crate::send_jobs::SendConfig {
                         partner_url,
                         poll: opts.settings.outbox.poll_interval,
                         batch: 20,
+                        send_timeout,
+                        lease,
                         pre_1185: opts.compat.has(Compat::Pre1185),
                         replica: std::env::var("CRAIG_REPLICA").ok().filter(|r| !r.is_empty()),
                     };
-                    tasks.spawn(crate::send_jobs::run(pool.clone(), send, shutdown.clone()));
+                    let (done, drained) = tokio::sync::oneshot::channel();
+                    before_outbox.push(drained);
+                    let (pool, stop) = (pool.clone(), shutdown.clone());
+                    tasks.spawn(async move {
+                        crate::send_jobs::run(pool, send, stop).await;
+                        let _ = done.send(());
+                    });
                 } else {
                     tracing::info!(event = "send_jobs.disabled", "CRAIG_PARTNER_URL is not set: transmissions wait in exchange_send_jobs");
                 }
@@ -341,6 +355,14 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
         tasks.spawn(subscribe_dlq(cfg, handler, shutdown.clone()));
     }
 
+    let stop = shutdown.clone();
+    tasks.spawn(async move {
+        stop.cancelled().await;
+        for drained in before_outbox {
+            let _ = drained.await;
+        }
+        outbox_stop.cancel();
+    });
     while let Some(done) = tasks.join_next().await {
         if let Err(e) = done {
             // A panicking task is a bug; stop the others and report it.

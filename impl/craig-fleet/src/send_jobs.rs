@@ -132,8 +132,7 @@ fn claimed(rows: Vec<Row>) -> Vec<Claimed> {
 /// (`lease`: [`CLAIM_LEASE_SECS`] in production; tests pass their own).
 pub async fn claim(pool: &PgPool, n: i64, lease: Duration) -> Result<Vec<Claimed>, sqlx::Error> {
     let rows: Vec<Row> = sqlx::query_as(
-        "UPDATE exchange_send_jobs j SET status = 'in_flight', claimed_at = now(), claim_generation = j.claim_generation + 1, \
-                attempts = j.attempts + 1 \
+        "UPDATE exchange_send_jobs j SET status = 'in_flight', claimed_at = now(), claim_generation = j.claim_generation + 1 \
          WHERE j.id IN (SELECT id FROM exchange_send_jobs \
                         WHERE status IN ('pending', 'in_flight') AND next_attempt_at <= now() \
                           AND (claimed_at IS NULL OR claimed_at < now() - make_interval(secs => $2)) \
@@ -150,7 +149,7 @@ pub async fn claim(pool: &PgPool, n: i64, lease: Duration) -> Result<Vec<Claimed
 /// Compat `pre-1185`: claim pending due jobs only, with no timestamp and no generation.
 pub async fn claim_pre_1185(pool: &PgPool, n: i64) -> Result<Vec<Claimed>, sqlx::Error> {
     let rows: Vec<Row> = sqlx::query_as(
-        "UPDATE exchange_send_jobs j SET status = 'in_flight', attempts = j.attempts + 1 \
+        "UPDATE exchange_send_jobs j SET status = 'in_flight' \
          WHERE j.id IN (SELECT id FROM exchange_send_jobs WHERE status = 'pending' AND next_attempt_at <= now() \
                         ORDER BY next_attempt_at LIMIT $1 FOR UPDATE SKIP LOCKED) \
          RETURNING j.id, j.transaction_id, j.claim_generation, j.correlation_id, j.payload, j.attempts",
@@ -204,13 +203,19 @@ pub async fn retry_failed(pool: &PgPool, transaction: Uuid) -> Result<Transition
     if n != 1 {
         return Ok(Transition::Refused);
     }
-    sqlx::query(
+    let jobs = sqlx::query(
         "UPDATE exchange_send_jobs SET status = 'pending', claimed_at = NULL, attempts = 0, next_attempt_at = now(), finished_at = NULL \
          WHERE transaction_id = $1 AND status = 'failed'",
     )
     .bind(transaction)
     .execute(&mut *tx)
-    .await?;
+    .await?
+    .rows_affected();
+    if jobs == 0 {
+        // No failed job to re-send: a pending transaction would never be sent. Unchanged.
+        tx.rollback().await?;
+        return Ok(Transition::Refused);
+    }
     tx.commit().await?;
     Ok(Transition::Applied)
 }
@@ -234,14 +239,16 @@ pub async fn finalize(pool: &PgPool, job: &Claimed, sent: &Sent, replica: Option
     let (job_sql, outcome): (String, Option<TxStatus>) = match sent {
         Sent::Accepted => (format!("UPDATE exchange_send_jobs SET status = 'sent', finished_at = now(), last_error = $2 WHERE id = $1{fence}"), Some(TxStatus::Sent)),
         Sent::Refused(_) => (format!("UPDATE exchange_send_jobs SET status = 'failed', finished_at = now(), last_error = $2 WHERE id = $1{fence}"), Some(TxStatus::Failed)),
-        Sent::Failed(_) if job.attempts >= MAX_ATTEMPTS => {
-            (format!("UPDATE exchange_send_jobs SET status = 'failed', finished_at = now(), last_error = $2 WHERE id = $1{fence}"), Some(TxStatus::Failed))
-        }
+        // `attempts` counts adapter errors only (a lease re-claim after a crash spends none).
+        Sent::Failed(_) if job.attempts + 1 >= MAX_ATTEMPTS => (
+            format!("UPDATE exchange_send_jobs SET status = 'failed', attempts = attempts + 1, finished_at = now(), last_error = $2 WHERE id = $1{fence}"),
+            Some(TxStatus::Failed),
+        ),
         Sent::Failed(_) => (
             // Retry: back to pending, unclaimed, due after a capped exponential backoff.
             format!(
-                "UPDATE exchange_send_jobs SET status = 'pending', claimed_at = NULL, last_error = $2, \
-                 next_attempt_at = now() + make_interval(secs => LEAST(60, 2 ^ attempts)) WHERE id = $1{fence}"
+                "UPDATE exchange_send_jobs SET status = 'pending', claimed_at = NULL, last_error = $2, attempts = attempts + 1, \
+                 next_attempt_at = now() + make_interval(secs => LEAST(60, 2 ^ (attempts + 1))) WHERE id = $1{fence}"
             ),
             None,
         ),
@@ -262,9 +269,20 @@ pub async fn finalize(pool: &PgPool, job: &Claimed, sent: &Sent, replica: Option
     }
     if let Some(to) = outcome {
         if update_transaction_status(&mut tx, job.transaction_id, to, !pre_1185).await? == Transition::Refused {
-            // Defense in depth: the transaction is already terminal. Stamp nothing.
+            // Defense in depth: the transaction is already terminal. Its transaction is not
+            // touched and no event is staged; the job is closed (so it is never re-sent) with
+            // the reason.
             tx.rollback().await?;
             tracing::error!(event = "send_jobs.terminal_flip_refused", job_id = %job.id, transaction_id = %job.transaction_id, to = to.as_str());
+            sqlx::query(
+                "UPDATE exchange_send_jobs SET status = 'failed', finished_at = now(), \
+                 last_error = 'refused: its transaction is already terminal' \
+                 WHERE id = $1 AND status = 'in_flight' AND claim_generation = $2",
+            )
+            .bind(job.id)
+            .bind(job.generation)
+            .execute(pool)
+            .await?;
             return Ok(Fence::Stale);
         }
         let event_type = if to == TxStatus::Sent { EXCHANGE_SENT } else { EXCHANGE_FAILED };
@@ -295,8 +313,36 @@ pub struct SendConfig {
     pub partner_url: String,
     pub poll: Duration,
     pub batch: i64,
+    /// The per-send transport cap (`CRAIG_SEND_TIMEOUT_SECS`, at most [`SEND_TIMEOUT_SECS`]).
+    pub send_timeout: Duration,
+    /// The claim lease (`CRAIG_SEND_CLAIM_LEASE_SECS`, default [`CLAIM_LEASE_SECS`]): at least
+    /// three times `send_timeout`, checked by [`SendConfig::check`].
+    pub lease: Duration,
     pub pre_1185: bool,
     pub replica: Option<String>,
+}
+
+impl SendConfig {
+    /// The production timing (30 s cap, 90 s lease) unless the environment shortens it
+    /// (a test harness does, to see a lease expire in seconds); the #1185 floor holds either
+    /// way.
+    pub fn timing_from_env(lookup: impl Fn(&str) -> Option<String>) -> Result<(Duration, Duration), String> {
+        let secs = |name: &str, default: u64| -> Result<u64, String> {
+            lookup(name).map_or(Ok(default), |v| v.trim().parse().map_err(|_| format!("{name}={v:?} is not a whole number of seconds")))
+        };
+        let timeout = secs("CRAIG_SEND_TIMEOUT_SECS", SEND_TIMEOUT_SECS)?;
+        let lease = secs("CRAIG_SEND_CLAIM_LEASE_SECS", CLAIM_LEASE_SECS)?;
+        if timeout == 0 || timeout > SEND_TIMEOUT_SECS {
+            return Err(format!("CRAIG_SEND_TIMEOUT_SECS={timeout} must be 1..={SEND_TIMEOUT_SECS} (the verified transport cap)"));
+        }
+        if lease < 3 * timeout {
+            return Err(format!(
+                "CRAIG_SEND_CLAIM_LEASE_SECS={lease} must be at least 3 x CRAIG_SEND_TIMEOUT_SECS ({}): a shorter lease re-admits a job whose send is still running (#1185)",
+                3 * timeout
+            ));
+        }
+        Ok((Duration::from_secs(timeout), Duration::from_secs(lease)))
+    }
 }
 
 /// POST one job to the partner, with `craig_correlation_id` in the body and as a header.
@@ -308,6 +354,9 @@ async fn send(http: &reqwest::Client, cfg: &SendConfig, job: &Claimed) -> Sent {
     }
     match req.send().await {
         Ok(resp) if resp.status().is_success() => Sent::Accepted,
+        // A 4xx is the partner's final answer on this transmission (a 409: it is processing
+        // the same craig_correlation_id from another POST, which only a second sender inside
+        // a live lease can cause).
         Ok(resp) if resp.status().is_client_error() => Sent::Refused(format!("partner answered {}", resp.status())),
         Ok(resp) => Sent::Failed(format!("partner answered {}", resp.status())),
         Err(e) => Sent::Failed(format!("transport: {e}")),
@@ -315,9 +364,11 @@ async fn send(http: &reqwest::Client, cfg: &SendConfig, job: &Claimed) -> Sent {
 }
 
 /// The send worker: claim, POST every claimed job concurrently, finalize each; until
-/// `shutdown`, then finish the sends in flight (a graceful stop drains its claims).
+/// `shutdown`, then finish the sends in flight (a graceful stop drains its claims). The node
+/// stops its outbox worker only after this returns, so the last `exchange.*` events staged
+/// are published before the node exits.
 pub async fn run(pool: PgPool, cfg: SendConfig, shutdown: CancellationToken) {
-    let http = match reqwest::Client::builder().timeout(Duration::from_secs(SEND_TIMEOUT_SECS)).build() {
+    let http = match reqwest::Client::builder().timeout(cfg.send_timeout).build() {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(event = "send_jobs.client_failed", error = %e);
@@ -330,9 +381,9 @@ pub async fn run(pool: PgPool, cfg: SendConfig, shutdown: CancellationToken) {
             Err(e) => tracing::warn!(event = "send_jobs.boot_sweep_failed", error = %e),
         }
     }
-    tracing::info!(event = "send_jobs.started", partner = %cfg.partner_url, lease_secs = CLAIM_LEASE_SECS);
+    tracing::info!(event = "send_jobs.started", partner = %cfg.partner_url, lease_secs = cfg.lease.as_secs(), send_timeout_secs = cfg.send_timeout.as_secs());
     while !shutdown.is_cancelled() {
-        let jobs = if cfg.pre_1185 { claim_pre_1185(&pool, cfg.batch).await } else { claim(&pool, cfg.batch, Duration::from_secs(CLAIM_LEASE_SECS)).await };
+        let jobs = if cfg.pre_1185 { claim_pre_1185(&pool, cfg.batch).await } else { claim(&pool, cfg.batch, cfg.lease).await };
         let jobs = match jobs {
             Ok(j) => j,
             Err(e) => {

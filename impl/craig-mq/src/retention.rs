@@ -96,13 +96,22 @@ async fn batched(conn: &mut sqlx::PgConnection, sql: &'static str, days: Option<
 pub async fn prune_once(pool: &PgPool, cfg: &PruneConfig) -> Result<PruneReport, sqlx::Error> {
     let mut conn = pool.acquire().await?;
     let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)").bind(PRUNE_LOCK_KEY).fetch_one(&mut *conn).await?;
-    if !locked {
-        return Ok(PruneReport { skipped: true, ..Default::default() });
-    }
-    let result = prune_locked(&mut conn, cfg).await;
-    // Released even when a statement failed; a lost connection releases it by itself.
-    let _ = sqlx::query("SELECT pg_advisory_unlock($1)").bind(PRUNE_LOCK_KEY).execute(&mut *conn).await;
-    result
+    let mut report = if locked {
+        let result = prune_locked(&mut conn, cfg).await;
+        // Released even when a statement failed; a lost connection releases it by itself.
+        let _ = sqlx::query("SELECT pg_advisory_unlock($1)").bind(PRUNE_LOCK_KEY).execute(&mut *conn).await;
+        result?
+    } else {
+        PruneReport { skipped: true, ..Default::default() }
+    };
+    // Every replica reads the operator signal, lock or not, so none exports a stale gauge.
+    report.unpublished_beyond_grace = sqlx::query_scalar(
+        "SELECT count(*) FROM event_outbox WHERE published_at IS NULL AND created_at < now() - make_interval(secs => $1)",
+    )
+    .bind(cfg.grace.as_secs_f64())
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(report)
 }
 
 async fn prune_locked(conn: &mut sqlx::PgConnection, cfg: &PruneConfig) -> Result<PruneReport, sqlx::Error> {
@@ -128,12 +137,6 @@ async fn prune_locked(conn: &mut sqlx::PgConnection, cfg: &PruneConfig) -> Resul
         report.idempotency = batched(conn, "DELETE FROM idempotency_responses WHERE cache_key IN (SELECT cache_key FROM idempotency_responses \
              WHERE expires_at < now() LIMIT $1)", None, cfg).await?;
     }
-    report.unpublished_beyond_grace = sqlx::query_scalar(
-        "SELECT count(*) FROM event_outbox WHERE published_at IS NULL AND created_at < now() - make_interval(secs => $1)",
-    )
-    .bind(cfg.grace.as_secs_f64())
-    .fetch_one(&mut *conn)
-    .await?;
     Ok(report)
 }
 
@@ -151,7 +154,10 @@ pub async fn run(pool: PgPool, cfg: PruneConfig, shutdown: CancellationToken) {
             _ = tokio::time::sleep(cfg.interval.mul_f64(jitter)) => {}
         }
         match prune_once(&pool, &cfg).await {
-            Ok(r) if r.skipped => tracing::debug!(event = "retention.skipped", "another replica holds the prune lock"),
+            Ok(r) if r.skipped => {
+                metrics::gauge!(crate::metrics::OUTBOX_UNPUBLISHED_BEYOND_GRACE).set(r.unpublished_beyond_grace as f64);
+                tracing::debug!(event = "retention.skipped", "another replica holds the prune lock");
+            }
             Ok(r) => {
                 metrics::gauge!(crate::metrics::OUTBOX_UNPUBLISHED_BEYOND_GRACE).set(r.unpublished_beyond_grace as f64);
                 tracing::info!(

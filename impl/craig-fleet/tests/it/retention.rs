@@ -80,11 +80,19 @@ async fn the_prune_keeps_pending_rows_forever_and_windows_each_table() {
     assert!(!exists(&db, "event_outbox", "id", old_pending).await, "pre-965 deletes the only evidence of an undelivered event");
     assert!(!exists(&db, "event_inbox", "envelope_id", inbox_inside).await, "pre-965 forgets dedup records inside the outbox's replay window's margin");
 
-    // A 0 window disables that table.
+    // A 0 window disables that table, each on its own.
     outbox_row(&db, 31.0, true).await;
-    let off = craig_mq::Retention { outbox_days: 0, ..Default::default() };
+    inbox_row(&db, 40.0).await;
+    sqlx::query("INSERT INTO idempotency_responses (cache_key, method, path, user_sub, expires_at) VALUES ('old', 'POST', '/x', $1, now() - interval '1 hour')")
+        .bind(Uuid::now_v7())
+        .execute(&db)
+        .await
+        .unwrap();
+    let off = craig_mq::Retention { outbox_days: 0, inbox_days: 0, idempotency_hours: 0 };
     let r = prune_once(&db, &PruneConfig { retention: off, ..Default::default() }).await.unwrap();
-    assert_eq!(r.outbox, 0);
+    assert_eq!((r.outbox, r.inbox, r.idempotency), (0, 0, 0), "{r:?}");
+    let r = prune_once(&db, &PruneConfig::default()).await.unwrap();
+    assert_eq!((r.outbox, r.inbox, r.idempotency), (1, 1, 1), "{r:?}");
     db.close().await;
     fleet.finish().await;
 }
@@ -156,6 +164,38 @@ async fn replay_is_refused_past_the_outbox_window_and_restages_inside_it() {
     })
     .await;
     assert_eq!(fleet.take_all("craig-rules.events").await, vec![inside.to_string()], "exactly the scoped row went out again");
+    assert_eq!(node.stop().await.code(), Some(0));
+    db.close().await;
+    fleet.finish().await;
+}
+
+/// The prune runs inside a real node's outbox worker on its cadence, and the operator signal
+/// reaches `/metrics`: a pending row 40 days old (backing off for an hour) is kept and
+/// counted in `outbox_unpublished_beyond_grace`.
+#[tokio::test]
+async fn a_node_prunes_on_its_cadence_and_exports_the_unpublished_signal() {
+    let fleet = Fleet::new("retention_node", &[Service::Cases]).await;
+    let db = fleet.pool(Service::Cases).await;
+    let pending = outbox_row(&db, 40.0, false).await;
+    sqlx::query("UPDATE event_outbox SET next_attempt_at = now() + interval '1 hour' WHERE id = $1").bind(pending).execute(&db).await.unwrap();
+    let published = outbox_row(&db, 31.0, true).await;
+    let node = fleet.start(Service::Cases, &[("CRAIG_RETENTION_INTERVAL_SECS", "1")], &[]).await;
+    eventually(Duration::from_secs(15), "the published row past the window pruned", || {
+        let db = db.clone();
+        async move { !exists(&db, "event_outbox", "id", published).await }
+    })
+    .await;
+    let scrape = || async { reqwest::get(format!("{}/metrics", node.base)).await.unwrap().text().await.unwrap() };
+    let mut seen = String::new();
+    for _ in 0..50 {
+        seen = scrape().await;
+        if seen.lines().any(|l| l == "outbox_unpublished_beyond_grace 1") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(seen.lines().any(|l| l == "outbox_unpublished_beyond_grace 1"), "{seen}");
+    assert!(exists(&db, "event_outbox", "id", pending).await, "the pending row is kept");
     assert_eq!(node.stop().await.code(), Some(0));
     db.close().await;
     fleet.finish().await;

@@ -105,11 +105,31 @@ async fn transport_failures_retry_fenced_until_max_attempts_then_fail() {
     for attempt in 1..=send_jobs::MAX_ATTEMPTS {
         sqlx::query("UPDATE exchange_send_jobs SET next_attempt_at = now() - interval '1 second' WHERE status = 'pending'").execute(&db).await.unwrap();
         let job = send_jobs::claim(&db, 10, LEASE).await.unwrap().pop().expect("due");
-        assert_eq!(job.attempts, attempt);
+        assert_eq!(job.attempts, attempt - 1, "adapter errors so far");
         assert_eq!(send_jobs::finalize(&db, &job, &Sent::Failed("503".into()), None, false).await.unwrap(), Fence::Applied);
     }
     assert_eq!(status(&db, t).await, ("failed".into(), "failed".into()));
     assert_eq!((events(&db, send_jobs::EXCHANGE_SENT).await, events(&db, send_jobs::EXCHANGE_FAILED).await), (0, 1));
+    db.close().await;
+    fleet.finish().await;
+}
+
+/// Defense in depth: a job whose transaction is already terminal (written behind the
+/// queue's back) is not stamped over: nothing on the transaction changes, no event is
+/// staged, and the job is closed with the reason so it is never re-sent.
+#[tokio::test]
+async fn a_finalize_onto_a_terminal_transaction_changes_nothing_and_closes_the_job() {
+    let fleet = Fleet::new("send_jobs_refused_flip", &[Service::Financial]).await;
+    let db = fleet.pool(Service::Financial).await;
+    let t = stage(&db, 0).await;
+    let job = send_jobs::claim(&db, 10, LEASE).await.unwrap().pop().unwrap();
+    sqlx::query("UPDATE exchange_transactions SET status = 'failed' WHERE id = $1").bind(t).execute(&db).await.unwrap();
+    assert_eq!(send_jobs::finalize(&db, &job, &Sent::Accepted, None, false).await.unwrap(), Fence::Stale);
+    assert_eq!(status(&db, t).await, ("failed".into(), "failed".into()), "failed stays failed; the job is closed");
+    let why: Option<String> = sqlx::query_scalar("SELECT last_error FROM exchange_send_jobs WHERE transaction_id = $1").bind(t).fetch_one(&db).await.unwrap();
+    assert_eq!(why.as_deref(), Some("refused: its transaction is already terminal"));
+    assert_eq!((events(&db, send_jobs::EXCHANGE_SENT).await, events(&db, send_jobs::EXCHANGE_FAILED).await), (0, 0));
+    assert!(send_jobs::claim(&db, 10, Duration::ZERO).await.unwrap().is_empty(), "never claimed again");
     db.close().await;
     fleet.finish().await;
 }
