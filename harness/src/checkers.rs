@@ -1142,6 +1142,14 @@ pub fn fencing(h: &History) -> Verdict {
     let mut v = Verdict::new("fencing");
     let windows = h.fault_windows();
     let mut posts: BTreeMap<Uuid, Vec<(u64, Option<&str>, u16)>> = BTreeMap::new();
+    // POSTs the partner took whose sender never got the answer (status 0 below): like a hung
+    // one, their sender's next POST is its retry once its cap ran out.
+    let mut unanswered: HashMap<Uuid, Vec<u64>> = HashMap::new();
+    for e in h.iter() {
+        if let Event::PartnerUnanswered { correlation } = e.event {
+            unanswered.entry(correlation).or_default().push(e.t_ms);
+        }
+    }
     let mut all_posts = 0;
     let mut outcomes: BTreeMap<Uuid, Vec<(&str, Option<&str>, u64)>> = BTreeMap::new();
     let mut flips = 0;
@@ -1172,22 +1180,31 @@ pub fn fencing(h: &History) -> Verdict {
         .iter()
         .find_map(|e| if let Event::SendQueue { lease_ms, cap_ms } = e.event { Some((lease_ms, cap_ms)) } else { None })
         .unwrap_or((SEND_LEASE_MS, SEND_CAP_MS));
-    let mut double = 0;
+    let (mut double, mut resent_after_lease) = (0, 0);
     for (correlation, ps) in &posts {
         // Each POST against the last one that was not itself refused as a duplicate.
         let mut last: Option<(u64, Option<&str>, u16)> = None;
         for &(t2, r2, s2) in ps {
-            let Some((t1, r1, s1)) = last else {
+            let Some((t1, r1, mut s1)) = last else {
                 last = Some((t2, r2, s2));
                 continue;
             };
+            if s1 == 200 && unanswered.get(correlation).is_some_and(|ts| ts.iter().any(|t| (t1..=t2).contains(t))) {
+                s1 = 0;
+            }
             // 409: the partner was still processing an earlier POST, whose sender (the
-            // partner answers inside the send cap) was still waiting on its claim.
-            let live = s2 == 409 || (s1 == 200 && t2 < t1 + lease_ms) || (s1 == 0 && t2 < t1 + cap_ms);
+            // partner answers well inside the send cap) was still waiting on its claim. The
+            // lease runs from the claim, a little before the partner saw the POST: slack.
+            let live = s2 == 409 || (s1 == 200 && t2 + WINDOW_SLACK_MS < t1 + lease_ms) || (s1 == 0 && t2 + WINDOW_SLACK_MS < t1 + cap_ms);
             if s2 != 409 {
                 last = Some((t2, r2, s2));
             }
             if !live {
+                if s1 != 500 {
+                    // The ADR's at-least-once: accepted (or unanswered), re-sent once the
+                    // claim's lease (or the sender's cap) was over.
+                    resent_after_lease += 1;
+                }
                 continue;
             }
             double += 1;
@@ -1230,6 +1247,7 @@ pub fn fencing(h: &History) -> Verdict {
     v.count("posts", all_posts);
     v.count("transmissions", posts.len());
     v.count("double_posts", double);
+    v.count("resent_after_lease", resent_after_lease);
     v.count("jobs_finalized", outcomes.len());
     v.count("conflicting_events", conflicting);
     v.count("terminal_flips", flips);
@@ -2075,8 +2093,14 @@ mod tests {
         flip(&mut h, 4_000, 4, "pending", "failed");
         flip(&mut h, 5_000, 4, "failed", "pending");
         h.sort();
+        // Accepted, but its sender timed out before the answer: the retry after the cap.
+        post(&mut h, 200, 5, "financial-1", 200);
+        h.push(200 + SEND_CAP_MS, Event::PartnerUnanswered { correlation: id(5) });
+        post(&mut h, 300 + SEND_CAP_MS, 5, "financial-1", 200);
+        h.sort();
         let v = fencing(&h);
-        assert_eq!((v.validity, v.counts["transmissions"], v.counts["double_posts"]), (Validity::Valid, 3, 0), "{v:?}");
+        assert_eq!((v.validity, v.counts["transmissions"], v.counts["double_posts"]), (Validity::Valid, 4, 0), "{v:?}");
+        assert_eq!(v.counts["resent_after_lease"], 3, "the hung one, the lease-expired one and the unanswered one; not the retry after a 500");
         assert_eq!(fencing(&History::default()).validity, Validity::Unknown, "nothing to check");
     }
 
@@ -2091,7 +2115,7 @@ mod tests {
         post(&mut h, 10, 1, "financial-2", 200);
         post(&mut h, 500, 1, "financial-1", 409);
         post(&mut h, 20, 2, "financial-1", 200);
-        post(&mut h, 20 + SEND_LEASE_MS - 1, 2, "financial-1", 200);
+        post(&mut h, 20 + SEND_LEASE_MS - WINDOW_SLACK_MS - 1, 2, "financial-1", 200);
         exchanged(&mut h, 1_000, 1, "failed", "financial-1");
         exchanged(&mut h, 1_500, 1, "sent", "financial-2");
         flip(&mut h, 1_000, 1001, "pending", "failed");

@@ -144,6 +144,9 @@ pub enum Event {
         replica: Option<String>,
         status: u16,
     },
+    /// The partner got a transmission and its sender never got the answer (it hung, or the
+    /// sender timed out or died first): the sender's next POST of it is its retry.
+    PartnerUnanswered { correlation: Uuid },
     /// The send queue's timing in this run (#1185): the claim lease and the per-send cap
     /// the financial replicas were given.
     SendQueue { lease_ms: u64, cap_ms: u64 },

@@ -248,6 +248,12 @@ fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<St
             f.dlq_duplicates
         ));
     }
+    if f.lease_resends > 0 {
+        let resent = crate::checkers::fencing(h).counts.get("resent_after_lease").copied().unwrap_or(0);
+        if resent < f.lease_resends {
+            why.push(format!("{resent} transmissions re-sent after their claim ended, below min_lease_resends = {}", f.lease_resends));
+        }
+    }
     let crossings = h.iter().filter(|e| matches!(e.event, Event::ThresholdExceeded { .. })).count() as u64;
     if crossings < f.crossings {
         why.push(format!("{crossings} threshold events staged (security.dlq.threshold_exceeded), below min_crossings = {}", f.crossings));

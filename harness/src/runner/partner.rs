@@ -56,10 +56,16 @@ struct Processing {
     p: Arc<Shared>,
     correlation: Uuid,
     fail: bool,
+    /// The answer is going out; false when the sender went away first (or it hung).
+    answered: bool,
 }
 
 impl Drop for Processing {
     fn drop(&mut self) {
+        if !self.answered {
+            // The sender never got an answer: its next POST is its retry after the cap.
+            self.p.log.push(Event::PartnerUnanswered { correlation: self.correlation });
+        }
         let mut seen = self.p.seen.lock().unwrap();
         if self.fail {
             seen.remove(&self.correlation);
@@ -95,7 +101,7 @@ async fn transmission(State(p): State<Arc<Shared>>, headers: HeaderMap, body: ax
                 (rng.random_bool(p.spec.fail_share), rng.random_bool(p.spec.hang_share))
             };
             p.log.push(Event::PartnerPost { correlation: Some(correlation), replica, status: if hang { 0 } else if fail { 500 } else { 200 } });
-            let processing = Processing { p: p.clone(), correlation, fail: fail && !hang };
+            let mut processing = Processing { p: p.clone(), correlation, fail: fail && !hang, answered: false };
             if hang {
                 // Accepted at receipt, never answered: the sender's transport cap ends it.
                 drop(processing);
@@ -103,6 +109,7 @@ async fn transmission(State(p): State<Arc<Shared>>, headers: HeaderMap, body: ax
                 unreachable!("a hung answer never comes");
             }
             tokio::time::sleep(Duration::from_millis(p.spec.delay_ms)).await;
+            processing.answered = true;
             drop(processing);
             return if fail { StatusCode::INTERNAL_SERVER_ERROR } else { StatusCode::OK };
         }

@@ -364,15 +364,17 @@ async fn stage_send_jobs(financial: &PgPool, n: u32, overdue_ms: u64) -> anyhow:
         return Ok(());
     }
     let mut tx = bounded(COLLECT, "staging send jobs", financial.begin()).await?;
+    let mut transactions = Vec::new();
     for i in 0..n {
         let payload = json!({ "chaos_backlog": i, "amount_cents": 1000 + i });
-        bounded(COLLECT, "staging a send job", craig_fleet::send_jobs::stage_in_tx(&mut tx, None, &payload)).await?;
+        transactions.push(bounded(COLLECT, "staging a send job", craig_fleet::send_jobs::stage_in_tx(&mut tx, None, &payload)).await?);
     }
     bounded(
         COLLECT,
         "backdating the send jobs",
-        sqlx::query("UPDATE exchange_send_jobs SET next_attempt_at = now() - make_interval(secs => $1)")
+        sqlx::query("UPDATE exchange_send_jobs SET next_attempt_at = now() - make_interval(secs => $1) WHERE transaction_id = ANY($2)")
             .bind(overdue_ms as f64 / 1000.0)
+            .bind(&transactions)
             .execute(&mut *tx),
     )
     .await?;

@@ -274,7 +274,7 @@ pub async fn finalize(pool: &PgPool, job: &Claimed, sent: &Sent, replica: Option
             // the reason.
             tx.rollback().await?;
             tracing::error!(event = "send_jobs.terminal_flip_refused", job_id = %job.id, transaction_id = %job.transaction_id, to = to.as_str());
-            sqlx::query(
+            let closed = sqlx::query(
                 "UPDATE exchange_send_jobs SET status = 'failed', finished_at = now(), \
                  last_error = 'refused: its transaction is already terminal' \
                  WHERE id = $1 AND status = 'in_flight' AND claim_generation = $2",
@@ -282,7 +282,9 @@ pub async fn finalize(pool: &PgPool, job: &Claimed, sent: &Sent, replica: Option
             .bind(job.id)
             .bind(job.generation)
             .execute(pool)
-            .await?;
+            .await?
+            .rows_affected();
+            tracing::warn!(event = "send_jobs.closed_on_terminal_transaction", job_id = %job.id, closed = closed == 1);
             return Ok(Fence::Stale);
         }
         let event_type = if to == TxStatus::Sent { EXCHANGE_SENT } else { EXCHANGE_FAILED };
@@ -316,7 +318,7 @@ pub struct SendConfig {
     /// The per-send transport cap (`CRAIG_SEND_TIMEOUT_SECS`, at most [`SEND_TIMEOUT_SECS`]).
     pub send_timeout: Duration,
     /// The claim lease (`CRAIG_SEND_CLAIM_LEASE_SECS`, default [`CLAIM_LEASE_SECS`]): at least
-    /// three times `send_timeout`, checked by [`SendConfig::check`].
+    /// three times `send_timeout`, checked by [`SendConfig::timing_from_env`].
     pub lease: Duration,
     pub pre_1185: bool,
     pub replica: Option<String>,
@@ -395,6 +397,10 @@ pub async fn run(pool: PgPool, cfg: SendConfig, shutdown: CancellationToken) {
         let sends = jobs.iter().map(|job| async {
             tracing::debug!(event = "send_jobs.claimed", job_id = %job.id, generation = job.generation, correlation_id = %job.correlation_id);
             let sent = send(&http, &cfg, job).await;
+            if sent == Sent::Accepted {
+                // The at-least-once window: the partner has it, the job is not finalized.
+                craig_mq::crash::hit("send_jobs::after_post_before_finalize");
+            }
             match finalize(&pool, job, &sent, cfg.replica.as_deref(), cfg.pre_1185).await {
                 Ok(fence) => tracing::info!(event = "send_jobs.finalized", job_id = %job.id, generation = job.generation, outcome = ?sent, fence = ?fence),
                 // The lease re-admits the job; the partner's correlation id dedups a resend.

@@ -6,6 +6,7 @@
 //! | `outbox::after_publish_before_stamp` | #1128: broker ACKed, `published_at` not stamped — re-published after lease expiry |
 //! | `inbox::after_handler_before_stamp` | #1180: handler committed, `processed_at` not stamped — handler re-runs on redelivery |
 //! | `dlq::after_record_before_ack` | #1181: the dead letter's audit row committed, the DLQ delivery not acked — redelivered; the occurrence token absorbs it |
+//! | `send_jobs::after_post_before_finalize` | #1185 (craig-fleet's send queue): the partner accepted the POST, the job not finalized — re-sent once the lease expires (at-least-once) |
 //!
 //! Built only with feature `failpoints` (off by default, so never in a plain release
 //! build). Configure with the `fail` crate's `FAILPOINTS` grammar; the action
@@ -14,8 +15,13 @@
 //! marker the harness can time another fault by. Other `fail` actions (`sleep`, `pause`, `panic`) behave as documented there.
 
 /// The crash point names, for `--help` texts and harness validation.
-pub const CRASH_POINTS: &[&str] =
-    &["outbox::after_claim", "outbox::after_publish_before_stamp", "inbox::after_handler_before_stamp", "dlq::after_record_before_ack"];
+pub const CRASH_POINTS: &[&str] = &[
+    "outbox::after_claim",
+    "outbox::after_publish_before_stamp",
+    "inbox::after_handler_before_stamp",
+    "dlq::after_record_before_ack",
+    "send_jobs::after_post_before_finalize",
+];
 
 /// Evaluate crash point `name`. Without feature `failpoints` this is a no-op.
 #[inline]
