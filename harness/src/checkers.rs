@@ -1124,7 +1124,9 @@ pub const SEND_CAP_MS: u64 = craig_fleet::send_jobs::SEND_TIMEOUT_SECS * 1000;
 
 /// The send queue's fencing (§ Amendment #1185), from the partner's record, financial's
 /// staged events and the transaction status changes:
-/// - no transmission POSTed twice while a lease was live: a POST answered 409 (it arrived
+/// - no transmission POSTed twice while a lease was live (unless the first POST's sender
+///   logged its fenced retry in between, `send_jobs.finalized` failed + applied: its claim was
+///   over, whenever the partner recorded the POST): a POST answered 409 (it arrived
 ///   while the partner was still processing the same `craig_correlation_id`), or one sooner
 ///   than [`SEND_LEASE_MS`] after the same transmission was accepted (or sooner than
 ///   [`SEND_CAP_MS`] after a POST the partner never answered), each POST held against the
@@ -1145,9 +1147,15 @@ pub fn fencing(h: &History) -> Verdict {
     // POSTs the partner took whose sender never got the answer (status 0 below): like a hung
     // one, their sender's next POST is its retry once its cap ran out.
     let mut unanswered: HashMap<Uuid, Vec<u64>> = HashMap::new();
+    // The senders' own word: a failed send whose fenced retry applied ended that claim.
+    let mut retried: HashMap<Uuid, Vec<(u64, &str)>> = HashMap::new();
     for e in h.iter() {
-        if let Event::PartnerUnanswered { correlation } = e.event {
-            unanswered.entry(correlation).or_default().push(e.t_ms);
+        match &e.event {
+            Event::PartnerUnanswered { correlation } => unanswered.entry(*correlation).or_default().push(e.t_ms),
+            Event::SendFinalized { correlation, replica, result, applied: true } if result == "failed" => {
+                retried.entry(*correlation).or_default().push((e.t_ms, replica.as_str()))
+            }
+            _ => {}
         }
     }
     let mut all_posts = 0;
@@ -1184,6 +1192,10 @@ pub fn fencing(h: &History) -> Verdict {
     for (correlation, ps) in &posts {
         // Each POST against the last one that was not itself refused as a duplicate.
         let mut last: Option<(u64, Option<&str>, u16)> = None;
+        // When the POST before `last` was made: a retry logged after it belongs to `last`'s
+        // claim (a partner starved in a loaded harness may record a POST after its sender's
+        // cap already ended it).
+        let mut since = 0;
         for &(t2, r2, s2) in ps {
             let Some((t1, r1, mut s1)) = last else {
                 last = Some((t2, r2, s2));
@@ -1195,8 +1207,18 @@ pub fn fencing(h: &History) -> Verdict {
             // 409: the partner was still processing an earlier POST, whose sender (the
             // partner answers well inside the send cap) was still waiting on its claim. The
             // lease runs from the claim, a little before the partner saw the POST: slack.
-            let live = s2 == 409 || (s1 == 200 && t2 + WINDOW_SLACK_MS < t1 + lease_ms) || (s1 == 0 && t2 + WINDOW_SLACK_MS < t1 + cap_ms);
+            // The first claim ended for its sender when it logged its fenced retry (a send that
+            // timed out or failed) between the two POSTs: the second is its retry, on its own
+            // word — however late the partner (in a loaded harness) recorded the first.
+            let released = r1.is_some_and(|r1| {
+                retried.get(correlation).is_some_and(|fs| {
+                    fs.iter().any(|(t, r)| *r == r1 && *t > since && *t <= t2.saturating_add(WINDOW_SLACK_MS))
+                })
+            });
+            let live = !released
+                && (s2 == 409 || (s1 == 200 && t2 + WINDOW_SLACK_MS < t1 + lease_ms) || (s1 == 0 && t2 + WINDOW_SLACK_MS < t1 + cap_ms));
             if s2 != 409 {
+                since = t1;
                 last = Some((t2, r2, s2));
             }
             if !live {
@@ -2093,14 +2115,19 @@ mod tests {
         flip(&mut h, 4_000, 4, "pending", "failed");
         flip(&mut h, 5_000, 4, "failed", "pending");
         h.sort();
+        // Recorded as accepted by a partner that ran late, but its sender had timed out and
+        // logged its fenced retry: the next POST is that retry, not a second live claim.
+        post(&mut h, 400, 6, "financial-2", 200);
+        h.push(900, Event::SendFinalized { correlation: id(6), replica: "financial-2".into(), result: "failed".into(), applied: true });
+        post(&mut h, 1_500, 6, "financial-2", 200);
         // Accepted, but its sender timed out before the answer: the retry after the cap.
         post(&mut h, 200, 5, "financial-1", 200);
         h.push(200 + SEND_CAP_MS, Event::PartnerUnanswered { correlation: id(5) });
         post(&mut h, 300 + SEND_CAP_MS, 5, "financial-1", 200);
         h.sort();
         let v = fencing(&h);
-        assert_eq!((v.validity, v.counts["transmissions"], v.counts["double_posts"]), (Validity::Valid, 4, 0), "{v:?}");
-        assert_eq!(v.counts["resent_after_lease"], 3, "the hung one, the lease-expired one and the unanswered one; not the retry after a 500");
+        assert_eq!((v.validity, v.counts["transmissions"], v.counts["double_posts"]), (Validity::Valid, 5, 0), "{v:?}");
+        assert_eq!(v.counts["resent_after_lease"], 4, "the hung, lease-expired, logged-retry and unanswered ones; not the retry after a 500");
         assert_eq!(fencing(&History::default()).validity, Validity::Unknown, "nothing to check");
     }
 

@@ -147,6 +147,10 @@ pub enum Event {
     /// The partner got a transmission and its sender never got the answer (it hung, or the
     /// sender timed out or died first): the sender's next POST of it is its retry.
     PartnerUnanswered { correlation: Uuid },
+    /// A send-queue replica's own word on how one send of a transmission ended
+    /// (`send_jobs.finalized`): `result` accepted | refused | failed, and whether its fenced
+    /// transition applied (a failed send applied is the fenced retry: the claim is over).
+    SendFinalized { correlation: Uuid, replica: String, result: String, applied: bool },
     /// The send queue's timing in this run (#1185): the claim lease and the per-send cap
     /// the financial replicas were given.
     SendQueue { lease_ms: u64, cap_ms: u64 },

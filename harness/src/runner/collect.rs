@@ -205,6 +205,17 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
             }
             continue;
         }
+        if line.contains("event=\"send_jobs.finalized\"") {
+            let field = |name: &str| {
+                line.split_once(&format!(" {name}=")).and_then(|(_, r)| r.split_whitespace().next()).map(|v| v.trim_matches('"').to_owned())
+            };
+            if let (Some(correlation), Some(result), Some(fence)) =
+                (field("correlation_id").and_then(|c| c.parse::<Uuid>().ok()), field("result"), field("fence"))
+            {
+                out.push((at(), Event::SendFinalized { correlation, replica: replica.to_owned(), result, applied: fence == "applied" }));
+            }
+            continue;
+        }
         if line.contains("event=\"retention.cycle\"") {
             out.push((at(), Event::PruneCycle { replica: replica.to_owned(), kept_pending: 0 }));
             continue;
@@ -279,6 +290,7 @@ mod tests {
              2026-11-30T16:00:01.500000Z  WARN craig_mq::inbox: event=\"inbox.reprocessed\" envelope_id={env} source=x\n\
              2026-11-30T16:00:01.700000Z ERROR craig_mq::subscriber: dead-lettering to craig.dlx event=\"subscriber.permanent_failure\" queue=\"craig-rules.events\" envelope_id={env} error=no referral_id\n\
              2026-11-30T16:00:01.800000Z  WARN craig_mq::dlq: event=\"security.dlq.log_and_ack\" digest=00ff00ff00ff00ff envelope_id={env} routing_key=dlq.x error=db\n\
+             2026-11-30T16:00:01.950000Z  INFO craig_fleet::send_jobs: event=\"send_jobs.finalized\" job_id={env} correlation_id={env} generation=2 result=\"failed\" fence=\"applied\" outcome=Failed(\"transport: timed out\")\n\
              2026-11-30T16:00:01.900000Z  INFO craig_mq::retention: event=\"retention.cycle\" outbox=0 inbox=0 idempotency=0 pre_965=false\n\
              2026-11-30T16:00:01.900000Z  WARN craig_mq::retention: pending outbox rows older than the grace: kept event=\"retention.outbox_unpublished_beyond_grace\" rows=10 grace_secs=3600\n\
              not a line of interest envelope_id={env}\n"
@@ -293,6 +305,7 @@ mod tests {
                 (Some(1500), Event::Reprocessed { envelope: env, replica: "cases-1".into() }),
                 (Some(1700), Event::Rejected { envelope: env, replica: "cases-1".into(), compat: vec![] }),
                 (Some(1800), Event::AckedUnrecorded { key: "00ff00ff00ff00ff".into(), replica: "cases-1".into(), compat: vec![] }),
+                (Some(1950), Event::SendFinalized { correlation: env, replica: "cases-1".into(), result: "failed".into(), applied: true }),
                 (Some(1900), Event::PruneCycle { replica: "cases-1".into(), kept_pending: 10 }),
             ]
         );

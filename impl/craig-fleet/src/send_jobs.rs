@@ -402,7 +402,23 @@ pub async fn run(pool: PgPool, cfg: SendConfig, shutdown: CancellationToken) {
                 craig_mq::crash::hit("send_jobs::after_post_before_finalize");
             }
             match finalize(&pool, job, &sent, cfg.replica.as_deref(), cfg.pre_1185).await {
-                Ok(fence) => tracing::info!(event = "send_jobs.finalized", job_id = %job.id, generation = job.generation, outcome = ?sent, fence = ?fence),
+                Ok(fence) => {
+                    let result = match sent {
+                        Sent::Accepted => "accepted",
+                        Sent::Refused(_) => "refused",
+                        Sent::Failed(_) => "failed",
+                    };
+                    let fence = if fence == Fence::Applied { "applied" } else { "stale" };
+                    tracing::info!(
+                        event = "send_jobs.finalized",
+                        job_id = %job.id,
+                        correlation_id = %job.correlation_id,
+                        generation = job.generation,
+                        result,
+                        fence,
+                        outcome = ?sent,
+                    );
+                }
                 // The lease re-admits the job; the partner's correlation id dedups a resend.
                 Err(e) => tracing::warn!(event = "send_jobs.finalize_failed", job_id = %job.id, error = %e),
             }
