@@ -212,7 +212,14 @@ async fn http_writes(
             let (outcome, status) = match addr {
                 None => (Outcome::Failed, None), // replica down: nothing was sent
                 Some(addr) => {
-                    let sent = http.post(format!("http://{addr}{path}")).bearer_auth(&token).json(&body).send().await;
+                    // §D5: every write names its key (the aggregate id the harness chose).
+                    let sent = http
+                        .post(format!("http://{addr}{path}"))
+                        .header(craig_api::idempotency::IDEMPOTENCY_KEY, referral.to_string())
+                        .bearer_auth(&token)
+                        .json(&body)
+                        .send()
+                        .await;
                     match sent {
                         Ok(resp) => {
                             let code = resp.status().as_u16();

@@ -62,6 +62,7 @@ async fn post_referrals(base: &str, n: usize) -> Vec<u16> {
     for i in 0..n {
         let r = http
             .post(format!("http://{base}/v1/cases/referrals"))
+            .header("idempotency-key", uuid::Uuid::now_v7().to_string())
             .bearer_auth(token())
             .json(&json!({ "subject": format!("s{i}") }))
             .send()

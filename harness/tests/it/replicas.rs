@@ -19,6 +19,7 @@ async fn post(base: &str) -> u16 {
     });
     reqwest::Client::new()
         .post(format!("http://{base}/v1/cases/referrals"))
+        .header("idempotency-key", uuid::Uuid::now_v7().to_string())
         .bearer_auth(token)
         .json(&json!({"subject": "s"}))
         .send()

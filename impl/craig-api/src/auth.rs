@@ -159,13 +159,17 @@ where
     type Rejection = AuthError;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        let key = JwtKey::from_ref(state);
-        let header = parts.headers.get(axum::http::header::AUTHORIZATION).ok_or(AuthError::Missing)?;
-        let value = header.to_str().map_err(|_| AuthError::Malformed)?;
-        let token = bearer_token(value).ok_or(AuthError::Malformed)?;
-        let now = chrono::Utc::now().timestamp();
-        key.verify(token.trim(), now).map(Bearer)
+        verify_parts(&parts.headers, &JwtKey::from_ref(state)).map(Bearer)
     }
+}
+
+/// The verified claims of a request's `Authorization` header (what [`Bearer`] extracts),
+/// for middleware that runs before any extractor.
+pub fn verify_parts(headers: &axum::http::HeaderMap, key: &JwtKey) -> Result<Claims, AuthError> {
+    let header = headers.get(axum::http::header::AUTHORIZATION).ok_or(AuthError::Missing)?;
+    let value = header.to_str().map_err(|_| AuthError::Malformed)?;
+    let token = bearer_token(value).ok_or(AuthError::Malformed)?;
+    key.verify(token.trim(), chrono::Utc::now().timestamp())
 }
 
 /// The token of an `Authorization` value: the auth scheme matched case-insensitively

@@ -4,13 +4,13 @@
 //! |---|---|
 //! | [`auth`] | bearer tokens (ADR-021 audiences, referenced by ADR-022 §D4) |
 //! | [`replay`] | §D4 admin event replay (#795 scope, the #965/#1129 retention rule) |
-//!
-//! The §D5 idempotency middleware lands here next (`idempotency/{mod,layer,service,store}.rs`).
+//! | [`idempotency`] | §D5 persistent idempotency middleware (#1183, #1184; #1182, #1194 past the ADR) |
 //!
 //! Every error leaves as a JSON response `{"error": "..."}` with a typed status: the
 //! connection is never dropped unanswered.
 
 pub mod auth;
+pub mod idempotency;
 pub mod replay;
 
 use axum::Json;

@@ -7,8 +7,13 @@
 //! (placement, care level, period, days) the financial service derives its per-diem
 //! payment's natural key from (#1179).
 //!
-//! The §D5 idempotency layer wraps these routes in a later step; today a retry of the same
-//! request with the same `id` is answered 409, never written twice.
+//! `POST /v1/cases/exports?size=N` answers a deterministic body of N bytes ([`export_body`])
+//! and writes one `exports` row per execution, with the key it ran under: the route that
+//! exercises the §D5 response cap and its sentinel (#1183).
+//!
+//! All three sit behind the §D5 idempotency layer ([`craig_api::idempotency`]): a retry with
+//! the same `Idempotency-Key` replays the first answer; a new key for an existing referral
+//! `id` is still answered 409, never written twice.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -26,10 +31,74 @@ use crate::node::AppState;
 pub const REFERRAL_CREATED: &str = "case.referral_created";
 pub const PLACEMENT_ACTIVATED: &str = "placement.activated";
 
-pub fn router() -> Router<AppState> {
+/// The idempotent routes, behind `idempotency` (§D5).
+pub fn router(idempotency: craig_api::idempotency::IdempotencyLayer) -> Router<AppState> {
     Router::new()
         .route("/v1/cases/referrals", post(create_referral))
         .route("/v1/cases/placements/{id}/activate", post(activate_placement))
+        .route("/v1/cases/exports", post(create_export))
+        .route_layer(idempotency)
+}
+
+/// The largest export: far past both §D5 caps, still a bounded allocation.
+pub const EXPORT_MAX: u64 = 16 * 1024 * 1024;
+/// Exports stream in frames of this size, so the 1 MiB cap falls inside a frame.
+const EXPORT_FRAME: usize = 64 * 1000;
+
+/// The body of an export of `n` bytes: a fixed 36-symbol cycle, deterministic in `n`.
+pub fn export_body(n: usize) -> Vec<u8> {
+    const SYMBOLS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+    (0..n).map(|i| SYMBOLS[i % 36]).collect()
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ExportParams {
+    pub size: Option<String>,
+}
+
+/// `POST /v1/cases/exports?size=N`: one `exports` row (committed before the answer), then
+/// 200 with N bytes of [`export_body`] and an explicit `Content-Length`, streamed in frames.
+async fn create_export(
+    State(state): State<AppState>,
+    Bearer(claims): Bearer,
+    axum::extract::Query(params): axum::extract::Query<ExportParams>,
+    ctx: Option<axum::Extension<craig_api::idempotency::IdempotencyContext>>,
+) -> Response {
+    if let Err(e) = claims.require(&state.service.audience(), None) {
+        return e.into_response();
+    }
+    let size = match params.size.as_deref().map(str::parse::<u64>) {
+        Some(Ok(n)) if n <= EXPORT_MAX => n as usize,
+        _ => return error_response(StatusCode::BAD_REQUEST, &format!("size must be a whole number of bytes, 0..={EXPORT_MAX}")),
+    };
+    let body = export_body(size);
+    let digest = craig_api::idempotency::body_fingerprint(&body);
+    let (key, cache_key, generation) = match ctx {
+        Some(axum::Extension(c)) => (Some(c.key), Some(c.cache_key), Some(c.generation)),
+        None => (None, None, None),
+    };
+    let written = sqlx::query(
+        "INSERT INTO exports (size_bytes, idempotency_key, cache_key, generation, body_sha256, created_by) VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(size as i64)
+    .bind(&key)
+    .bind(&cache_key)
+    .bind(generation)
+    .bind(&digest)
+    .bind(claims.sub)
+    .execute(&state.pool)
+    .await;
+    if let Err(e) = written {
+        tracing::error!(event = "cases.export_failed", error = %e);
+        return error_response(StatusCode::SERVICE_UNAVAILABLE, "database unavailable; the export was not made");
+    }
+    let frames: Vec<Result<axum::body::Bytes, std::convert::Infallible>> =
+        axum::body::Bytes::from(body).chunks(EXPORT_FRAME).map(|c| Ok(axum::body::Bytes::copy_from_slice(c))).collect();
+    let mut r = axum::body::Body::from_stream(futures_util::stream::iter(frames)).into_response();
+    let h = r.headers_mut();
+    h.insert(axum::http::header::CONTENT_TYPE, axum::http::HeaderValue::from_static("application/octet-stream"));
+    h.insert(axum::http::header::CONTENT_LENGTH, axum::http::HeaderValue::from(size));
+    r
 }
 
 /// Request body. `id` is optional: a client (the harness) that names the referral can

@@ -14,6 +14,7 @@ pub enum Compat {
     PreD2,
     /// §D3 context item 3: consumer queues declared without DLX arguments.
     PreD3,
+    /// §D5 context item 5: idempotency in memory, per process (lost on restart, not shared).
     PreD5,
     /// #965/#1129: the prune deletes pending outbox rows too and windows the inbox like the
     /// outbox.
@@ -28,7 +29,9 @@ pub enum Compat {
     /// #1181: no per-occurrence idempotency; every DLQ delivery records a row, and the app
     /// path mints its token per call.
     Pre1181,
+    /// #1183: the capped `to_bytes` that stored an over-cap 2xx with an empty body.
     Pre1183,
+    /// #1184: the query string left out of the idempotency cache key.
     Pre1184,
     /// #1185: the send queue's boot-time sweep keyed on `next_attempt_at`, claims without a
     /// timestamp or generation, bare-id finalizers, no terminal guard on the transaction.
@@ -68,11 +71,14 @@ impl Compat {
             Compat::PreD1
                 | Compat::PreD2
                 | Compat::PreD3
+                | Compat::PreD5
                 | Compat::Pre965
                 | Compat::Pre1128
                 | Compat::Pre1156
                 | Compat::Pre1179
                 | Compat::Pre1181
+                | Compat::Pre1183
+                | Compat::Pre1184
                 | Compat::Pre1185
                 | Compat::Pre1196
                 | Compat::Pre1197
@@ -150,9 +156,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_implemented_refuses_the_rest() {
+    fn every_contract_mode_parses_and_an_unknown_one_is_refused() {
         assert_eq!("pre-d2".parse::<Compat>(), Ok(Compat::PreD2));
-        assert_eq!("pre-1183".parse::<Compat>(), Err(CompatError::NotImplemented(Compat::Pre1183)));
+        assert_eq!("pre-1183".parse::<Compat>(), Ok(Compat::Pre1183));
+        assert!(NAMES.iter().all(|(_, m)| m.implemented()), "every contract mode is built");
         let err = "pre-9999".parse::<Compat>().unwrap_err();
         assert!(err.to_string().contains("pre-1197"), "{err}");
         for (name, mode) in NAMES {

@@ -186,6 +186,26 @@ async fn render_metrics() -> axum::response::Response {
     }
 }
 
+/// The §D5 layer for this node's idempotent routes: the shared table, or under compat
+/// `pre-d5` a map in this process; the claim's life `CRAIG_IDEMPOTENCY_CLAIM_SECS` (1..=30,
+/// 30 in production; a harness shortens it to see a claim expire).
+fn idempotency_layer(opts: &NodeOptions, service: Service, pool: &PgPool) -> anyhow::Result<craig_api::idempotency::IdempotencyLayer> {
+    use craig_api::idempotency::{CLAIM_TTL, Config, IdempotencyLayer, Store};
+    let claim_secs = match std::env::var("CRAIG_IDEMPOTENCY_CLAIM_SECS") {
+        Err(_) => CLAIM_TTL.as_secs(),
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(n) if (1..=CLAIM_TTL.as_secs()).contains(&n) => n,
+            _ => anyhow::bail!("CRAIG_IDEMPOTENCY_CLAIM_SECS={v:?} must be a whole number of seconds, 1..={}", CLAIM_TTL.as_secs()),
+        },
+    };
+    let mut cfg = Config::new(JwtKey::new(&opts.jwt_secret), service.audience());
+    cfg.claim_ttl = Duration::from_secs(claim_secs);
+    cfg.pre_1183 = opts.compat.has(Compat::Pre1183);
+    cfg.pre_1184 = opts.compat.has(Compat::Pre1184);
+    let store = if opts.compat.has(Compat::PreD5) { Store::memory() } else { Store::postgres(pool.clone()) };
+    Ok(IdempotencyLayer::new(cfg, store))
+}
+
 /// Run until `shutdown` is cancelled, then drain and return.
 pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Result<()> {
     let service = opts.service;
@@ -206,7 +226,7 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
         .route("/healthz", get(|| async { Json(json!({ "status": "ok" })) }))
         .route("/metrics", get(render_metrics));
     if service == Service::Cases {
-        app = app.merge(cases::router());
+        app = app.merge(cases::router(idempotency_layer(&opts, service, &pool)?));
     }
     // §D4: every service's admin replay, refused past the outbox retention (#965/#1129).
     let replay = craig_api::replay::router(craig_api::replay::ReplayState {

@@ -134,8 +134,9 @@ async fn prune_locked(conn: &mut sqlx::PgConnection, cfg: &PruneConfig) -> Resul
              WHERE received_at < now() - make_interval(days => $2) LIMIT $1)", Some(inbox_days), cfg).await?;
     }
     if r.idempotency_hours > 0 {
+        // #1194: never a live claim (a re-claim restarts expires_at; this guards the rest).
         report.idempotency = batched(conn, "DELETE FROM idempotency_responses WHERE cache_key IN (SELECT cache_key FROM idempotency_responses \
-             WHERE expires_at < now() LIMIT $1)", None, cfg).await?;
+             WHERE expires_at < now() AND (status <> 'processing' OR claim_expires_at < now()) LIMIT $1)", None, cfg).await?;
     }
     Ok(report)
 }

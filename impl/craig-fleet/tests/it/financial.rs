@@ -126,15 +126,15 @@ async fn an_activation_flows_from_http_to_one_payment() {
     let good = token("craig-cases", "");
     let p = Uuid::now_v7();
     let url = format!("{}/v1/cases/placements/{p}/activate", cases.base);
-    let r = http.post(&url).json(&json!({ "care_level": "standard" })).send().await.unwrap();
+    let r = http.post(&url).header("idempotency-key", uuid::Uuid::now_v7().to_string()).json(&json!({ "care_level": "standard" })).send().await.unwrap();
     assert_eq!(r.status(), 401);
-    let r = http.post(&url).bearer_auth(&good).json(&json!({ "care_level": "" })).send().await.unwrap();
+    let r = http.post(&url).header("idempotency-key", uuid::Uuid::now_v7().to_string()).bearer_auth(&good).json(&json!({ "care_level": "" })).send().await.unwrap();
     assert_eq!(r.status(), 400);
-    let r = http.post(&url).bearer_auth(&good).json(&json!({ "care_level": "standard", "start": "2026-12-10" })).send().await.unwrap();
+    let r = http.post(&url).header("idempotency-key", uuid::Uuid::now_v7().to_string()).bearer_auth(&good).json(&json!({ "care_level": "standard", "start": "2026-12-10" })).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let body: serde_json::Value = r.json().await.unwrap();
     assert_eq!((body["period_start"].as_str(), body["days"].as_i64()), (Some("2026-12-01"), Some(22)));
-    let again = http.post(&url).bearer_auth(&good).json(&json!({ "care_level": "standard" })).send().await.unwrap();
+    let again = http.post(&url).header("idempotency-key", uuid::Uuid::now_v7().to_string()).bearer_auth(&good).json(&json!({ "care_level": "standard" })).send().await.unwrap();
     assert_eq!(again.status(), 409, "an active placement is not activated twice");
 
     // A placement.activated financial can never pay: dead-lettered from its own queue.

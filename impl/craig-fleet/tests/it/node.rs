@@ -100,23 +100,23 @@ async fn referrals_flow_from_http_to_rule_evaluations() {
     let url = format!("{}/v1/cases/referrals", cases.base);
     let good = token("craig-cases", "");
 
-    let unauth = http.post(&url).json(&json!({"subject": "x"})).send().await.unwrap();
+    let unauth = http.post(&url).header("idempotency-key", uuid::Uuid::now_v7().to_string()).json(&json!({"subject": "x"})).send().await.unwrap();
     assert_eq!(unauth.status(), 401);
-    let wrong_aud = http.post(&url).bearer_auth(token("craig-rules", "")).json(&json!({"subject": "x"})).send().await.unwrap();
+    let wrong_aud = http.post(&url).header("idempotency-key", uuid::Uuid::now_v7().to_string()).bearer_auth(token("craig-rules", "")).json(&json!({"subject": "x"})).send().await.unwrap();
     assert_eq!(wrong_aud.status(), 403);
-    let bad_body = http.post(&url).bearer_auth(&good).json(&json!({"subject": ""})).send().await.unwrap();
+    let bad_body = http.post(&url).header("idempotency-key", uuid::Uuid::now_v7().to_string()).bearer_auth(&good).json(&json!({"subject": ""})).send().await.unwrap();
     assert_eq!(bad_body.status(), 400);
 
     let mut ids = Vec::new();
     for i in 0..20 {
         let id = uuid::Uuid::now_v7();
-        let r = http.post(&url).bearer_auth(&good).json(&json!({"id": id, "subject": format!("s{i}")})).send().await.unwrap();
+        let r = http.post(&url).header("idempotency-key", uuid::Uuid::now_v7().to_string()).bearer_auth(&good).json(&json!({"id": id, "subject": format!("s{i}")})).send().await.unwrap();
         assert_eq!(r.status(), 201);
         let body: serde_json::Value = r.json().await.unwrap();
         assert_eq!(body["id"], json!(id));
         ids.push(id);
     }
-    let again = http.post(&url).bearer_auth(&good).json(&json!({"id": ids[0], "subject": "s0"})).send().await.unwrap();
+    let again = http.post(&url).header("idempotency-key", uuid::Uuid::now_v7().to_string()).bearer_auth(&good).json(&json!({"id": ids[0], "subject": "s0"})).send().await.unwrap();
     assert_eq!(again.status(), 409, "a repeated id is refused, never written twice");
 
     let cases_db = fleet.pool(Service::Cases).await;
@@ -197,6 +197,7 @@ async fn events_published_before_their_consumer_queue_exists_wait_for_it() {
     for i in 0..5 {
         let r = http
             .post(format!("{}/v1/cases/referrals", cases.base))
+            .header("idempotency-key", uuid::Uuid::now_v7().to_string())
             .bearer_auth(&good)
             .json(&json!({"subject": format!("early {i}")}))
             .send()
@@ -284,6 +285,7 @@ async fn a_nul_in_the_subject_is_a_400() {
     let cases = fleet.start(Service::Cases, &[], &[]).await;
     let r = reqwest::Client::new()
         .post(format!("{}/v1/cases/referrals", cases.base))
+        .header("idempotency-key", uuid::Uuid::now_v7().to_string())
         .bearer_auth(token("craig-cases", ""))
         .json(&json!({"subject": "a\u{0}b"}))
         .send()
@@ -292,6 +294,7 @@ async fn a_nul_in_the_subject_is_a_400() {
     assert_eq!(r.status(), 400);
     let upper = reqwest::Client::new()
         .post(format!("{}/v1/cases/referrals", cases.base))
+        .header("idempotency-key", uuid::Uuid::now_v7().to_string())
         .header("authorization", format!("BEARER {}", token("craig-cases", "")))
         .json(&json!({"subject": "fine"}))
         .send()

@@ -1,0 +1,195 @@
+//! The §D5 state machine against a model: random sequences of requests (bodies, failures,
+//! responses around the 1 MiB cap, requests around the 2 MiB cap), winners that die after
+//! claiming, and claim expiries, through the real layer on a real database.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::Query;
+use axum::http::{Request, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use craig_api::idempotency::{BODY_TOO_LARGE_HEADER, Claim, ClaimRequest, IdempotencyLayer, REPLAYED_HEADER, Store, body_fingerprint, cache_key};
+use proptest::prelude::*;
+use tower::ServiceExt;
+use uuid::Uuid;
+
+use crate::common::*;
+
+/// Response sizes: around the cache cap, and a small one.
+const SIZES: [usize; 4] = [MIB - 1, MIB, MIB + 1, 5];
+const BODIES: [&[u8]; 2] = [b"{\"a\":1}", b"{\"a\":2}"];
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// A request for key `k` with body `b`; the handler answers 500 when `fail`.
+    Send { k: usize, b: usize, fail: bool },
+    /// A request over 2 MiB (by one byte, or exactly 2 MiB: accepted).
+    Large { k: usize, exact: bool },
+    /// A winner claims `k` and dies before its handler answered.
+    Die { k: usize, b: usize },
+    /// Every claim of this case expires.
+    Expire,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..4usize, 0..2usize, proptest::bool::weighted(0.2)).prop_map(|(k, b, fail)| Op::Send { k, b, fail }),
+        1 => (0..4usize, any::<bool>()).prop_map(|(k, exact)| Op::Large { k, exact }),
+        1 => (0..4usize, 0..2usize).prop_map(|(k, b)| Op::Die { k, b }),
+        1 => Just(Op::Expire),
+    ]
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum M {
+    Absent,
+    Processing { b: usize, expired: bool },
+    Failed { b: usize },
+    Done { b: usize, sentinel: bool },
+}
+
+impl M {
+    /// Whether a request with body `b` claims the slot.
+    fn claims(self, b: usize) -> bool {
+        match self {
+            M::Absent => true,
+            M::Failed { b: was } | M::Processing { b: was, expired: true } => was == b,
+            _ => false,
+        }
+    }
+}
+
+#[test]
+fn the_middleware_follows_the_state_machine() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (sandbox, pool) = rt.block_on(database("model"));
+    let fail = Arc::new(AtomicBool::new(false));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (f, r) = (fail.clone(), runs.clone());
+    let store = Store::postgres(pool.clone());
+    let mut cfg = config();
+    cfg.claim_ttl = Duration::from_secs(30);
+    let app = axum::Router::new()
+        .route(
+            "/m",
+            post(move |Query(q): Query<Size>| async move {
+                r.fetch_add(1, Ordering::SeqCst);
+                if f.load(Ordering::SeqCst) {
+                    return (StatusCode::INTERNAL_SERVER_ERROR, "failed").into_response();
+                }
+                pattern(q.size.unwrap_or(0)).into_response()
+            }),
+        )
+        .route_layer(IdempotencyLayer::new(cfg, store.clone()));
+
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases: 24, ..ProptestConfig::default() });
+    runner
+        .run(&proptest::collection::vec(op(), 1..12), |ops| {
+            rt.block_on(async {
+                let sub = Uuid::now_v7();
+                let tok = token_for(sub, "craig-cases");
+                let mut model = [M::Absent; 4];
+                for op in ops {
+                    match op {
+                        Op::Send { k, b, fail: failing } => {
+                            fail.store(failing, Ordering::SeqCst);
+                            let before = runs.load(Ordering::SeqCst);
+                            let req = Request::post(format!("/m?size={}", SIZES[k]))
+                                .header("authorization", format!("Bearer {tok}"))
+                                .header("idempotency-key", format!("k{k}"))
+                                .body(Body::from(BODIES[b]))
+                                .unwrap();
+                            let resp = app.clone().oneshot(req).await.unwrap();
+                            let status = resp.status();
+                            let replayed = resp.headers().contains_key(REPLAYED_HEADER);
+                            let too_large = resp.headers().contains_key(BODY_TOO_LARGE_HEADER);
+                            let body = axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap();
+                            let ran = runs.load(Ordering::SeqCst) - before;
+                            let state = model[k];
+                            if state.claims(b) {
+                                prop_assert_eq!(ran, 1, "{:?} claims: the handler runs once", state);
+                                if failing {
+                                    prop_assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+                                    model[k] = M::Failed { b };
+                                } else {
+                                    prop_assert_eq!(status, StatusCode::OK);
+                                    prop_assert!(!replayed);
+                                    prop_assert!(body.as_ref() == pattern(SIZES[k]).as_slice(), "the live winner's full body");
+                                    model[k] = M::Done { b, sentinel: SIZES[k] > MIB };
+                                }
+                                continue;
+                            }
+                            prop_assert_eq!(ran, 0, "{:?}: nothing re-executes", state);
+                            match state {
+                                M::Processing { b: was, .. } | M::Failed { b: was } | M::Done { b: was, .. } if was != b => {
+                                    prop_assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY)
+                                }
+                                M::Processing { .. } => prop_assert_eq!(status, StatusCode::CONFLICT),
+                                M::Done { sentinel, .. } => {
+                                    prop_assert_eq!(status, StatusCode::OK);
+                                    prop_assert!(replayed);
+                                    prop_assert_eq!(too_large, sentinel);
+                                    if sentinel {
+                                        prop_assert!(body.is_empty());
+                                    } else {
+                                        prop_assert!(body.as_ref() == pattern(SIZES[k]).as_slice(), "the replay's full body");
+                                    }
+                                }
+                                other => prop_assert!(false, "unexpected model state {:?}", other),
+                            }
+                        }
+                        Op::Large { k, exact } => {
+                            let n = if exact { 2 * MIB } else { 2 * MIB + 1 };
+                            let before = runs.load(Ordering::SeqCst);
+                            fail.store(false, Ordering::SeqCst);
+                            let req = Request::post(format!("/m?size={}", SIZES[k]))
+                                .header("authorization", format!("Bearer {tok}"))
+                                .header("idempotency-key", format!("large{k}-{n}"))
+                                .body(Body::from(vec![b'z'; n]))
+                                .unwrap();
+                            let status = app.clone().oneshot(req).await.unwrap().status();
+                            let ran = runs.load(Ordering::SeqCst) - before;
+                            if exact {
+                                // A fresh key each time it is first seen; later a replay.
+                                prop_assert!(status == StatusCode::OK, "2 MiB is accepted, got {}", status);
+                                prop_assert!(ran <= 1);
+                            } else {
+                                prop_assert_eq!((status, ran), (StatusCode::PAYLOAD_TOO_LARGE, 0));
+                            }
+                        }
+                        Op::Die { k, b } => {
+                            let ck = cache_key("POST", "/m", &format!("size={}", SIZES[k]), sub, &format!("k{k}"));
+                            let fp = body_fingerprint(BODIES[b]);
+                            let req = ClaimRequest { cache_key: &ck, method: "POST", path: "/m", user_sub: sub, body_fingerprint: &fp, claim_ttl: Duration::from_secs(30) };
+                            let claim = store.claim(&req).await.unwrap();
+                            prop_assert_eq!(matches!(claim, Claim::Won { .. }), model[k].claims(b), "{:?} with body {}", model[k], b);
+                            if model[k].claims(b) {
+                                model[k] = M::Processing { b, expired: false };
+                            }
+                        }
+                        Op::Expire => {
+                            sqlx::query("UPDATE idempotency_responses SET claim_expires_at = now() - interval '1 second' WHERE user_sub = $1 AND status = 'processing'")
+                                .bind(sub)
+                                .execute(&pool)
+                                .await
+                                .unwrap();
+                            for m in &mut model {
+                                if let M::Processing { b, .. } = *m {
+                                    *m = M::Processing { b, expired: true };
+                                }
+                            }
+                        }
+                    }
+                }
+                Ok(())
+            })
+        })
+        .unwrap();
+    rt.block_on(async {
+        pool.close().await;
+        sandbox.destroy().await.unwrap();
+    });
+}
