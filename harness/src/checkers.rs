@@ -12,6 +12,7 @@
 //! | `dlq_occurrence_once` | a dead letter that reached `craig.dlx` has no audit row, or one occurrence has two; or an envelope both took effect and was dead-lettered |
 //! | `fencing` | the partner got two POSTs of one transmission while a send lease was live, a send job has both `exchange.sent` and `exchange.failed`, or a transaction left a terminal status other than `failed → pending` (#1185) |
 //! | `retention_safety` | a pending outbox row was pruned, or an admin replay reaching past the outbox window was accepted (#965/#1129) |
+//! | `sentinel_integrity` | an export's handler ran twice for one key and query outside the claim-expiry residue, a stored `succeeded` row is empty though its handler's body was not, or a client received other bytes than the handler produced for its request (live or replayed; a sentinel only for an over-cap body) (§D5, #1183, #1184) |
 //! | `threshold_crossing_once` | the `security.dlq.threshold_exceeded` events per type differ from the crossings (10 → 11 in the sliding hour) of the recorded occurrences |
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -147,12 +148,21 @@ impl Verdict {
     }
 }
 
-pub const INVARIANTS: &[&str] =
-    &["no_loss", "no_phantom", "effect_once", "liveness", "dlq_occurrence_once", "threshold_crossing_once", "fencing", "retention_safety"];
+pub const INVARIANTS: &[&str] = &[
+    "no_loss",
+    "no_phantom",
+    "effect_once",
+    "liveness",
+    "dlq_occurrence_once",
+    "threshold_crossing_once",
+    "fencing",
+    "retention_safety",
+    "sentinel_integrity",
+];
 /// Checkers that blame every violation on a replica and its compat mode
 /// ([`Verdict::culprits`]), so a scenario can name the cause it must be violated for.
 pub const ATTRIBUTING: &[&str] =
-    &["no_loss", "effect_once", "dlq_occurrence_once", "threshold_crossing_once", "fencing", "retention_safety"];
+    &["no_loss", "effect_once", "dlq_occurrence_once", "threshold_crossing_once", "fencing", "retention_safety", "sentinel_integrity"];
 
 /// Run one checker by name (None: no such checker).
 pub fn check(name: &str, h: &History) -> Option<Verdict> {
@@ -165,6 +175,7 @@ pub fn check(name: &str, h: &History) -> Option<Verdict> {
         "threshold_crossing_once" => threshold_crossing_once,
         "fencing" => fencing,
         "retention_safety" => retention_safety,
+        "sentinel_integrity" => sentinel_integrity,
         _ => return None,
     };
     Some(match std::panic::catch_unwind(|| f(h)) {
@@ -748,7 +759,8 @@ fn fault_replica(tag: &str) -> Option<&str> {
 /// What a dead-letter violation was, as a cause tag (`kind:<name>`) a twin can name, so a
 /// twin is red for its documented cause and not for any violation of the same checker.
 pub const VIOLATION_KINDS: &[&str] =
-    &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed", "double_post", "conflicting_events", "terminal_flip", "pruned_pending", "replay_past_window"];
+    &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed", "double_post", "conflicting_events", "terminal_flip", "pruned_pending", "replay_past_window",
+      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel"];
 
 /// Which faults can cause a dead-letter violation of a kind, by the fault tag.
 #[derive(Clone, Copy)]
@@ -1339,6 +1351,144 @@ pub fn retention_safety(h: &History) -> Verdict {
     // deleted them); without them, a cycle or a replay is something to check.
     let proven = if staged_pending { cycles > 0 && (kept > 0 || pruned > 0) } else { cycles > 0 || accepted + refused > 0 };
     v.settle(!proven, "nothing to check: no prune cycle saw the pending rows staged for it (or nothing pruned and no replay was asked)")
+}
+
+/// §D5 as the clients and the database saw it (`kind = "exports"`):
+///
+/// - **runs**: the handler ran at most once per key and query (`exports` rows by key and
+///   size). The one excuse is the ADR's residue: a winner that died after its handler
+///   committed leaves its claim to expire, and the retry re-claims and runs again. It is
+///   excused only as the system itself says so: each run under its own claim generation
+///   (the re-claim is generation 2+), a cases replica crash recorded, an attempt for the key
+///   that got no answer; and at most one re-run per crash. Anything else is
+///   `kind:executed_twice`.
+/// - **rows**: no `succeeded` row has an empty body unless its handler's body was empty
+///   (`kind:emptied_body`, #1183's poisoned rows).
+/// - **answers**: every 200 a client read whole carries exactly the bytes the handler
+///   produces for ITS request (`size`): the live winner's full body (`kind:wrong_live`),
+///   a replay's stored body (`kind:wrong_replay`; #1184's wrong cached response shows
+///   here), or the sentinel (`Idempotency-Body-Too-Large`, empty) only on a replay of an
+///   over-cap body (`kind:false_sentinel`). Clients that went away on purpose are not
+///   judged on bytes.
+pub fn sentinel_integrity(h: &History) -> Verdict {
+    let mut v = Verdict::new("sentinel_integrity");
+    let cap = craig_api::idempotency::RESPONSE_BODY_CAP as u64;
+    let mut expected: HashMap<u64, String> = HashMap::new();
+    let mut hash_of = |n: u64| {
+        expected.entry(n).or_insert_with(|| craig_api::idempotency::body_fingerprint(&craig_fleet::cases::export_body(n as usize))).clone()
+    };
+    let (mut judged, mut live, mut replays, mut sentinels, mut cancelled, mut unanswered, mut in_flight) = (0, 0, 0, 0, 0, 0, 0);
+    let mut no_answer: HashSet<&str> = HashSet::new();
+    for e in h.iter() {
+        let Event::HttpExchange { key, size, replica, status, replayed, too_large, body_len, body_sha256, cancelled: gone } = &e.event else {
+            continue;
+        };
+        match (status, body_sha256) {
+            (None, _) => {
+                unanswered += 1;
+                no_answer.insert(key.as_str());
+                continue;
+            }
+            (Some(409), _) => {
+                in_flight += 1;
+                continue;
+            }
+            (Some(200), _) if *gone => {
+                cancelled += 1;
+                continue;
+            }
+            (Some(200), Some(got)) => {
+                judged += 1;
+                let compat = h.compat_at(replica, e.t_ms);
+                let kind = if *too_large {
+                    if *replayed && *body_len == 0 && *size > cap {
+                        sentinels += 1;
+                        replays += 1;
+                        continue;
+                    }
+                    "false_sentinel"
+                } else {
+                    if *replayed {
+                        replays += 1;
+                    } else {
+                        live += 1;
+                    }
+                    if *got == hash_of(*size) {
+                        continue;
+                    }
+                    if *replayed { "wrong_replay" } else { "wrong_live" }
+                };
+                let mut tags = vec![format!("kind:{kind}")];
+                tags.extend(culprit_tags(replica, compat));
+                v.blame(tags);
+                v.witness(format!(
+                    "{} answered key {key} (size={size}) @{}ms with {body_len} bytes ({}{}), not the {size} bytes its handler produces ({kind})",
+                    running(replica, compat),
+                    e.t_ms,
+                    if *replayed { "replayed" } else { "live" },
+                    if *too_large { ", as the too-large sentinel" } else { "" },
+                ));
+            }
+            _ => {}
+        }
+    }
+    // Runs per (key, size), with the generations they ran under.
+    let mut runs: BTreeMap<(&str, u64), Vec<Option<i64>>> = BTreeMap::new();
+    let mut size_of_cache_key: HashMap<&str, u64> = HashMap::new();
+    for e in h.iter() {
+        if let Event::ExportRun { key: Some(key), cache_key, size, generation, .. } = &e.event {
+            runs.entry((key.as_str(), *size)).or_default().push(*generation);
+            if let Some(ck) = cache_key {
+                size_of_cache_key.insert(ck.as_str(), *size);
+            }
+        }
+    }
+    let crashes = h.iter().filter(|e| matches!(&e.event, Event::Crash { replica, .. } if service_of(replica) == "cases")).count();
+    let (mut total_runs, mut excused) = (0, 0);
+    for ((key, size), gens) in &runs {
+        total_runs += gens.len();
+        if gens.len() < 2 {
+            continue;
+        }
+        let distinct: HashSet<Option<i64>> = gens.iter().copied().collect();
+        let reclaimed = distinct.len() == gens.len() && gens.iter().all(Option::is_some) && gens.iter().flatten().max().is_some_and(|g| *g > 1);
+        let extra = gens.len() - 1;
+        if reclaimed && no_answer.contains(key) && excused + extra <= crashes {
+            excused += extra;
+            continue;
+        }
+        let mut tags = vec!["kind:executed_twice".to_owned()];
+        tags.extend(service_culprits(h, "cases"));
+        v.blame(tags);
+        v.witness(format!(
+            "the export handler ran {} times for key {key} (size={size}), under claim generations {:?}: a retry re-executed committed work",
+            gens.len(),
+            gens
+        ));
+    }
+    let mut emptied = 0;
+    for e in h.iter() {
+        if let Event::IdempotencyRow { cache_key, status, body_len: Some(0), body_too_large: false, .. } = &e.event {
+            if let Some(size) = size_of_cache_key.get(cache_key.as_str()).filter(|n| **n > 0 && status == "succeeded") {
+                emptied += 1;
+                let mut tags = vec!["kind:emptied_body".to_owned()];
+                tags.extend(service_culprits(h, "cases"));
+                v.blame(tags);
+                v.witness(format!("row {cache_key} is succeeded with an EMPTY body, its handler produced {size} bytes (not the sentinel)"));
+            }
+        }
+    }
+    v.count("answers_judged", judged);
+    v.count("live", live);
+    v.count("replays", replays);
+    v.count("sentinels_replayed", sentinels);
+    v.count("cancelled", cancelled);
+    v.count("unanswered", unanswered);
+    v.count("in_flight_409", in_flight);
+    v.count("handler_runs", total_runs);
+    v.count("reexecuted_after_claim_expiry", excused);
+    v.count("emptied_rows", emptied);
+    v.settle(judged == 0, "nothing to check: no client read an export answer whole (kind = \"exports\" makes them)")
 }
 
 /// Every replica of `service` with the compat it ran last: the culprits of harm no record
@@ -2168,6 +2318,94 @@ mod tests {
         post(&mut h, 9_100, 9, "financial-2", 200);
         let v = fencing(&h);
         assert_eq!(v.counts["double_posts"], 2, "the 409 and the POST @3000ms, not the one after the 6 s lease: {v:?}");
+    }
+
+    /// An exports answer of `body` for (key, size) from `replica`.
+    #[allow(clippy::too_many_arguments)]
+    fn answer(h: &mut History, t: u64, replica: &str, key: &str, size: u64, replayed: bool, too_large: bool, body: &[u8]) {
+        h.push(t, Event::HttpExchange {
+            key: key.into(),
+            size,
+            replica: replica.into(),
+            status: Some(200),
+            replayed,
+            too_large,
+            body_len: body.len() as u64,
+            body_sha256: Some(craig_api::idempotency::body_fingerprint(body)),
+            cancelled: false,
+        });
+    }
+
+    fn run(h: &mut History, t: u64, key: &str, size: u64, generation: i64) {
+        h.push(t, Event::ExportRun {
+            key: Some(key.into()),
+            cache_key: Some(format!("ck-{key}-{size}")),
+            size,
+            generation: Some(generation),
+            body_sha256: None,
+        });
+    }
+
+    /// §D5: the current middleware's answers (live, replay, over-cap live, sentinel replay)
+    /// hold; the claim-expiry residue is excused only with a re-claim, a crash and an
+    /// unanswered attempt, once per crash; pre-1183's emptied bodies, pre-1184's wrong
+    /// replay, pre-d5's second run and a sentinel on a small body are violations of their kind.
+    #[test]
+    fn sentinel_integrity_judges_runs_rows_and_answers() {
+        let cap = craig_api::idempotency::RESPONSE_BODY_CAP as u64;
+        let body = |n: u64| craig_fleet::cases::export_body(n as usize);
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", &[]);
+        run(&mut h, 10, "a", 10, 1);
+        answer(&mut h, 11, "cases-1", "a", 10, false, false, &body(10));
+        answer(&mut h, 20, "cases-1", "a", 10, true, false, &body(10));
+        run(&mut h, 30, "big", cap + 1, 1);
+        answer(&mut h, 31, "cases-1", "big", cap + 1, false, false, &body(cap + 1));
+        answer(&mut h, 40, "cases-1", "big", cap + 1, true, true, b"");
+        h.push(50, Event::IdempotencyRow { cache_key: "ck-a-10".into(), status: "succeeded".into(), status_code: Some(200), body_len: Some(10), body_too_large: false, generation: 1 });
+        // The residue: cases-1 died after committing "r", the retry re-claimed (generation 2).
+        run(&mut h, 60, "r", 10, 1);
+        h.push(61, Event::HttpExchange { key: "r".into(), size: 10, replica: "cases-1".into(), status: None, replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false });
+        h.push(62, Event::Crash { replica: "cases-1".into(), consumer: false, how: "SIGABRT".into() });
+        run(&mut h, 3_100, "r", 10, 2);
+        answer(&mut h, 3_101, "cases-2", "r", 10, false, false, &body(10));
+        let v = sentinel_integrity(&h);
+        assert_eq!(v.validity, Validity::Valid, "{v:?}");
+        assert_eq!((v.counts["live"], v.counts["replays"], v.counts["sentinels_replayed"], v.counts["reexecuted_after_claim_expiry"]), (3, 2, 1, 1));
+
+        // The same re-run without the crash, or twice for one crash, is not excused.
+        let mut twice = h.clone();
+        run(&mut twice, 70, "s", 10, 1);
+        twice.push(71, Event::HttpExchange { key: "s".into(), size: 10, replica: "cases-1".into(), status: None, replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false });
+        run(&mut twice, 3_200, "s", 10, 2);
+        twice.sort();
+        let v = sentinel_integrity(&twice);
+        assert_eq!((v.validity, v.culprits.get("kind:executed_twice")), (Validity::Invalid, Some(&1)), "one crash excuses one re-run: {v:?}");
+
+        let mut old = History::default();
+        started(&mut old, 0, "cases-1", &["pre-1183", "pre-1184", "pre-d5"]);
+        // pre-1183: over-cap emptied live, stored empty, replayed empty.
+        run(&mut old, 10, "big", cap + 1, 1);
+        answer(&mut old, 11, "cases-1", "big", cap + 1, false, false, b"");
+        answer(&mut old, 12, "cases-1", "big", cap + 1, true, false, b"");
+        old.push(13, Event::IdempotencyRow { cache_key: format!("ck-big-{}", cap + 1), status: "succeeded".into(), status_code: Some(200), body_len: Some(0), body_too_large: false, generation: 1 });
+        // pre-1184: same key, another size, the first size's answer replayed.
+        run(&mut old, 20, "q", 5, 1);
+        answer(&mut old, 21, "cases-1", "q", 9, true, false, &body(5));
+        // pre-d5: after a restart the same key ran again, generation 1 both times.
+        run(&mut old, 30, "d", 10, 1);
+        run(&mut old, 40, "d", 10, 1);
+        // A sentinel on a small body.
+        answer(&mut old, 50, "cases-1", "a", 10, true, true, b"");
+        let v = sentinel_integrity(&old);
+        assert_eq!(v.validity, Validity::Invalid);
+        for (kind, n) in [("wrong_live", 1), ("wrong_replay", 2), ("emptied_body", 1), ("executed_twice", 1), ("false_sentinel", 1)] {
+            assert_eq!(v.culprits.get(&format!("kind:{kind}")), Some(&n), "{kind}: {:?}", v.culprits);
+        }
+        assert!(v.all_point_at("compat:pre-1183"), "{:?}", v.culprits);
+        assert!(v.witnesses.iter().any(|w| w.contains("answered key q (size=9)") && w.contains("with 5 bytes (replayed)")), "{:?}", v.witnesses);
+
+        assert_eq!(sentinel_integrity(&History::default()).validity, Validity::Unknown);
     }
 
     /// #965/#1129: a prune that kept the pending rows and a replay rule that refused the

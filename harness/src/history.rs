@@ -184,6 +184,25 @@ pub enum Event {
     Replay { replica: String, from_age_ms: u64, window_ms: u64, status: Option<u16>, restaged: Option<i64> },
     /// A row still claimed past its lease at the end.
     Stuck { envelope: Uuid, service: String, claimed_ms_ago: i64 },
+    /// One request of the exports workload (§D5): the key and size asked for, the replica,
+    /// the answer (None: no answer), whether it was a replay or the too-large sentinel, and
+    /// the bytes received (their sha256, unless the client went away on purpose, `cancelled`).
+    HttpExchange {
+        key: String,
+        size: u64,
+        replica: String,
+        status: Option<u16>,
+        replayed: bool,
+        too_large: bool,
+        body_len: u64,
+        body_sha256: Option<String>,
+        cancelled: bool,
+    },
+    /// One execution of the exports handler (an `exports` row, collected at the end): the
+    /// key, cache key and claim generation it ran under, the sha256 of what it produced.
+    ExportRun { key: Option<String>, cache_key: Option<String>, size: u64, generation: Option<i64>, body_sha256: Option<String> },
+    /// A cases `idempotency_responses` row at the end.
+    IdempotencyRow { cache_key: String, status: String, status_code: Option<i16>, body_len: Option<i64>, body_too_large: bool, generation: i64 },
 }
 
 fn rules() -> String {

@@ -21,12 +21,17 @@
 //! inbox_retry_cap = 10      # also poll_ms, confirm_timeout_ms, heartbeat_secs,
 //!                           # connect_timeout_ms, backoff_base_ms, backoff_max_ms,
 //!                           # retention_interval_secs (the prune's cadence, #965),
-//!                           # send_timeout_secs / send_lease_secs (#1185 send queue)
+//!                           # send_timeout_secs / send_lease_secs (#1185 send queue),
+//!                           # idempotency_claim_secs (§D5 claim, 1..=30)
 //!
 //! [workload]
 //! kind = "referrals"        # referrals (POST /v1/cases/referrals, counted in rules'
 //!                           # rule_evaluations) | placements (POST /v1/cases/placements/
 //!                           # {id}/activate, counted in financial's payments, #1179)
+//!                           # | exports (POST /v1/cases/exports?size=N, §D5: checked by
+//!                           # sentinel_integrity; export_sizes = [..], race = true,
+//!                           # cancel_share = 0.2, requery_share = 0.2; the after_heal
+//!                           # requests retry the first ones' keys)
 //! writes = 200              # HTTP writes through the cases replicas
 //! rate = 100                # per second
 //! rollback_share = 0.1      # extra writes the harness stages and rolls back
@@ -75,6 +80,8 @@
 //! min_crossings = 2         # threshold events staged (#1156)
 //! min_dlq_duplicates = 1    # redelivered dead letters the #1181 arbiter absorbed
 //! min_lease_resends = 1     # transmissions re-sent after their claim ended (#1185)
+//! min_replays = 1           # §D5 replays served (Idempotent-Replayed)
+//! min_sentinels = 1         # §D5 too-large sentinels: stored on over-cap, replayed
 //! no_loss = "hold"          # hold | violate (bare only where no cause is attributed:
 //!                           # liveness, no_phantom)
 //! effect_once = { violate = "compat:pre-d2" }  # violated, and every witness points at
@@ -240,6 +247,13 @@ pub struct Settings {
     pub send_timeout_secs: u64,
     #[serde(default = "send_lease")]
     pub send_lease_secs: u64,
+    /// The §D5 claim's life (`CRAIG_IDEMPOTENCY_CLAIM_SECS`, 1..=30; production 30).
+    #[serde(default = "idempotency_claim")]
+    pub idempotency_claim_secs: u64,
+}
+
+fn idempotency_claim() -> u64 {
+    craig_api::idempotency::CLAIM_TTL.as_secs()
 }
 
 fn send_timeout() -> u64 {
@@ -295,6 +309,7 @@ impl Default for Settings {
             retention_interval_secs: retention_interval(),
             send_timeout_secs: send_timeout(),
             send_lease_secs: send_lease(),
+            idempotency_claim_secs: idempotency_claim(),
         }
     }
 }
@@ -349,6 +364,24 @@ pub struct Workload {
     /// when the scenario has faults.
     #[serde(default = "after_heal")]
     pub after_heal: u32,
+    /// `kind = "exports"`: the response sizes, taken in turn (default 1000 bytes).
+    #[serde(default = "export_sizes")]
+    pub export_sizes: Vec<u64>,
+    /// `kind = "exports"`: each first attempt goes to two cases replicas at once.
+    #[serde(default)]
+    pub race: bool,
+    /// `kind = "exports"`: share of first attempts whose client goes away after the first
+    /// chunk of the body.
+    #[serde(default)]
+    pub cancel_share: f64,
+    /// `kind = "exports"`: share of requests that reuse the previous key with another size
+    /// (another query: another request under #1184).
+    #[serde(default)]
+    pub requery_share: f64,
+}
+
+fn export_sizes() -> Vec<u64> {
+    vec![1000]
 }
 
 fn after_heal() -> u32 {
@@ -385,6 +418,10 @@ pub enum WorkloadKind {
     /// `POST /v1/cases/placements/{id}/activate` (200) → `placement.activated` → one
     /// `payments` row on financial (the #1179 arbiter).
     Placements,
+    /// The HTTP workload (§D5): `POST /v1/cases/exports?size=N` with an `Idempotency-Key`,
+    /// one `exports` row per execution; raced across replicas, cancelled mid-download,
+    /// re-queried, and retried after the faults (`sentinel_integrity`).
+    Exports,
 }
 
 impl WorkloadKind {
@@ -393,6 +430,7 @@ impl WorkloadKind {
         match self {
             WorkloadKind::Referrals => "rules",
             WorkloadKind::Placements => "financial",
+            WorkloadKind::Exports => "cases",
         }
     }
 }
@@ -559,18 +597,22 @@ pub struct Floor {
     /// Transmissions re-sent after their first claim ended (the lease expired, the sender's
     /// cap ran out): proof the send queue's recovery ran (#1185).
     pub lease_resends: u64,
+    /// §D5 replays the exports clients received (`Idempotent-Replayed: true`).
+    pub replays: u64,
+    /// §D5 too-large sentinels replayed (`Idempotency-Body-Too-Large: true`).
+    pub sentinels: u64,
 }
 
 const FLOORS: &[&str] =
-    &["min_acknowledged", "min_redeliveries", "min_dead_letters", "min_crossings", "min_dlq_duplicates", "min_lease_resends"];
+    &["min_acknowledged", "min_redeliveries", "min_dead_letters", "min_crossings", "min_dlq_duplicates", "min_lease_resends", "min_replays", "min_sentinels"];
 
 impl Default for Floor {
     fn default() -> Self {
-        Self { acknowledged: 1, redeliveries: 0, dead_letters: 0, crossings: 0, dlq_duplicates: 0, lease_resends: 0 }
+        Self { acknowledged: 1, redeliveries: 0, dead_letters: 0, crossings: 0, dlq_duplicates: 0, lease_resends: 0, replays: 0, sentinels: 0 }
     }
 }
 
-/// Invariants this build can check (CONTRACT names the rest; they arrive with their issues).
+/// Invariants this build can check: every one CONTRACT names.
 pub const CHECKABLE: &[&str] = crate::checkers::INVARIANTS;
 const CONTRACT_INVARIANTS: &[&str] = &[
     "no_loss",
@@ -701,6 +743,19 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
     let w = &s.workload;
     if w.writes == 0 || !(w.rate > 0.0 && w.rate <= 5000.0) || !(0.0..=1.0).contains(&w.rollback_share) {
         return Err(err(at("[workload]"), "workload needs writes > 0, 0 < rate <= 5000, 0 <= rollback_share <= 1".into()));
+    }
+    if w.kind == WorkloadKind::Exports {
+        if w.export_sizes.is_empty() || w.export_sizes.iter().any(|n| *n > craig_fleet::cases::EXPORT_MAX) {
+            return Err(err(at("[workload]"), format!("export_sizes needs 1 or more sizes, each <= {} bytes", craig_fleet::cases::EXPORT_MAX)));
+        }
+        if !(0.0..=1.0).contains(&w.cancel_share) || !(0.0..=1.0).contains(&w.requery_share) {
+            return Err(err(at("[workload]"), "cancel_share and requery_share are shares: 0..=1".into()));
+        }
+    } else if w.race || w.cancel_share > 0.0 || w.requery_share > 0.0 || w.export_sizes != export_sizes() {
+        return Err(err(at("[workload]"), "export_sizes, race, cancel_share and requery_share belong to kind = \"exports\"".into()));
+    }
+    if !(1..=craig_api::idempotency::CLAIM_TTL.as_secs()).contains(&s.settings.idempotency_claim_secs) {
+        return Err(err(at("[settings]"), format!("idempotency_claim_secs must be 1..={} (the ADR's claim)", craig_api::idempotency::CLAIM_TTL.as_secs())));
     }
     for (needed, service, why) in [
         (w.kind == WorkloadKind::Placements, "financial", "kind = \"placements\": financial consumes placement.activated"),
@@ -859,6 +914,8 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
                 "min_crossings" => s.floor.crossings = n,
                 "min_dlq_duplicates" => s.floor.dlq_duplicates = n,
                 "min_lease_resends" => s.floor.lease_resends = n,
+                "min_replays" => s.floor.replays = n,
+                "min_sentinels" => s.floor.sentinels = n,
                 _ => s.floor.dead_letters = n,
             }
             continue;
@@ -1025,8 +1082,9 @@ effect_once = { violate = "compat:pre-d2" }
         assert_eq!(e.line, 6, "{e}");
         assert!(e.reason.contains("unknown compat mode \"pre-nope\""), "{e}");
 
-        let e = rejected(&GOOD.replace("no_loss", "sentinel_integrity"));
-        assert!(e.reason.contains("sentinel_integrity is not checked by this build yet"), "{e}");
+        assert!(CONTRACT_INVARIANTS.iter().all(|n| CHECKABLE.contains(n)), "every contract invariant is checked");
+        let e = rejected(&GOOD.replace("no_loss", "no_such_invariant"));
+        assert!(e.reason.contains("no_such_invariant"), "{e}");
 
         let e = rejected(&GOOD.replace("writes = 10", "writes = -1"));
         assert_eq!(e.line, 9, "{e}");
@@ -1156,10 +1214,12 @@ effect_once = { violate = "compat:pre-d2" }
     #[test]
     fn floors_are_counts_in_expect_with_defaults() {
         let s = parse_str(GOOD).unwrap();
-        assert_eq!(s.floor, Floor { acknowledged: 5, redeliveries: 0, dead_letters: 0, crossings: 0, dlq_duplicates: 0, lease_resends: 0 });
+        assert_eq!(s.floor, Floor { acknowledged: 5, redeliveries: 0, dead_letters: 0, crossings: 0, dlq_duplicates: 0, lease_resends: 0, replays: 0, sentinels: 0 });
         assert_eq!(s.workload.after_heal, 20);
+        let x = parse_str(&GOOD.replace("[expect]\n", "[expect]\nmin_replays = 3\nmin_sentinels = 1\n")).unwrap();
+        assert_eq!((x.floor.replays, x.floor.sentinels), (3, 1));
         let s = parse_str(&GOOD.replace("[expect]\n", "[expect]\nmin_acknowledged = 8\nmin_redeliveries = 2\nmin_dead_letters = 1\nmin_crossings = 2\n")).unwrap();
-        assert_eq!(s.floor, Floor { acknowledged: 8, redeliveries: 2, dead_letters: 1, crossings: 2, dlq_duplicates: 0, lease_resends: 0 });
+        assert_eq!(s.floor, Floor { acknowledged: 8, redeliveries: 2, dead_letters: 1, crossings: 2, dlq_duplicates: 0, lease_resends: 0, replays: 0, sentinels: 0 });
         assert_eq!(s.expect.len(), 2, "floors are not invariants");
         let e = rejected(&GOOD.replace("[expect]\n", "[expect]\nmin_redeliveries = \"many\"\n"));
         assert_eq!(e.line, 26, "{e}");

@@ -62,6 +62,9 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
         if svc == "financial" {
             collect_exchanges(log, pool).await?;
         }
+        if svc == "cases" {
+            collect_idempotency(log, pool).await?;
+        }
         if let Some((table, aggregate, at)) = effect_source(svc) {
             let rows: Vec<(Uuid, Option<Uuid>, i64, Option<String>)> = bounded(
                 COLLECT,
@@ -82,6 +85,35 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
 
 /// financial's send queue (#1185): every `exchange.sent` / `exchange.failed` it staged, and
 /// every transaction status change the harness's trigger recorded.
+/// cases' exports (one row per handler execution) and its §D5 rows.
+async fn collect_idempotency(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
+    let runs: Vec<(Option<String>, Option<String>, i64, Option<i64>, Option<String>, i64)> = bounded(
+        COLLECT,
+        "reading the exports",
+        sqlx::query_as(
+            "SELECT idempotency_key, cache_key, size_bytes, generation, body_sha256, (EXTRACT(EPOCH FROM created_at) * 1000)::int8 FROM exports",
+        )
+        .fetch_all(pool),
+    )
+    .await?;
+    for (key, cache_key, size, generation, body_sha256, at) in runs {
+        log.push_at(log.rel_db(at), Event::ExportRun { key, cache_key, size: size as u64, generation, body_sha256 });
+    }
+    let rows: Vec<(String, String, Option<i16>, Option<i64>, bool, i64)> = bounded(
+        COLLECT,
+        "reading the idempotency rows",
+        sqlx::query_as(
+            "SELECT cache_key, status, status_code, length(body)::int8, body_too_large, claim_generation FROM idempotency_responses",
+        )
+        .fetch_all(pool),
+    )
+    .await?;
+    for (cache_key, status, status_code, body_len, body_too_large, generation) in rows {
+        log.push(Event::IdempotencyRow { cache_key, status, status_code, body_len, body_too_large, generation });
+    }
+    Ok(())
+}
+
 async fn collect_exchanges(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
     let events: Vec<(String, Option<Uuid>, Option<Uuid>, Option<String>, i64)> = bounded(
         COLLECT,

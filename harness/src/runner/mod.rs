@@ -212,7 +212,7 @@ fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<St
     let healed = h.iter().find(|e| matches!(e.event, Event::Healed)).map(|e| e.t_ms);
     let (mut acknowledged, mut after_heal) = (0u64, 0u64);
     for e in h.iter() {
-        if let Event::Write { outcome: Outcome::Ok, .. } = e.event {
+        if matches!(e.event, Event::Write { outcome: Outcome::Ok, .. } | Event::HttpExchange { status: Some(200), .. }) {
             acknowledged += 1;
             if healed.is_some_and(|t| e.t_ms >= t) {
                 after_heal += 1;
@@ -252,6 +252,16 @@ fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<St
         let resent = crate::checkers::fencing(h).counts.get("resent_after_lease").copied().unwrap_or(0);
         if resent < f.lease_resends {
             why.push(format!("{resent} transmissions re-sent after their claim ended, below min_lease_resends = {}", f.lease_resends));
+        }
+    }
+    if f.replays > 0 || f.sentinels > 0 {
+        let v = crate::checkers::sentinel_integrity(h);
+        let (replays, sentinels) = (v.counts.get("replays").copied().unwrap_or(0), v.counts.get("sentinels_replayed").copied().unwrap_or(0));
+        if replays < f.replays {
+            why.push(format!("{replays} §D5 replays served (Idempotent-Replayed), below min_replays = {}", f.replays));
+        }
+        if sentinels < f.sentinels {
+            why.push(format!("{sentinels} too-large sentinels replayed (Idempotency-Body-Too-Large), below min_sentinels = {}", f.sentinels));
         }
     }
     let crossings = h.iter().filter(|e| matches!(e.event, Event::ThresholdExceeded { .. })).count() as u64;
@@ -447,6 +457,7 @@ async fn drive(
                 ("CRAIG_OUTBOX_BACKOFF_MAX_MS".into(), s.settings.backoff_max_ms.to_string()),
                 ("CRAIG_INBOX_RETRY_CAP".into(), s.settings.inbox_retry_cap.to_string()),
                 ("CRAIG_RETENTION_INTERVAL_SECS".into(), s.settings.retention_interval_secs.to_string()),
+                ("CRAIG_IDEMPOTENCY_CLAIM_SECS".into(), s.settings.idempotency_claim_secs.to_string()),
                 // `craig_mq::outbox=debug` for `outbox.stamped`: who stamped what.
                 ("RUST_LOG".into(), "info,craig_mq::outbox=debug,sqlx=warn,lapin=warn,lapin::returned_messages=error".into()),
             ];
@@ -488,7 +499,7 @@ async fn drive(
     let sampler =
         tokio::spawn(sampler::sample(log.clone(), pools.clone(), stop_rx.clone(), opts.progress, (writes_rx.clone(), s.workload.writes)));
     let mut schedule = faults::Schedule::start(s, log, &backend, &replicas, &toxi, &ep.amqp_url, (writes_rx, s.workload.writes), stop_rx);
-    let writer = workload::Writer { s, log, replicas: &replicas, cases: &cases_pool, secret: &secret };
+    let writer = workload::Writer { s, log, replicas: &replicas, cases: &cases_pool, secret: &secret, exports: Default::default() };
     writer.write(seed, (0, s.workload.writes), writes_tx).await;
     schedule.healed(s, &replicas).await?;
     // Every fault has healed: the system must work again, not only have survived.

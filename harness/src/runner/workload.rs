@@ -82,6 +82,9 @@ pub(super) struct Writer<'a> {
     pub replicas: &'a Replicas,
     pub cases: &'a PgPool,
     pub secret: &'a str,
+    /// `kind = "exports"`: the (key, size) of each first-phase request, which the after-heal
+    /// phase retries.
+    pub exports: std::sync::Mutex<Vec<(String, u64)>>,
 }
 
 impl Writer<'_> {
@@ -89,8 +92,11 @@ impl Writer<'_> {
     /// rotation goes on across phases), drawn from `seed`; `done` counts completions.
     pub(super) async fn write(&self, seed: u64, range: (u32, u32), done: watch::Sender<u32>) {
         // HTTP writes through the cases replicas (plus rolled-back writes): referrals or
-        // placement activations; the kinds the next issues bring dispatch here too.
-        http_writes(self, seed, range, done).await
+        // placement activations; or the §D5 exports workload.
+        match self.s.workload.kind {
+            WorkloadKind::Exports => export_requests(self, seed, range, done).await,
+            _ => http_writes(self, seed, range, done).await,
+        }
     }
 }
 
@@ -152,13 +158,163 @@ fn request(kind: WorkloadKind, id: Uuid, rng: &mut ChaCha8Rng) -> (String, serde
             let care_level = if rng.random_bool(0.5) { "standard" } else { "enhanced" };
             (format!("/v1/cases/placements/{id}/activate"), json!({ "care_level": care_level }), 200)
         }
+        WorkloadKind::Exports => unreachable!("exports go through export_requests"),
+    }
+}
+
+/// The cases replicas that are up (their lock free, an address known), starting the round
+/// robin at `i`: like a load balancer, a replica down or being restarted is skipped.
+fn up_replicas(replicas: &Replicas, i: usize) -> Vec<(String, String)> {
+    let cases: Vec<(&String, &Arc<Mutex<Replica>>)> = replicas.iter().filter(|(n, _)| n.starts_with("cases-")).collect();
+    let n = cases.len();
+    (0..n)
+        .filter_map(|k| {
+            let (name, r) = cases[(i + k) % n];
+            let r = r.try_lock().ok()?;
+            r.addr.clone().map(|a| (name.clone(), a))
+        })
+        .collect()
+}
+
+/// The §D5 HTTP workload: `count` requests to `POST /v1/cases/exports?size=N`, each with an
+/// `Idempotency-Key`. In the first phase each request is a new key (or, `requery_share`, the
+/// previous key with another size), sent to one replica or, `race`, to two at once; a
+/// `cancel_share` of them go away after the first chunk. In the after-heal phase request i
+/// retries the first phase's request i. A 409 is retried after its `Retry-After` (at most
+/// 5 s, 5 times), as a client would. Every exchange is recorded ([`Event::HttpExchange`]).
+async fn export_requests(w: &Writer<'_>, seed: u64, (first, count): (u32, u32), done: watch::Sender<u32>) {
+    let s = w.s;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(15)).build().expect("http client");
+    // One user for the whole run (both phases): the key space is per `sub`.
+    let digest = craig_api::idempotency::body_fingerprint(w.secret.as_bytes());
+    let sub = Uuid::from_u64_pair(0xc4a0_5eed, u64::from_str_radix(&digest[..16], 16).expect("hex digest"));
+    let token = craig_api::JwtKey::new(w.secret).sign(&craig_api::Claims {
+        sub,
+        aud: vec!["craig-cases".into()],
+        scope: String::new(),
+        exp: chrono::Utc::now().timestamp() + 24 * 3600,
+    });
+    let retrying = first >= s.workload.writes;
+    let gap = Duration::from_secs_f64(1.0 / s.workload.rate);
+    let began = Instant::now();
+    let inflight = Arc::new(tokio::sync::Semaphore::new(16));
+    let done = Arc::new(done);
+    let completed = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    let sizes = &s.workload.export_sizes;
+    for k in 0..count {
+        let i = first + k;
+        tokio::time::sleep_until(began + gap * k).await;
+        let (key, size) = {
+            let mut plan = w.exports.lock().expect("export plan");
+            if retrying {
+                match plan.get(k as usize % plan.len().max(1)) {
+                    Some(op) => op.clone(),
+                    None => break,
+                }
+            } else {
+                let op = match plan.last() {
+                    Some((key, size)) if rng.random_bool(s.workload.requery_share) => {
+                        let other = sizes.iter().copied().find(|n| n != size).unwrap_or(size + 1);
+                        (key.clone(), other)
+                    }
+                    _ => (format!("chaos-{seed:x}-{i}"), sizes[i as usize % sizes.len()]),
+                };
+                plan.push(op.clone());
+                op
+            }
+        };
+        let cancel = !retrying && rng.random_bool(s.workload.cancel_share);
+        let up = up_replicas(w.replicas, i as usize);
+        let targets: Vec<(String, String)> = if s.workload.race && !retrying { up.into_iter().take(2).collect() } else { up.into_iter().take(1).collect() };
+        let permit = inflight.clone().acquire_owned().await.expect("semaphore open");
+        let (http, token, log, done, completed) = (http.clone(), token.clone(), w.log.clone(), done.clone(), completed.clone());
+        tasks.spawn(async move {
+            if targets.is_empty() {
+                // No replica up: nothing was sent.
+                log.push(Event::HttpExchange {
+                    key,
+                    size,
+                    replica: "none".into(),
+                    status: None,
+                    replayed: false,
+                    too_large: false,
+                    body_len: 0,
+                    body_sha256: None,
+                    cancelled: false,
+                });
+            } else {
+                let sends = targets.into_iter().enumerate().map(|(n, (name, addr))| {
+                    let (http, token, log, key) = (http.clone(), token.clone(), log.clone(), key.clone());
+                    // The race's second client cancels never: one of them reads the body.
+                    async move { export_exchange(&http, &log, &token, (&name, &addr), &key, size, cancel && n == 0).await }
+                });
+                futures_util::future::join_all(sends).await;
+            }
+            let n = completed.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            done.send_replace(n);
+            drop(permit);
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+/// One client's exchange for (`key`, `size`) with `replica`, 409s retried after their
+/// `Retry-After`; each attempt recorded.
+async fn export_exchange(http: &reqwest::Client, log: &Log, token: &str, (replica, addr): (&str, &str), key: &str, size: u64, cancel: bool) {
+    for _attempt in 0..6 {
+        let t = log.now();
+        let sent = http
+            .post(format!("http://{addr}/v1/cases/exports?size={size}"))
+            .header(craig_api::idempotency::IDEMPOTENCY_KEY, key)
+            .bearer_auth(token)
+            .json(&json!({ "format": "chaos" }))
+            .send()
+            .await;
+        let mut ex = Event::HttpExchange {
+            key: key.to_owned(),
+            size,
+            replica: replica.to_owned(),
+            status: None,
+            replayed: false,
+            too_large: false,
+            body_len: 0,
+            body_sha256: None,
+            cancelled: false,
+        };
+        let mut retry_after = None;
+        if let (Ok(mut resp), Event::HttpExchange { status, replayed, too_large, body_len, body_sha256, cancelled, .. }) = (sent, &mut ex) {
+            let h = resp.headers();
+            *status = Some(resp.status().as_u16());
+            *replayed = h.contains_key(craig_api::idempotency::REPLAYED_HEADER);
+            *too_large = h.contains_key(craig_api::idempotency::BODY_TOO_LARGE_HEADER);
+            if resp.status() == reqwest::StatusCode::CONFLICT {
+                retry_after = Some(h.get("retry-after").and_then(|v| v.to_str().ok()?.parse::<u64>().ok()).unwrap_or(1).min(5));
+            }
+            if cancel && resp.status().is_success() {
+                // Read the first chunk, then go away.
+                if let Ok(Some(chunk)) = resp.chunk().await {
+                    *body_len = chunk.len() as u64;
+                }
+                *cancelled = true;
+            } else if let Ok(bytes) = resp.bytes().await {
+                *body_len = bytes.len() as u64;
+                *body_sha256 = Some(craig_api::idempotency::body_fingerprint(&bytes));
+            }
+        }
+        log.push_at(t, ex);
+        match retry_after {
+            Some(secs) => tokio::time::sleep(Duration::from_secs(secs)).await,
+            None => return,
+        }
     }
 }
 
 /// `count` writes at the scenario's rate through the cases replicas (round robin), numbered
 /// from `first` (so the replica rotation goes on across phases); `done` counts completions.
 async fn http_writes(
-    Writer { s, log, replicas, cases, secret }: &Writer<'_>,
+    Writer { s, log, replicas, cases, secret, .. }: &Writer<'_>,
     seed: u64,
     (first, count): (u32, u32),
     done: watch::Sender<u32>,

@@ -92,6 +92,7 @@ async fn create_export(
         tracing::error!(event = "cases.export_failed", error = %e);
         return error_response(StatusCode::SERVICE_UNAVAILABLE, "database unavailable; the export was not made");
     }
+    craig_mq::crash::hit("exports::after_commit_before_answer");
     let frames: Vec<Result<axum::body::Bytes, std::convert::Infallible>> =
         axum::body::Bytes::from(body).chunks(EXPORT_FRAME).map(|c| Ok(axum::body::Bytes::copy_from_slice(c))).collect();
     let mut r = axum::body::Body::from_stream(futures_util::stream::iter(frames)).into_response();

@@ -6,6 +6,7 @@
 //! | `outbox::after_publish_before_stamp` | #1128: broker ACKed, `published_at` not stamped — re-published after lease expiry |
 //! | `inbox::after_handler_before_stamp` | #1180: handler committed, `processed_at` not stamped — handler re-runs on redelivery |
 //! | `dlq::after_record_before_ack` | #1181: the dead letter's audit row committed, the DLQ delivery not acked — redelivered; the occurrence token absorbs it |
+//! | `exports::after_commit_before_answer` | §D5 (craig-fleet's exports route): the handler committed, no answer, the claim left `processing` — a retry after the claim expires re-claims (generation 2) and runs it again |
 //! | `send_jobs::after_post_before_finalize` | #1185 (craig-fleet's send queue): the partner accepted the POST, the job not finalized — re-sent once the lease expires (at-least-once) |
 //!
 //! Built only with feature `failpoints` (off by default, so never in a plain release
@@ -21,6 +22,7 @@ pub const CRASH_POINTS: &[&str] = &[
     "inbox::after_handler_before_stamp",
     "dlq::after_record_before_ack",
     "send_jobs::after_post_before_finalize",
+    "exports::after_commit_before_answer",
 ];
 
 /// Evaluate crash point `name`. Without feature `failpoints` this is a no-op.

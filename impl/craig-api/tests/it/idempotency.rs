@@ -311,3 +311,49 @@ async fn a_request_dropped_after_its_2xx_fires_the_cancel_guard() {
     pool.close().await;
     sandbox.destroy().await.unwrap();
 }
+
+/// The closing note's latency figures (not a timing assertion: printed only, ignored by
+/// default): p50/p99 of a cache miss, a replay and the same route without the layer, one
+/// reqwest client over TCP, sequential, same run.
+/// `cargo nextest run --release --workspace --features craig-fleet/failpoints -E 'test(latency_of_miss)' --run-ignored ignored-only --no-capture`
+#[tokio::test]
+#[ignore = "a measurement, not a test"]
+async fn latency_of_miss_replay_and_bare_route() {
+    let s = Server::start("latency", config()).await;
+    let bare = {
+        let app = routes(Runs::default());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        base
+    };
+    let http = client();
+    let n = 1000;
+    let pct = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        (v[v.len() / 2], v[v.len() * 99 / 100])
+    };
+    let (mut miss, mut replay, mut plain) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..n {
+        let key = format!("lat-{round}");
+        let url = format!("{}/ok?size=1000", s.base);
+        let t = std::time::Instant::now();
+        let r = post(&http, &url, Some(&key), b"{}".to_vec()).await;
+        r.bytes().await.unwrap();
+        miss.push(t.elapsed().as_secs_f64() * 1e3);
+        let t = std::time::Instant::now();
+        let r = post(&http, &url, Some(&key), b"{}".to_vec()).await;
+        assert_eq!(r.headers()[REPLAYED_HEADER], "true");
+        r.bytes().await.unwrap();
+        replay.push(t.elapsed().as_secs_f64() * 1e3);
+        let t = std::time::Instant::now();
+        let r = http.post(format!("{bare}/ok?size=1000")).bearer_auth(token()).body("{}").send().await.unwrap();
+        r.bytes().await.unwrap();
+        plain.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    for (name, v) in [("cache miss", miss), ("replay", replay), ("bare route", plain)] {
+        let (p50, p99) = pct(v);
+        println!("{name:>10}: p50 {p50:.3} ms, p99 {p99:.3} ms ({n} requests, 1000-byte body)");
+    }
+    s.finish().await;
+}
