@@ -760,7 +760,7 @@ fn fault_replica(tag: &str) -> Option<&str> {
 /// twin is red for its documented cause and not for any violation of the same checker.
 pub const VIOLATION_KINDS: &[&str] =
     &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed", "double_post", "conflicting_events", "terminal_flip", "pruned_pending", "replay_past_window",
-      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel"];
+      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status"];
 
 /// Which faults can cause a dead-letter violation of a kind, by the fault tag.
 #[derive(Clone, Copy)]
@@ -1357,11 +1357,12 @@ pub fn retention_safety(h: &History) -> Verdict {
 ///
 /// - **runs**: the handler ran at most once per key and query (`exports` rows by key and
 ///   size). The one excuse is the ADR's residue: a winner that died after its handler
-///   committed leaves its claim to expire, and the retry re-claims and runs again. It is
-///   excused only as the system itself says so: each run under its own claim generation
-///   (the re-claim is generation 2+), a cases replica crash recorded, an attempt for the key
-///   that got no answer; and at most one re-run per crash. Anything else is
-///   `kind:executed_twice`.
+///   committed leaves its claim to expire, and the retry re-claims and runs again. A re-run
+///   is excused only as the system itself records it: the earlier run's replica (the
+///   `exports` row names it) crashed between the two runs, an attempt of this very request
+///   (key, size) to that replica got no answer (each such attempt excuses one re-run), and
+///   the later run holds a newer claim generation, the one the row ended on. Anything else
+///   is `kind:executed_twice`.
 /// - **rows**: no `succeeded` row has an empty body unless its handler's body was empty
 ///   (`kind:emptied_body`, #1183's poisoned rows).
 /// - **answers**: every 200 a client read whole carries exactly the bytes the handler
@@ -1369,7 +1370,8 @@ pub fn retention_safety(h: &History) -> Verdict {
 ///   a replay's stored body (`kind:wrong_replay`; #1184's wrong cached response shows
 ///   here), or the sentinel (`Idempotency-Body-Too-Large`, empty) only on a replay of an
 ///   over-cap body (`kind:false_sentinel`). Clients that went away on purpose are not
-///   judged on bytes.
+///   judged on bytes; a 409 must carry `Retry-After` (`kind:no_retry_after`), and any other
+///   status than 200 or 409 is `kind:unexpected_status`.
 pub fn sentinel_integrity(h: &History) -> Verdict {
     let mut v = Verdict::new("sentinel_integrity");
     let cap = craig_api::idempotency::RESPONSE_BODY_CAP as u64;
@@ -1378,20 +1380,27 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
         expected.entry(n).or_insert_with(|| craig_api::idempotency::body_fingerprint(&craig_fleet::cases::export_body(n as usize))).clone()
     };
     let (mut judged, mut live, mut replays, mut sentinels, mut cancelled, mut unanswered, mut in_flight) = (0, 0, 0, 0, 0, 0, 0);
-    let mut no_answer: HashSet<&str> = HashSet::new();
+    // (key, size, replica) of every attempt that was sent and got no (complete) answer.
+    let mut no_answer: HashSet<(&str, u64, &str)> = HashSet::new();
     for e in h.iter() {
-        let Event::HttpExchange { key, size, replica, status, replayed, too_large, body_len, body_sha256, cancelled: gone } = &e.event else {
+        let Event::HttpExchange { key, size, replica, status, replayed, too_large, body_len, body_sha256, cancelled: gone, retry_after } = &e.event
+        else {
             continue;
         };
-        match (status, body_sha256) {
-            (None, _) => {
+        let compat = h.compat_at(replica, e.t_ms);
+        let kind = match (status, body_sha256) {
+            (None, _) if replica == "none" => continue,
+            (None, _) | (Some(200), None) if !*gone => {
                 unanswered += 1;
-                no_answer.insert(key.as_str());
+                no_answer.insert((key.as_str(), *size, replica.as_str()));
                 continue;
             }
             (Some(409), _) => {
                 in_flight += 1;
-                continue;
+                if retry_after.is_some() {
+                    continue;
+                }
+                "no_retry_after"
             }
             (Some(200), _) if *gone => {
                 cancelled += 1;
@@ -1399,8 +1408,7 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
             }
             (Some(200), Some(got)) => {
                 judged += 1;
-                let compat = h.compat_at(replica, e.t_ms);
-                let kind = if *too_large {
+                if *too_large {
                     if *replayed && *body_len == 0 && *size > cap {
                         sentinels += 1;
                         replays += 1;
@@ -1417,54 +1425,74 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
                         continue;
                     }
                     if *replayed { "wrong_replay" } else { "wrong_live" }
-                };
-                let mut tags = vec![format!("kind:{kind}")];
-                tags.extend(culprit_tags(replica, compat));
-                v.blame(tags);
-                v.witness(format!(
-                    "{} answered key {key} (size={size}) @{}ms with {body_len} bytes ({}{}), not the {size} bytes its handler produces ({kind})",
-                    running(replica, compat),
-                    e.t_ms,
-                    if *replayed { "replayed" } else { "live" },
-                    if *too_large { ", as the too-large sentinel" } else { "" },
-                ));
+                }
             }
-            _ => {}
-        }
+            (Some(_), _) => "unexpected_status",
+            (None, _) => continue,
+        };
+        let mut tags = vec![format!("kind:{kind}")];
+        tags.extend(culprit_tags(replica, compat));
+        v.blame(tags);
+        v.witness(match kind {
+            "no_retry_after" => format!("{} answered key {key} 409 without Retry-After @{}ms", running(replica, compat), e.t_ms),
+            "unexpected_status" => format!("{} answered key {key} (size={size}) {} @{}ms", running(replica, compat), status.unwrap_or(0), e.t_ms),
+            _ => format!(
+                "{} answered key {key} (size={size}) @{}ms with {body_len} bytes ({}{}), not the {size} bytes its handler produces ({kind})",
+                running(replica, compat),
+                e.t_ms,
+                if *replayed { "replayed" } else { "live" },
+                if *too_large { ", as the too-large sentinel" } else { "" },
+            ),
+        });
     }
-    // Runs per (key, size), with the generations they ran under.
-    let mut runs: BTreeMap<(&str, u64), Vec<Option<i64>>> = BTreeMap::new();
+    // The generation each cache key's row ended on, and the runs per (key, size).
+    let final_generation: HashMap<&str, i64> = h
+        .iter()
+        .filter_map(|e| if let Event::IdempotencyRow { cache_key, generation, .. } = &e.event { Some((cache_key.as_str(), *generation)) } else { None })
+        .collect();
+    let mut runs: BTreeMap<(&str, u64), Vec<(u64, Option<i64>, Option<&str>, Option<&str>)>> = BTreeMap::new();
     let mut size_of_cache_key: HashMap<&str, u64> = HashMap::new();
     for e in h.iter() {
-        if let Event::ExportRun { key: Some(key), cache_key, size, generation, .. } = &e.event {
-            runs.entry((key.as_str(), *size)).or_default().push(*generation);
+        if let Event::ExportRun { key: Some(key), cache_key, size, generation, replica, .. } = &e.event {
+            runs.entry((key.as_str(), *size)).or_default().push((e.t_ms, *generation, replica.as_deref(), cache_key.as_deref()));
             if let Some(ck) = cache_key {
                 size_of_cache_key.insert(ck.as_str(), *size);
             }
         }
     }
-    let crashes = h.iter().filter(|e| matches!(&e.event, Event::Crash { replica, .. } if service_of(replica) == "cases")).count();
+    let crashes: Vec<(u64, &str)> =
+        h.iter().filter_map(|e| if let Event::Crash { replica, .. } = &e.event { Some((e.t_ms, replica.as_str())) } else { None }).collect();
     let (mut total_runs, mut excused) = (0, 0);
-    for ((key, size), gens) in &runs {
-        total_runs += gens.len();
-        if gens.len() < 2 {
-            continue;
+    let mut used: HashSet<(&str, u64, &str)> = HashSet::new();
+    for ((key, size), list) in &mut runs {
+        list.sort_by_key(|r| r.0);
+        total_runs += list.len();
+        for pair in list.windows(2) {
+            let ((t1, g1, r1, ck), (t2, g2, ..)) = (pair[0], pair[1]);
+            // The residue, as the system records it: the first run's replica crashed between
+            // the two runs, an attempt of this very request to it got no answer, and the
+            // second run holds a newer claim generation that the row ended on (or newer).
+            let residue = r1.is_some_and(|r| {
+                crashes.iter().any(|(t, c)| *c == r && t1 <= t.saturating_add(WINDOW_SLACK_MS) && *t <= t2)
+                    && no_answer.contains(&(*key, *size, r))
+                    && !used.contains(&(*key, *size, r))
+            }) && matches!((g1, g2), (Some(a), Some(b)) if b > a)
+                && ck.and_then(|c| final_generation.get(c)).is_none_or(|f| Some(*f) >= g2);
+            if residue {
+                excused += 1;
+                used.insert((*key, *size, r1.expect("checked")));
+                continue;
+            }
+            let mut tags = vec!["kind:executed_twice".to_owned()];
+            tags.extend(service_culprits(h, "cases"));
+            v.blame(tags);
+            v.witness(format!(
+                "the export handler ran again for key {key} (size={size}) @{t2}ms, after a run @{t1}ms on {} (claim generations {:?} then {:?}): a retry re-executed committed work",
+                r1.unwrap_or("?"),
+                g1,
+                g2
+            ));
         }
-        let distinct: HashSet<Option<i64>> = gens.iter().copied().collect();
-        let reclaimed = distinct.len() == gens.len() && gens.iter().all(Option::is_some) && gens.iter().flatten().max().is_some_and(|g| *g > 1);
-        let extra = gens.len() - 1;
-        if reclaimed && no_answer.contains(key) && excused + extra <= crashes {
-            excused += extra;
-            continue;
-        }
-        let mut tags = vec!["kind:executed_twice".to_owned()];
-        tags.extend(service_culprits(h, "cases"));
-        v.blame(tags);
-        v.witness(format!(
-            "the export handler ran {} times for key {key} (size={size}), under claim generations {:?}: a retry re-executed committed work",
-            gens.len(),
-            gens
-        ));
     }
     let mut emptied = 0;
     for e in h.iter() {
@@ -2333,6 +2361,7 @@ mod tests {
             body_len: body.len() as u64,
             body_sha256: Some(craig_api::idempotency::body_fingerprint(body)),
             cancelled: false,
+            retry_after: None,
         });
     }
 
@@ -2343,6 +2372,22 @@ mod tests {
             size,
             generation: Some(generation),
             body_sha256: None,
+            replica: Some("cases-1".into()),
+        });
+    }
+
+    fn unanswered(h: &mut History, t: u64, key: &str, size: u64, replica: &str) {
+        h.push(t, Event::HttpExchange {
+            key: key.into(),
+            size,
+            replica: replica.into(),
+            status: None,
+            replayed: false,
+            too_large: false,
+            body_len: 0,
+            body_sha256: None,
+            cancelled: false,
+            retry_after: None,
         });
     }
 
@@ -2365,22 +2410,39 @@ mod tests {
         h.push(50, Event::IdempotencyRow { cache_key: "ck-a-10".into(), status: "succeeded".into(), status_code: Some(200), body_len: Some(10), body_too_large: false, generation: 1 });
         // The residue: cases-1 died after committing "r", the retry re-claimed (generation 2).
         run(&mut h, 60, "r", 10, 1);
-        h.push(61, Event::HttpExchange { key: "r".into(), size: 10, replica: "cases-1".into(), status: None, replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false });
+        unanswered(&mut h, 61, "r", 10, "cases-1");
         h.push(62, Event::Crash { replica: "cases-1".into(), consumer: false, how: "SIGABRT".into() });
         run(&mut h, 3_100, "r", 10, 2);
+        h.push(3_200, Event::IdempotencyRow { cache_key: "ck-r-10".into(), status: "succeeded".into(), status_code: Some(200), body_len: Some(10), body_too_large: false, generation: 2 });
         answer(&mut h, 3_101, "cases-2", "r", 10, false, false, &body(10));
         let v = sentinel_integrity(&h);
         assert_eq!(v.validity, Validity::Valid, "{v:?}");
         assert_eq!((v.counts["live"], v.counts["replays"], v.counts["sentinels_replayed"], v.counts["reexecuted_after_claim_expiry"]), (3, 2, 1, 1));
 
-        // The same re-run without the crash, or twice for one crash, is not excused.
-        let mut twice = h.clone();
-        run(&mut twice, 70, "s", 10, 1);
-        twice.push(71, Event::HttpExchange { key: "s".into(), size: 10, replica: "cases-1".into(), status: None, replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false });
-        run(&mut twice, 3_200, "s", 10, 2);
-        twice.sort();
-        let v = sentinel_integrity(&twice);
-        assert_eq!((v.validity, v.culprits.get("kind:executed_twice")), (Validity::Invalid, Some(&1)), "one crash excuses one re-run: {v:?}");
+        // Not excused: an unanswered attempt at ANOTHER size, a re-run under the same
+        // generation, a re-run before the crash, a third run for one unanswered attempt.
+        let mut bad = h.clone();
+        run(&mut bad, 70, "s", 10, 1);
+        unanswered(&mut bad, 71, "s", 20, "cases-1");
+        run(&mut bad, 3_200, "s", 10, 2);
+        run(&mut bad, 70, "u", 10, 1);
+        unanswered(&mut bad, 71, "u", 10, "cases-1");
+        run(&mut bad, 3_200, "u", 10, 1);
+        run(&mut bad, 20, "e", 10, 1);
+        unanswered(&mut bad, 21, "e", 10, "cases-1");
+        run(&mut bad, 40, "e", 10, 2);
+        run(&mut bad, 5_000, "r", 10, 3);
+        bad.sort();
+        let v = sentinel_integrity(&bad);
+        assert_eq!((v.validity, v.culprits.get("kind:executed_twice")), (Validity::Invalid, Some(&4)), "{v:?}");
+        assert_eq!(v.counts["reexecuted_after_claim_expiry"], 1);
+        // A 409 without Retry-After, and an unexpected status.
+        let mut answers = h.clone();
+        for (status, retry_after) in [(409, None), (503, None)] {
+            answers.push(80, Event::HttpExchange { key: "a".into(), size: 10, replica: "cases-1".into(), status: Some(status), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after });
+        }
+        let v = sentinel_integrity(&answers);
+        assert_eq!((v.culprits.get("kind:no_retry_after"), v.culprits.get("kind:unexpected_status")), (Some(&1), Some(&1)), "{v:?}");
 
         let mut old = History::default();
         started(&mut old, 0, "cases-1", &["pre-1183", "pre-1184", "pre-d5"]);

@@ -197,10 +197,21 @@ pub enum Event {
         body_len: u64,
         body_sha256: Option<String>,
         cancelled: bool,
+        /// A 409's `Retry-After`, in seconds.
+        #[serde(default)]
+        retry_after: Option<u64>,
     },
     /// One execution of the exports handler (an `exports` row, collected at the end): the
     /// key, cache key and claim generation it ran under, the sha256 of what it produced.
-    ExportRun { key: Option<String>, cache_key: Option<String>, size: u64, generation: Option<i64>, body_sha256: Option<String> },
+    ExportRun {
+        key: Option<String>,
+        cache_key: Option<String>,
+        size: u64,
+        generation: Option<i64>,
+        body_sha256: Option<String>,
+        #[serde(default)]
+        replica: Option<String>,
+    },
     /// A cases `idempotency_responses` row at the end.
     IdempotencyRow { cache_key: String, status: String, status_code: Option<i16>, body_len: Option<i64>, body_too_large: bool, generation: i64 },
 }

@@ -6,5 +6,6 @@ ALTER TABLE exports
     ADD COLUMN idempotency_key TEXT,
     ADD COLUMN cache_key       TEXT,
     ADD COLUMN generation      BIGINT,
+    ADD COLUMN replica         TEXT,
     ADD COLUMN body_sha256     TEXT;
 CREATE INDEX idx_exports_key ON exports (idempotency_key);

@@ -87,17 +87,17 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
 /// every transaction status change the harness's trigger recorded.
 /// cases' exports (one row per handler execution) and its §D5 rows.
 async fn collect_idempotency(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
-    let runs: Vec<(Option<String>, Option<String>, i64, Option<i64>, Option<String>, i64)> = bounded(
+    let runs: Vec<(Option<String>, Option<String>, i64, Option<i64>, Option<String>, i64, Option<String>)> = bounded(
         COLLECT,
         "reading the exports",
         sqlx::query_as(
-            "SELECT idempotency_key, cache_key, size_bytes, generation, body_sha256, (EXTRACT(EPOCH FROM created_at) * 1000)::int8 FROM exports",
+            "SELECT idempotency_key, cache_key, size_bytes, generation, body_sha256, (EXTRACT(EPOCH FROM created_at) * 1000)::int8, replica FROM exports",
         )
         .fetch_all(pool),
     )
     .await?;
-    for (key, cache_key, size, generation, body_sha256, at) in runs {
-        log.push_at(log.rel_db(at), Event::ExportRun { key, cache_key, size: size as u64, generation, body_sha256 });
+    for (key, cache_key, size, generation, body_sha256, at, replica) in runs {
+        log.push_at(log.rel_db(at), Event::ExportRun { key, cache_key, size: size as u64, generation, body_sha256, replica });
     }
     let rows: Vec<(String, String, Option<i16>, Option<i64>, bool, i64)> = bounded(
         COLLECT,

@@ -180,8 +180,8 @@ fn up_replicas(replicas: &Replicas, i: usize) -> Vec<(String, String)> {
 /// `Idempotency-Key`. In the first phase each request is a new key (or, `requery_share`, the
 /// previous key with another size), sent to one replica or, `race`, to two at once; a
 /// `cancel_share` of them go away after the first chunk. In the after-heal phase request i
-/// retries the first phase's request i. A 409 is retried after its `Retry-After` (at most
-/// 5 s, 5 times), as a client would. Every exchange is recorded ([`Event::HttpExchange`]).
+/// retries the first phase's request i. A 409 is retried every second (sooner than its
+/// `Retry-After`, the claim's whole remaining life) until the claim must have expired. Every exchange is recorded ([`Event::HttpExchange`]).
 async fn export_requests(w: &Writer<'_>, seed: u64, (first, count): (u32, u32), done: watch::Sender<u32>) {
     let s = w.s;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -196,9 +196,10 @@ async fn export_requests(w: &Writer<'_>, seed: u64, (first, count): (u32, u32), 
         exp: chrono::Utc::now().timestamp() + 24 * 3600,
     });
     let retrying = first >= s.workload.writes;
+    let claim_secs = s.settings.idempotency_claim_secs;
     let gap = Duration::from_secs_f64(1.0 / s.workload.rate);
     let began = Instant::now();
-    let inflight = Arc::new(tokio::sync::Semaphore::new(16));
+    let inflight = Arc::new(tokio::sync::Semaphore::new(64));
     let done = Arc::new(done);
     let completed = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let mut tasks = tokio::task::JoinSet::new();
@@ -243,12 +244,13 @@ async fn export_requests(w: &Writer<'_>, seed: u64, (first, count): (u32, u32), 
                     body_len: 0,
                     body_sha256: None,
                     cancelled: false,
+                    retry_after: None,
                 });
             } else {
                 let sends = targets.into_iter().enumerate().map(|(n, (name, addr))| {
                     let (http, token, log, key) = (http.clone(), token.clone(), log.clone(), key.clone());
                     // The race's second client cancels never: one of them reads the body.
-                    async move { export_exchange(&http, &log, &token, (&name, &addr), &key, size, cancel && n == 0).await }
+                    async move { export_exchange(&http, &log, &token, (&name, &addr), (&key, size), cancel && n == 0, claim_secs + 3).await }
                 });
                 futures_util::future::join_all(sends).await;
             }
@@ -262,8 +264,16 @@ async fn export_requests(w: &Writer<'_>, seed: u64, (first, count): (u32, u32), 
 
 /// One client's exchange for (`key`, `size`) with `replica`, 409s retried after their
 /// `Retry-After`; each attempt recorded.
-async fn export_exchange(http: &reqwest::Client, log: &Log, token: &str, (replica, addr): (&str, &str), key: &str, size: u64, cancel: bool) {
-    for _attempt in 0..6 {
+async fn export_exchange(
+    http: &reqwest::Client,
+    log: &Log,
+    token: &str,
+    (replica, addr): (&str, &str),
+    (key, size): (&str, u64),
+    cancel: bool,
+    attempts: u64,
+) {
+    for _attempt in 0..attempts {
         let t = log.now();
         let sent = http
             .post(format!("http://{addr}/v1/cases/exports?size={size}"))
@@ -282,15 +292,19 @@ async fn export_exchange(http: &reqwest::Client, log: &Log, token: &str, (replic
             body_len: 0,
             body_sha256: None,
             cancelled: false,
+            retry_after: None,
         };
-        let mut retry_after = None;
-        if let (Ok(mut resp), Event::HttpExchange { status, replayed, too_large, body_len, body_sha256, cancelled, .. }) = (sent, &mut ex) {
+        let mut wait = None;
+        if let (Ok(mut resp), Event::HttpExchange { status, replayed, too_large, body_len, body_sha256, cancelled, retry_after, .. }) = (sent, &mut ex) {
             let h = resp.headers();
             *status = Some(resp.status().as_u16());
             *replayed = h.contains_key(craig_api::idempotency::REPLAYED_HEADER);
             *too_large = h.contains_key(craig_api::idempotency::BODY_TOO_LARGE_HEADER);
             if resp.status() == reqwest::StatusCode::CONFLICT {
-                retry_after = Some(h.get("retry-after").and_then(|v| v.to_str().ok()?.parse::<u64>().ok()).unwrap_or(1).min(5));
+                *retry_after = h.get("retry-after").and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+                // The claim's remaining life bounds the wait; a client may poll sooner, this one
+                // after at most a second.
+                wait = Some(Duration::from_secs(1));
             }
             if cancel && resp.status().is_success() {
                 // Read the first chunk, then go away.
@@ -304,8 +318,8 @@ async fn export_exchange(http: &reqwest::Client, log: &Log, token: &str, (replic
             }
         }
         log.push_at(t, ex);
-        match retry_after {
-            Some(secs) => tokio::time::sleep(Duration::from_secs(secs)).await,
+        match wait {
+            Some(pause) => tokio::time::sleep(pause).await,
             None => return,
         }
     }

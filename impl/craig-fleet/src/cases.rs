@@ -78,7 +78,8 @@ async fn create_export(
         None => (None, None, None),
     };
     let written = sqlx::query(
-        "INSERT INTO exports (size_bytes, idempotency_key, cache_key, generation, body_sha256, created_by) VALUES ($1, $2, $3, $4, $5, $6)",
+        "INSERT INTO exports (size_bytes, idempotency_key, cache_key, generation, body_sha256, created_by, replica) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
     )
     .bind(size as i64)
     .bind(&key)
@@ -86,6 +87,7 @@ async fn create_export(
     .bind(generation)
     .bind(&digest)
     .bind(claims.sub)
+    .bind(std::env::var("CRAIG_REPLICA").ok())
     .execute(&state.pool)
     .await;
     if let Err(e) = written {
@@ -93,8 +95,9 @@ async fn create_export(
         return error_response(StatusCode::SERVICE_UNAVAILABLE, "database unavailable; the export was not made");
     }
     craig_mq::crash::hit("exports::after_commit_before_answer");
+    let body = axum::body::Bytes::from(body);
     let frames: Vec<Result<axum::body::Bytes, std::convert::Infallible>> =
-        axum::body::Bytes::from(body).chunks(EXPORT_FRAME).map(|c| Ok(axum::body::Bytes::copy_from_slice(c))).collect();
+        (0..size).step_by(EXPORT_FRAME).map(|at| Ok(body.slice(at..(at + EXPORT_FRAME).min(size)))).collect();
     let mut r = axum::body::Body::from_stream(futures_util::stream::iter(frames)).into_response();
     let h = r.headers_mut();
     h.insert(axum::http::header::CONTENT_TYPE, axum::http::HeaderValue::from_static("application/octet-stream"));

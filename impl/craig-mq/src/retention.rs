@@ -135,8 +135,11 @@ async fn prune_locked(conn: &mut sqlx::PgConnection, cfg: &PruneConfig) -> Resul
     }
     if r.idempotency_hours > 0 {
         // #1194: never a live claim (a re-claim restarts expires_at; this guards the rest).
+        // The predicate again on the outer DELETE: a row re-claimed between the subquery's
+        // snapshot and the delete's row lock is re-checked as it is NOW, and kept.
         report.idempotency = batched(conn, "DELETE FROM idempotency_responses WHERE cache_key IN (SELECT cache_key FROM idempotency_responses \
-             WHERE expires_at < now() AND (status <> 'processing' OR claim_expires_at < now()) LIMIT $1)", None, cfg).await?;
+             WHERE expires_at < now() AND (status <> 'processing' OR claim_expires_at < now()) LIMIT $1) \
+             AND expires_at < now() AND (status <> 'processing' OR claim_expires_at < now())", None, cfg).await?;
     }
     Ok(report)
 }

@@ -8,7 +8,7 @@
 //! | step | answer |
 //! |---|---|
 //! | no valid bearer token / wrong audience | 401 / 403 (the key space is per `sub`) |
-//! | no `Idempotency-Key` (or a malformed one) | 400 |
+//! | no `Idempotency-Key` (or not 1..=255 visible ASCII without `:`; or two) | 400 |
 //! | request body over 2 MiB | 413, the handler never runs |
 //! | same key, different body (`sha256(body)`) | 422 |
 //! | same key while the first is in flight | 409 with `Retry-After` (the claim's remaining life) |
@@ -43,7 +43,13 @@
 //! to expire, and the retry after the claim's 30 s runs the handler again (the
 //! re-claim shows as generation 2).
 //!
-//! **#1194, the expiry window (past the ADR).** A row's life is its own `expires_at`, not the
+//! A client that goes away BEFORE its handler answered drops the handler's future with it:
+//! what the handler committed by then stays committed, the claim stays `processing` and
+//! expires, and the retry runs the handler again (generation 2). That is the same residue,
+//! outside the #1183 guard (which is armed only by a 2xx); handlers that must never run
+//! twice keep a natural-key arbiter of their own (#1179's shape).
+//!
+//! //! **#1194, the expiry window (past the ADR).** A row's life is its own `expires_at`, not the
 //! hourly cleanup's timing: the claim statement treats a row past `expires_at` as absent and
 //! re-claims it in the same statement (so a replay never serves a row older than 24 h, and a
 //! cleanup that runs late changes nothing a client can see); a re-claim restarts

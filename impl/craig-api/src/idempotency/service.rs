@@ -79,8 +79,10 @@ fn idempotency_key(headers: &HeaderMap) -> Result<String, &'static str> {
         });
     };
     let bytes = v.as_bytes();
-    if bytes.is_empty() || bytes.len() > 255 || !bytes.iter().all(|b| b.is_ascii_graphic()) {
-        return Err("Idempotency-Key must be 1..=255 visible ASCII characters");
+    // No ':' — the cache key joins its parts with ':', and a key without it keeps the
+    // last two parts (user, key) unambiguous.
+    if bytes.is_empty() || bytes.len() > 255 || !bytes.iter().all(|b| b.is_ascii_graphic() && *b != b':') {
+        return Err("Idempotency-Key must be 1..=255 visible ASCII characters other than ':'");
     }
     Ok(String::from_utf8(bytes.to_vec()).expect("visible ASCII is UTF-8"))
 }
@@ -180,8 +182,10 @@ where
         match body.frame().await {
             None => {
                 let full: Vec<u8> = frames.iter().filter_map(|f| f.data_ref()).flat_map(|d| d.iter().copied()).collect();
-                guard.disarm();
                 let outcome = store.finalize_succeeded(&ck, generation, status, &stored_headers, CachedBody::Full(&full), RESPONSE_BODY_CAP).await;
+                // Disarmed only once the finalize returned: a request dropped DURING it still
+                // gets the guard's (fenced, status-guarded, so idempotent) sentinel finalize.
+                guard.disarm();
                 log_finalize("succeeded", &ck, generation, outcome);
                 return Response::from_parts(rparts, Body::new(Relayed::new(frames, None, None)));
             }
@@ -194,8 +198,8 @@ where
                         tracing::info!(event = "idempotency.overflow", cache_key = %ck, generation, cap = RESPONSE_BODY_CAP, "response over the cache cap: storing the sentinel, streaming the full body live");
                         frames.push(Frame::data(head));
                         frames.push(Frame::data(data));
-                        guard.disarm();
                         let outcome = store.finalize_succeeded(&ck, generation, status, &stored_headers, CachedBody::TooLarge, RESPONSE_BODY_CAP).await;
+                        guard.disarm();
                         log_finalize("sentinel", &ck, generation, outcome);
                         return Response::from_parts(rparts, Body::new(Relayed::new(frames, Some(body), None)));
                     }
@@ -207,8 +211,8 @@ where
             },
             Some(Err(e)) => {
                 tracing::warn!(event = "idempotency.body_stream_error", cache_key = %ck, generation, error = %e, "2xx body failed mid-stream: storing the sentinel, re-emitting the error after the prefix");
-                guard.disarm();
                 let outcome = store.finalize_succeeded(&ck, generation, status, &stored_headers, CachedBody::TooLarge, RESPONSE_BODY_CAP).await;
+                guard.disarm();
                 log_finalize("sentinel", &ck, generation, outcome);
                 return Response::from_parts(rparts, Body::new(Relayed::new(frames, None, Some(e))));
             }

@@ -357,3 +357,49 @@ async fn latency_of_miss_replay_and_bare_route() {
     }
     s.finish().await;
 }
+
+/// #1183: trailers survive the live path and are never cached (pure logic: the in-memory
+/// store stands in for the table).
+#[tokio::test]
+async fn trailers_reach_the_live_client_and_are_never_replayed() {
+    use axum::body::{Body, Bytes};
+    use http_body::Frame;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let app = axum::Router::new()
+        .route(
+            "/t",
+            axum::routing::post(|| async {
+                let mut trailers = axum::http::HeaderMap::new();
+                trailers.insert("x-checksum", "abc".parse().unwrap());
+                let frames = vec![Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(b"body"))), Ok(Frame::trailers(trailers))];
+                axum::response::Response::new(Body::new(http_body_util::StreamBody::new(futures_util::stream::iter(frames))))
+            }),
+        )
+        .route_layer(craig_api::idempotency::IdempotencyLayer::new(config(), craig_api::idempotency::Store::memory()));
+    let req = || {
+        axum::http::Request::post("/t").header("authorization", format!("Bearer {}", token())).header("idempotency-key", "t").body(Body::empty()).unwrap()
+    };
+    let live = app.clone().oneshot(req()).await.unwrap().into_body().collect().await.unwrap();
+    assert_eq!(live.trailers().and_then(|t| t.get("x-checksum")).map(|v| v.to_str().unwrap()), Some("abc"));
+    assert_eq!(live.to_bytes().as_ref(), b"body");
+    let replay = app.oneshot(req()).await.unwrap();
+    assert_eq!(replay.headers()[REPLAYED_HEADER], "true");
+    let replay = replay.into_body().collect().await.unwrap();
+    assert!(replay.trailers().is_none(), "a replay carries no trailers");
+    assert_eq!(replay.to_bytes().as_ref(), b"body");
+}
+
+/// The store down: 503, and the handler never runs.
+#[tokio::test]
+async fn a_store_that_is_down_is_a_503_and_runs_nothing() {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_lazy("postgres://postgres@127.0.0.1:1/none")
+        .unwrap();
+    let s = Server::on(pool, config()).await;
+    let r = post(&client(), &format!("{}/ok?size=1", s.base), Some("down"), vec![]).await;
+    assert_eq!(r.status(), 503);
+    assert_eq!(s.runs.get(), 0);
+    s.finish().await;
+}
