@@ -2377,18 +2377,7 @@ mod tests {
     }
 
     fn unanswered(h: &mut History, t: u64, key: &str, size: u64, replica: &str) {
-        h.push(t, Event::HttpExchange {
-            key: key.into(),
-            size,
-            replica: replica.into(),
-            status: None,
-            replayed: false,
-            too_large: false,
-            body_len: 0,
-            body_sha256: None,
-            cancelled: false,
-            retry_after: None,
-        });
+        h.push(t, Event::unanswered_exchange(key, size, replica));
     }
 
     /// §D5: the current middleware's answers (live, replay, over-cap live, sentinel replay)

@@ -216,6 +216,24 @@ pub enum Event {
     IdempotencyRow { cache_key: String, status: String, status_code: Option<i16>, body_len: Option<i64>, body_too_large: bool, generation: i64 },
 }
 
+impl Event {
+    /// An exports request to `replica` with no answer yet (the fields a reply fills in).
+    pub fn unanswered_exchange(key: &str, size: u64, replica: &str) -> Event {
+        Event::HttpExchange {
+            key: key.to_owned(),
+            size,
+            replica: replica.to_owned(),
+            status: None,
+            replayed: false,
+            too_large: false,
+            body_len: 0,
+            body_sha256: None,
+            cancelled: false,
+            retry_after: None,
+        }
+    }
+}
+
 fn rules() -> String {
     "rules".into()
 }

@@ -234,18 +234,7 @@ async fn export_requests(w: &Writer<'_>, seed: u64, (first, count): (u32, u32), 
         tasks.spawn(async move {
             if targets.is_empty() {
                 // No replica up: nothing was sent.
-                log.push(Event::HttpExchange {
-                    key,
-                    size,
-                    replica: "none".into(),
-                    status: None,
-                    replayed: false,
-                    too_large: false,
-                    body_len: 0,
-                    body_sha256: None,
-                    cancelled: false,
-                    retry_after: None,
-                });
+                log.push(Event::unanswered_exchange(&key, size, "none"));
             } else {
                 let sends = targets.into_iter().enumerate().map(|(n, (name, addr))| {
                     let (http, token, log, key) = (http.clone(), token.clone(), log.clone(), key.clone());
@@ -282,18 +271,7 @@ async fn export_exchange(
             .json(&json!({ "format": "chaos" }))
             .send()
             .await;
-        let mut ex = Event::HttpExchange {
-            key: key.to_owned(),
-            size,
-            replica: replica.to_owned(),
-            status: None,
-            replayed: false,
-            too_large: false,
-            body_len: 0,
-            body_sha256: None,
-            cancelled: false,
-            retry_after: None,
-        };
+        let mut ex = Event::unanswered_exchange(key, size, replica);
         let mut wait = None;
         if let (Ok(mut resp), Event::HttpExchange { status, replayed, too_large, body_len, body_sha256, cancelled, retry_after, .. }) = (sent, &mut ex) {
             let h = resp.headers();
