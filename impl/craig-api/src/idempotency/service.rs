@@ -220,8 +220,9 @@ where
     }
 }
 
-/// Compat pre-1183: the capped `to_bytes` that emptied an over-cap 2xx and persisted the
-/// empty body as a canonical `succeeded` row (live and on every replay).
+/// Compat pre-1183: the capped `to_bytes` (limit cap + 1) that emptied an over-cap 2xx and
+/// persisted the empty body as a canonical `succeeded` row (live and on every replay); the
+/// documented sentinel materialized only for a body of exactly cap + 1 bytes.
 async fn pre_1183(
     store: &Store,
     ck: &str,
@@ -230,8 +231,9 @@ async fn pre_1183(
     rbody: Body,
     headers: Vec<(String, String)>,
 ) -> Response<Body> {
-    let bytes = axum::body::to_bytes(rbody, RESPONSE_BODY_CAP).await.unwrap_or_default();
-    let outcome = store.finalize_succeeded(ck, generation, rparts.status.as_u16(), &headers, CachedBody::Full(&bytes), RESPONSE_BODY_CAP).await;
+    let bytes = axum::body::to_bytes(rbody, RESPONSE_BODY_CAP + 1).await.unwrap_or_default();
+    let cached = if bytes.len() > RESPONSE_BODY_CAP { CachedBody::TooLarge } else { CachedBody::Full(&bytes) };
+    let outcome = store.finalize_succeeded(ck, generation, rparts.status.as_u16(), &headers, cached, RESPONSE_BODY_CAP).await;
     log_finalize("succeeded", ck, generation, outcome);
     rparts.headers.remove(header::CONTENT_LENGTH);
     Response::from_parts(rparts, Body::from(bytes))

@@ -232,7 +232,11 @@ async fn compat_pre_1184_replays_the_wrong_response_and_pre_1183_stores_it_empty
     let b = post(&http, &format!("{}/ok?size=9", s.base), Some("q"), vec![]).await;
     assert_eq!(b.headers()[REPLAYED_HEADER], "true");
     assert_eq!(b.bytes().await.unwrap().len(), 5, "pre-1184: the size=5 answer for a size=9 request");
-    let url = format!("{}/ok?size={}", s.base, MIB + 1);
+    // Exactly cap + 1: the old code's one sentinel.
+    let at = format!("{}/ok?size={}", s.base, MIB + 1);
+    assert_eq!(post(&http, &at, Some("at"), vec![]).await.bytes().await.unwrap().len(), MIB + 1);
+    assert_eq!(post(&http, &at, Some("at"), vec![]).await.headers()[BODY_TOO_LARGE_HEADER], "true");
+    let url = format!("{}/ok?size={}", s.base, 2 * MIB);
     let live = post(&http, &url, Some("big"), vec![]).await;
     assert_eq!(live.status(), 200);
     assert!(live.bytes().await.unwrap().is_empty(), "pre-1183: the over-cap 2xx emptied live");

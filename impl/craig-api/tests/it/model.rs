@@ -1,6 +1,7 @@
 //! The §D5 state machine against a model: random sequences of requests (bodies, failures,
-//! responses around the 1 MiB cap, requests around the 2 MiB cap), winners that die after
-//! claiming, and claim expiries, through the real layer on a real database.
+//! responses around the 1 MiB cap, requests around the 2 MiB cap), clients that go away
+//! after the 2xx, winners that die after claiming, and claim expiries, through the real
+//! layer on a real database.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -26,8 +27,11 @@ const BODIES: [&[u8]; 2] = [b"{\"a\":1}", b"{\"a\":2}"];
 enum Op {
     /// A request for key `k` with body `b`; the handler answers 500 when `fail`.
     Send { k: usize, b: usize, fail: bool },
-    /// A request over 2 MiB (by one byte, or exactly 2 MiB: accepted).
-    Large { k: usize, exact: bool },
+    /// A request body around the 2 MiB cap: 2 MiB − 1, 2 MiB (accepted), 2 MiB + 1 (413).
+    Large { k: usize, delta: i64 },
+    /// A request for key `k` whose client goes away after the 2xx while the middleware is
+    /// still capturing (the handler's body stalls): the cancel guard's sentinel.
+    Cancel { k: usize, b: usize },
     /// A winner claims `k` and dies before its handler answered.
     Die { k: usize, b: usize },
     /// Every claim of this case expires.
@@ -37,7 +41,8 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => (0..4usize, 0..2usize, proptest::bool::weighted(0.2)).prop_map(|(k, b, fail)| Op::Send { k, b, fail }),
-        1 => (0..4usize, any::<bool>()).prop_map(|(k, exact)| Op::Large { k, exact }),
+        1 => (0..4usize, -1..=1i64).prop_map(|(k, delta)| Op::Large { k, delta }),
+        1 => (0..4usize, 0..2usize).prop_map(|(k, b)| Op::Cancel { k, b }),
         1 => (0..4usize, 0..2usize).prop_map(|(k, b)| Op::Die { k, b }),
         1 => Just(Op::Expire),
     ]
@@ -67,8 +72,9 @@ fn the_middleware_follows_the_state_machine() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let (sandbox, pool) = rt.block_on(database("model"));
     let fail = Arc::new(AtomicBool::new(false));
+    let stall = Arc::new(AtomicBool::new(false));
     let runs = Arc::new(AtomicUsize::new(0));
-    let (f, r) = (fail.clone(), runs.clone());
+    let (f, st, r) = (fail.clone(), stall.clone(), runs.clone());
     let store = Store::postgres(pool.clone());
     let mut cfg = config();
     cfg.claim_ttl = Duration::from_secs(30);
@@ -79,6 +85,10 @@ fn the_middleware_follows_the_state_machine() {
                 r.fetch_add(1, Ordering::SeqCst);
                 if f.load(Ordering::SeqCst) {
                     return (StatusCode::INTERNAL_SERVER_ERROR, "failed").into_response();
+                }
+                if st.load(Ordering::SeqCst) {
+                    let first = futures_util::stream::iter([Ok::<_, std::convert::Infallible>(axum::body::Bytes::from_static(b"first"))]);
+                    return axum::response::Response::new(Body::from_stream(futures_util::StreamExt::chain(first, futures_util::stream::pending())));
                 }
                 pattern(q.size.unwrap_or(0)).into_response()
             }),
@@ -141,8 +151,39 @@ fn the_middleware_follows_the_state_machine() {
                                 other => prop_assert!(false, "unexpected model state {:?}", other),
                             }
                         }
-                        Op::Large { k, exact } => {
-                            let n = if exact { 2 * MIB } else { 2 * MIB + 1 };
+                        Op::Cancel { k, b } => {
+                            if !model[k].claims(b) {
+                                continue; // answered at once (409, 422 or a replay): Send covers it
+                            }
+                            fail.store(false, Ordering::SeqCst);
+                            stall.store(true, Ordering::SeqCst);
+                            let before = runs.load(Ordering::SeqCst);
+                            let req = Request::post(format!("/m?size={}", SIZES[k]))
+                                .header("authorization", format!("Bearer {tok}"))
+                                .header("idempotency-key", format!("k{k}"))
+                                .body(Body::from(BODIES[b]))
+                                .unwrap();
+                            let dropped = tokio::time::timeout(Duration::from_millis(300), app.clone().oneshot(req)).await.is_err();
+                            stall.store(false, Ordering::SeqCst);
+                            prop_assert!(dropped, "the stalled capture never answers");
+                            prop_assert_eq!(runs.load(Ordering::SeqCst) - before, 1);
+                            // The guard's spawned finalize: the sentinel, never failed.
+                            let ck = cache_key("POST", "/m", &format!("size={}", SIZES[k]), sub, &format!("k{k}"));
+                            let mut settled = None;
+                            for _ in 0..60 {
+                                settled = row(&pool, &ck).await.filter(|r| r.0 != "processing");
+                                if settled.is_some() {
+                                    break;
+                                }
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                            let (status, _, len, sentinel, _) = settled.expect("the cancel guard finalized the row");
+                            prop_assert_eq!((status.as_str(), len, sentinel), ("succeeded", None, true));
+                            model[k] = M::Done { b, sentinel: true };
+                        }
+                        Op::Large { k, delta } => {
+                            let n = (2 * MIB as i64 + delta) as usize;
+                            let exact = delta <= 0;
                             let before = runs.load(Ordering::SeqCst);
                             fail.store(false, Ordering::SeqCst);
                             let req = Request::post(format!("/m?size={}", SIZES[k]))
@@ -154,7 +195,7 @@ fn the_middleware_follows_the_state_machine() {
                             let ran = runs.load(Ordering::SeqCst) - before;
                             if exact {
                                 // A fresh key each time it is first seen; later a replay.
-                                prop_assert!(status == StatusCode::OK, "2 MiB is accepted, got {}", status);
+                                prop_assert!(status == StatusCode::OK, "{} bytes are accepted, got {}", n, status);
                                 prop_assert!(ran <= 1);
                             } else {
                                 prop_assert_eq!((status, ran), (StatusCode::PAYLOAD_TOO_LARGE, 0));
