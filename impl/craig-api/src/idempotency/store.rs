@@ -242,22 +242,15 @@ impl Store {
                 .await?;
                 Ok(if done.rows_affected() == 1 { Finalized::Applied } else { Finalized::Lost })
             }
-            Store::Memory(map) => {
-                let mut map = map.lock().expect("idempotency map poisoned");
-                match map.get_mut(cache_key) {
-                    Some(row) if row.generation == generation && row.status == RowStatus::Processing => {
-                        row.status = RowStatus::Succeeded;
-                        row.response = Some(StoredResponse {
-                            status_code,
-                            headers: headers.to_vec(),
-                            body: bytes.map(<[u8]>::to_vec),
-                            body_too_large: too_large,
-                        });
-                        Ok(Finalized::Applied)
-                    }
-                    _ => Ok(Finalized::Lost),
-                }
-            }
+            Store::Memory(map) => Ok(finalize_in_memory(map, cache_key, generation, |row| {
+                row.status = RowStatus::Succeeded;
+                row.response = Some(StoredResponse {
+                    status_code,
+                    headers: headers.to_vec(),
+                    body: bytes.map(<[u8]>::to_vec),
+                    body_too_large: too_large,
+                });
+            })),
         }
     }
 
@@ -276,17 +269,21 @@ impl Store {
                 .await?;
                 Ok(if done.rows_affected() == 1 { Finalized::Applied } else { Finalized::Lost })
             }
-            Store::Memory(map) => {
-                let mut map = map.lock().expect("idempotency map poisoned");
-                match map.get_mut(cache_key) {
-                    Some(row) if row.generation == generation && row.status == RowStatus::Processing => {
-                        row.status = RowStatus::Failed;
-                        Ok(Finalized::Applied)
-                    }
-                    _ => Ok(Finalized::Lost),
-                }
-            }
+            Store::Memory(map) => Ok(finalize_in_memory(map, cache_key, generation, |row| row.status = RowStatus::Failed)),
         }
+    }
+}
+
+/// The in-memory finalize: `apply` only to a `processing` row still on `generation` (the
+/// same fence as the UPDATEs' WHERE).
+fn finalize_in_memory(map: &Mutex<HashMap<String, MemRow>>, cache_key: &str, generation: i64, apply: impl FnOnce(&mut MemRow)) -> Finalized {
+    let mut map = map.lock().expect("idempotency map poisoned");
+    match map.get_mut(cache_key) {
+        Some(row) if row.generation == generation && row.status == RowStatus::Processing => {
+            apply(row);
+            Finalized::Applied
+        }
+        _ => Finalized::Lost,
     }
 }
 

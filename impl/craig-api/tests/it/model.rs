@@ -101,17 +101,21 @@ fn the_middleware_follows_the_state_machine() {
             rt.block_on(async {
                 let sub = Uuid::now_v7();
                 let tok = token_for(sub, "craig-cases");
+                // Key `k`'s request (its size in the query) with body `b`.
+                let request = |k: usize, b: usize| {
+                    Request::post(format!("/m?size={}", SIZES[k]))
+                        .header("authorization", format!("Bearer {tok}"))
+                        .header("idempotency-key", format!("k{k}"))
+                        .body(Body::from(BODIES[b]))
+                        .unwrap()
+                };
                 let mut model = [M::Absent; 4];
                 for op in ops {
                     match op {
                         Op::Send { k, b, fail: failing } => {
                             fail.store(failing, Ordering::SeqCst);
                             let before = runs.load(Ordering::SeqCst);
-                            let req = Request::post(format!("/m?size={}", SIZES[k]))
-                                .header("authorization", format!("Bearer {tok}"))
-                                .header("idempotency-key", format!("k{k}"))
-                                .body(Body::from(BODIES[b]))
-                                .unwrap();
+                            let req = request(k, b);
                             let resp = app.clone().oneshot(req).await.unwrap();
                             let status = resp.status();
                             let replayed = resp.headers().contains_key(REPLAYED_HEADER);
@@ -158,11 +162,7 @@ fn the_middleware_follows_the_state_machine() {
                             fail.store(false, Ordering::SeqCst);
                             stall.store(true, Ordering::SeqCst);
                             let before = runs.load(Ordering::SeqCst);
-                            let req = Request::post(format!("/m?size={}", SIZES[k]))
-                                .header("authorization", format!("Bearer {tok}"))
-                                .header("idempotency-key", format!("k{k}"))
-                                .body(Body::from(BODIES[b]))
-                                .unwrap();
+                            let req = request(k, b);
                             let dropped = tokio::time::timeout(Duration::from_millis(300), app.clone().oneshot(req)).await.is_err();
                             stall.store(false, Ordering::SeqCst);
                             prop_assert!(dropped, "the stalled capture never answers");
