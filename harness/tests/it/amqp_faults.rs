@@ -85,7 +85,7 @@ async fn a_reset_peer_is_a_typed_connection_error() {
 async fn the_outbox_keeps_rows_pending_through_a_black_hole_and_drains_after() {
     let rig = rig("outbox_black_hole").await;
     let pool = rig.sandbox.pool("svc").await.unwrap();
-    sqlx::migrate!("../migrations/cases").run(&pool).await.unwrap();
+    craig_fleet::Service::Cases.migrator().run(&pool).await.unwrap();
     let ocfg = OutboxConfig {
         poll_interval: Duration::from_millis(50),
         batch_size: 100,

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::LazyLock;
 
 use sqlx::migrate::Migrator;
 
@@ -17,10 +18,29 @@ pub enum Service {
 
 pub const ALL: [Service; 4] = [Service::Cases, Service::Financial, Service::Rules, Service::Security];
 
-static CASES: Migrator = sqlx::migrate!("../../migrations/cases");
-static FINANCIAL: Migrator = sqlx::migrate!("../../migrations/financial");
-static RULES: Migrator = sqlx::migrate!("../../migrations/rules");
-static SECURITY: Migrator = sqlx::migrate!("../../migrations/security");
+/// `migrations/<service>/`, embedded by `build.rs`.
+mod embedded {
+    include!(concat!(env!("OUT_DIR"), "/migrations.rs"));
+}
+
+fn embedded(files: &'static [(i64, &'static str, &'static str)]) -> Migrator {
+    use sqlx::migrate::{Migration, MigrationType};
+    Migrator::with_migrations(
+        files
+            .iter()
+            .map(|(version, description, sql)| {
+                // As sqlx's resolver reads a file: a leading `-- no-transaction` opts out.
+                let no_tx = sql.starts_with("-- no-transaction");
+                Migration::new(*version, (*description).into(), MigrationType::Simple, sqlx::SqlStr::from_static(sql), no_tx)
+            })
+            .collect(),
+    )
+}
+
+static CASES: LazyLock<Migrator> = LazyLock::new(|| embedded(embedded::CASES));
+static FINANCIAL: LazyLock<Migrator> = LazyLock::new(|| embedded(embedded::FINANCIAL));
+static RULES: LazyLock<Migrator> = LazyLock::new(|| embedded(embedded::RULES));
+static SECURITY: LazyLock<Migrator> = LazyLock::new(|| embedded(embedded::SECURITY));
 
 impl Service {
     pub fn name(self) -> &'static str {

@@ -20,7 +20,10 @@ use uuid::Uuid;
 pub const SECRET: &str = "idempotency-test-secret";
 pub const MIB: usize = 1024 * 1024;
 
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/cases");
+/// cases' migrations, read from the checkout (runtime resolve: no sqlx macro crates).
+pub async fn migrator() -> sqlx::migrate::Migrator {
+    sqlx::migrate::Migrator::new(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../migrations/cases"))).await.expect("migrations/cases")
+}
 
 /// How many times each test route's handler ran.
 #[derive(Clone, Default)]
@@ -118,7 +121,7 @@ pub fn config() -> Config {
 pub async fn database(label: &str) -> (Sandbox, PgPool) {
     let sandbox = Sandbox::create(&format!("craig-api::{label}"), &["cases"]).await.expect("sandbox");
     let pool = sandbox.pool("cases").await.expect("pool");
-    MIGRATOR.run(&pool).await.expect("migrate");
+    migrator().await.run(&pool).await.expect("migrate");
     (sandbox, pool)
 }
 

@@ -21,7 +21,9 @@ pub struct Env {
 pub async fn env(label: &str) -> Env {
     let sandbox = Sandbox::create(&format!("craig-mq::{label}"), &["svc"]).await.expect("sandbox");
     let pool = sandbox.pool("svc").await.expect("pool");
-    sqlx::migrate!("../../migrations/rules").run(&pool).await.expect("migrate");
+    // Read from the checkout at run time (no sqlx macro crates in the build).
+    let dir = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../migrations/rules"));
+    sqlx::migrate::Migrator::new(dir).await.expect("migrations/rules").run(&pool).await.expect("migrate");
     Env { sandbox, pool }
 }
 
