@@ -256,7 +256,9 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
     let prune = craig_mq::retention::PruneConfig { pre_965: opts.compat.has(Compat::Pre965), ..opts.settings.prune };
     let worker = OutboxWorker::new(pool.clone(), &opts.settings.amqp_url, opts.settings.publisher, opts.settings.outbox)
         .with_mode(mode)
+        .with_notify(opts.settings.outbox_notify)
         .with_prune(prune);
+    craig_mq::outbox::notify::set_staging_notifies(opts.settings.outbox_notify);
     // The outbox stops last: whatever the other tasks stage while they drain (financial's
     // send queue finishing its sends stages exchange.*) is still published.
     let outbox_stop = CancellationToken::new();
@@ -273,7 +275,8 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
         let cfg = SubscriberConfig {
             amqp_url: opts.settings.amqp_url.clone(),
             spec,
-            prefetch: 32,
+            prefetch: craig_mq::settings::CONSUMER_PREFETCH,
+            concurrency: opts.settings.consumer_concurrency,
             heartbeat_secs: opts.settings.publisher.heartbeat_secs,
             retry_delay: Duration::from_millis(500),
             reconnect_delay: Duration::from_secs(1),

@@ -11,7 +11,10 @@
 //! commit and the `processed_at` stamp are separate commits. A crash between them (crash
 //! point `inbox::after_handler_before_stamp`) leaves the row unstamped, and the redelivery
 //! re-runs a handler that already succeeded. Two concurrent deliveries of one envelope
-//! (two replicas, before either stamps) can likewise both run it. Handlers with
+//! (two replicas, before either stamps) can likewise both run it. A consumer session runs
+//! up to `CRAIG_CONSUMER_CONCURRENCY` handlers at once (default: the prefetch, 32;
+//! `subscriber`), so ONE crash of a replica can leave up to that many envelopes inside this
+//! window at the same time; with concurrency 1, at most one. Handlers with
 //! non-replayable side effects must carry their own arbiter (ADR-022 #1179).
 //! Exactly-once is the #1178 redesign, not this module.
 //!

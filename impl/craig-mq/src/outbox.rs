@@ -26,6 +26,19 @@
 //! The worker repeats passes until one comes back short (#1128: no throughput ceiling), then
 //! sleeps the poll interval (1 s). At-least-once: a crash after the ACK and before the stamp
 //! re-publishes after lease expiry; the inbox is the consumer-side boundary.
+//!
+//! **Pipelined drain.** Inside a drain the passes overlap: while batch N is being published
+//! (the only batch on the channel, so returns still match their batch), the stamp/release of
+//! batch N-1 and the claim of batch N+1 run on their own pooled connections. Every rule above
+//! holds per batch: each statement is its own short transaction, nothing is locked across a
+//! publish, and stamps and releases stay fenced by their claim. A drain that stops early
+//! (a broker-level failure, the shutdown deadline) hands its pre-claimed batch back at once
+//! ([`lease::unclaim`]) instead of leaving it to the lease.
+//!
+//! **LISTEN/NOTIFY (opt-in, `CRAIG_OUTBOX_NOTIFY=1`; the ADR's upgrade path).** Staging
+//! sends `pg_notify('craig_outbox', '')` in the staging transaction and a listener connection
+//! wakes the worker at once; the poll interval stays the fallback, and a lost listener
+//! connection wakes the worker once and reconnects ([`notify`]).
 
 use std::time::Duration;
 
@@ -47,9 +60,15 @@ use crate::publisher::{PublishError, Publisher, PublisherConfig};
 /// (`Result<(), sqlx::Error>`) is kept, so every caller's `?` still works.
 pub async fn publish_in_tx(tx: &mut Transaction<'_, Postgres>, envelope: &EventEnvelope) -> Result<(), sqlx::Error> {
     envelope.validate_storable().map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
-    sqlx::query(
-        "INSERT INTO event_outbox (id, aggregate_id, event_type, envelope) VALUES ($1, $2, $3, $4)",
-    )
+    // The LISTEN/NOTIFY upgrade path (see [`notify`]): in the same statement, so the wake-up
+    // is delivered exactly when (and only if) the staging transaction commits.
+    let sql = if notify::staging_notifies() {
+        "WITH staged AS (INSERT INTO event_outbox (id, aggregate_id, event_type, envelope) VALUES ($1, $2, $3, $4) RETURNING 1) \
+         SELECT pg_notify('craig_outbox', '') FROM staged"
+    } else {
+        "INSERT INTO event_outbox (id, aggregate_id, event_type, envelope) VALUES ($1, $2, $3, $4)"
+    };
+    sqlx::query(sql)
     .bind(envelope.id)
     .bind(envelope.aggregate_id)
     .bind(&envelope.event_type)
@@ -156,6 +175,8 @@ pub struct OutboxWorker {
     mode: DrainMode,
     /// The retention prune that runs inside this worker (#965/#1129), if any.
     prune: Option<crate::retention::PruneConfig>,
+    /// Wake on `NOTIFY craig_outbox` as well as on the poll interval ([`notify`]).
+    notify: bool,
 }
 
 /// Which drain the worker runs.
@@ -172,12 +193,20 @@ pub enum DrainMode {
 
 impl OutboxWorker {
     pub fn new(pool: PgPool, amqp_url: impl Into<String>, publisher_cfg: PublisherConfig, cfg: OutboxConfig) -> Self {
-        Self { pool, amqp_url: amqp_url.into(), publisher_cfg, cfg, publisher: None, failures: 0, mode: DrainMode::default(), prune: None }
+        Self { pool, amqp_url: amqp_url.into(), publisher_cfg, cfg, publisher: None, failures: 0, mode: DrainMode::default(), prune: None, notify: false }
     }
 
     /// Run the retention prune (`crate::retention`) inside this worker, beside the drain.
     pub fn with_prune(mut self, prune: crate::retention::PruneConfig) -> Self {
         self.prune = Some(prune);
+        self
+    }
+
+    /// The LISTEN/NOTIFY upgrade path ([`notify`]): a listener connection wakes the worker
+    /// as soon as a staging transaction commits; the poll interval stays the fallback. The
+    /// producers of this database must stage with [`notify::set_staging_notifies`] on.
+    pub fn with_notify(mut self, on: bool) -> Self {
+        self.notify = on;
         self
     }
 
@@ -192,6 +221,8 @@ impl OutboxWorker {
     /// in half, so no claim is abandoned to wait out its lease.
     pub async fn run(mut self, shutdown: CancellationToken) {
         let prune = self.prune.take().map(|cfg| tokio::spawn(crate::retention::run(self.pool.clone(), cfg, shutdown.clone())));
+        let wake = std::sync::Arc::new(tokio::sync::Notify::new());
+        let listener = self.notify.then(|| tokio::spawn(notify::listen(self.pool.clone(), wake.clone(), shutdown.clone())));
         loop {
             // A drain other replicas keep full must still notice the stop between passes.
             let pause = match self.drain_until(Stop { deadline: None, shutdown: Some(&shutdown) }).await {
@@ -211,10 +242,18 @@ impl OutboxWorker {
                 }
             };
             self.record_depth().await;
+            // A wake-up cuts only the poll short, never a backoff.
+            let woken = async {
+                if self.failures == 0 { wake.notified().await } else { std::future::pending().await }
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = tokio::time::sleep(pause) => {}
+                _ = woken => {}
             }
+        }
+        if let Some(l) = listener {
+            let _ = l.await;
         }
         let window = self.cfg.poll_interval.max(Duration::from_secs(5));
         let deadline = tokio::time::Instant::now() + window;
@@ -244,118 +283,135 @@ impl OutboxWorker {
             let pass = self.pass_pre1128().await?;
             return Ok(DrainReport { passes: 1, published: pass.published, failed: pass.failed, broker_failed: pass.failed });
         }
+        // The pipeline (module doc): publish batch N while batch N-1 settles and batch N+1 is
+        // claimed, each statement on its own pooled connection.
+        let (pool, cfg) = (self.pool.clone(), self.cfg);
+        let batch = cfg.batch_size as usize;
+        let mut claimed = claim(&pool, &cfg).await?;
+        let mut unsettled: Option<Published> = None;
         loop {
-            let pass = self.pass().await?;
-            report.passes += 1;
-            report.published += pass.published;
-            report.failed += pass.failed;
-            report.broker_failed += pass.broker_failed;
-            let short = pass.claimed < self.cfg.batch_size as usize;
-            // Nothing published, nothing refused: every stamp was stale (another worker won).
-            let stuck = pass.published == 0 && pass.failed == 0;
-            let late = stop.deadline.is_some_and(|d| tokio::time::Instant::now() >= d)
-                || stop.shutdown.is_some_and(CancellationToken::is_cancelled);
-            if short || stuck || pass.broker_failed > 0 || late {
+            if claimed.is_empty() {
+                break;
+            }
+            let more = claimed.len() >= batch && !stop.late();
+            let prev = unsettled.take();
+            let (published, settled, next) = tokio::join!(
+                self.publish_claimed(std::mem::take(&mut claimed)),
+                async {
+                    match prev {
+                        Some(p) => settle(&pool, p).await.map(Some),
+                        None => Ok(None),
+                    }
+                },
+                async { if more { claim(&pool, &cfg).await.map(Some) } else { Ok(None) } },
+            );
+            crash::hit("outbox::after_publish_before_stamp");
+            let mut stop_now = published.broker_failed;
+            let next = match next {
+                Ok(next) => next.unwrap_or_default(),
+                Err(e) => {
+                    // The claim failed (the database): settle what was published if the
+                    // database lets us (else it heals by its lease), then report the error.
+                    if let Ok(Some(p)) = &settled {
+                        report.add(p);
+                    }
+                    let _ = settle(&pool, published).await;
+                    return Err(e);
+                }
+            };
+            let settled = match settled {
+                Ok(p) => p,
+                Err(e) => {
+                    // The stamp of N-1 failed (the database): N stays claimed and heals by its
+                    // lease, as a stamp failure always did; the batch claimed ahead goes back.
+                    hand_back(&pool, &next).await;
+                    return Err(e);
+                }
+            };
+            if let Some(p) = settled {
+                report.add(&p);
+                // Nothing published, nothing refused: every stamp was stale (another worker won).
+                stop_now |= p.published == 0 && p.failed == 0;
+            }
+            if stop_now {
+                hand_back(&pool, &next).await;
+                let p = settle(&pool, published).await?;
+                report.add(&p);
                 return Ok(report);
             }
+            unsettled = Some(published);
+            claimed = next;
         }
+        if let Some(p) = unsettled {
+            let p = settle(&pool, p).await?;
+            report.add(&p);
+        }
+        Ok(report)
     }
 
-    /// One claim → publish → stamp/release pass.
+    /// One claim → publish → stamp/release pass, unpipelined (tests drive it step by step).
     pub async fn pass(&mut self) -> Result<PassReport, OutboxError> {
-        let claimed = self.claim().await?;
-        let mut report = PassReport {
-            claimed: claimed.len(),
-            reclaimed: claimed.iter().filter(|c| c.reclaimed).count(),
-            ..Default::default()
-        };
+        let claimed = claim(&self.pool, &self.cfg).await?;
         if claimed.is_empty() {
-            return Ok(report);
+            return Ok(PassReport::default());
         }
-        if report.reclaimed > 0 {
-            tracing::warn!(event = "outbox.lease_expired", rows = report.reclaimed, "re-claiming rows whose lease expired");
-        }
-        crash::hit("outbox::after_claim");
+        let published = self.publish_claimed(claimed).await;
+        crash::hit("outbox::after_publish_before_stamp");
+        settle(&self.pool, published).await
+    }
 
-        let mut failed: Vec<(lease::Failure, &'static str)> = Vec::new();
-        let mut sendable: Vec<(&Claimed, EventEnvelope)> = Vec::with_capacity(claimed.len());
-        for c in &claimed {
+    /// Publish one claimed batch (the only one on the channel: returns are matched within a
+    /// batch) and sort its rows into ACKed and failed. No database work happens here.
+    async fn publish_claimed(&mut self, claimed: Vec<Claimed>) -> Published {
+        let reclaimed = claimed.iter().filter(|c| c.reclaimed).count();
+        if reclaimed > 0 {
+            tracing::warn!(event = "outbox.lease_expired", rows = reclaimed, "re-claiming rows whose lease expired");
+        }
+        let mut out = Published { claimed: claimed.len(), reclaimed, ..Default::default() };
+        let mut sendable: Vec<Claimed> = Vec::with_capacity(claimed.len());
+        for c in claimed {
             match &c.envelope {
-                Ok(env) => sendable.push((c, env.clone())),
-                Err(why) => failed.push((self.row_failure(c, why.clone()), "malformed")),
+                Ok(_) => sendable.push(c),
+                Err(why) => {
+                    let f = self.row_failure(&c, why.clone());
+                    out.failed.push((f, "malformed"));
+                }
             }
         }
-
-        let mut acked: Vec<&Claimed> = Vec::with_capacity(sendable.len());
-        if !sendable.is_empty() {
-            match self.publisher().await {
-                Ok(publisher) => {
-                    let envs: Vec<EventEnvelope> = sendable.iter().map(|(_, e)| e.clone()).collect();
-                    let results = publisher.publish_batch(&envs).await;
-                    for ((c, _), res) in sendable.into_iter().zip(results) {
-                        match res {
-                            Ok(()) => acked.push(c),
-                            Err(e) if e.is_row_level() => {
-                                failed.push((self.row_failure(c, format!("{}: {e}", e.kind())), e.kind()));
-                            }
-                            Err(e) => failed.push((broker_failure(c, &e), e.kind())),
+        if sendable.is_empty() {
+            return out;
+        }
+        match self.publisher().await {
+            Ok(publisher) => {
+                let envs: Vec<EventEnvelope> = sendable.iter().filter_map(|c| c.envelope.as_ref().ok().cloned()).collect();
+                let results = publisher.publish_batch(&envs).await;
+                for (c, res) in sendable.into_iter().zip(results) {
+                    match res {
+                        Ok(()) => out.acked.push(c),
+                        Err(e) if e.is_row_level() => {
+                            let f = self.row_failure(&c, format!("{}: {e}", e.kind()));
+                            out.failed.push((f, e.kind()));
+                        }
+                        Err(e) => {
+                            out.broker_failed = true;
+                            out.failed.push((broker_failure(&c, &e), e.kind()));
                         }
                     }
                 }
-                Err(e) => {
-                    failed.extend(sendable.into_iter().map(|(c, _)| (broker_failure(c, &e), e.kind())));
-                }
             }
-            if self.publisher.as_ref().is_some_and(|p| !p.is_usable()) {
-                if let Some(p) = self.publisher.take() {
-                    // Off the claim's path: the stamp and release below must not wait on a
-                    // dead peer's close.
-                    tokio::spawn(p.close());
-                }
+            Err(e) => {
+                out.broker_failed = true;
+                out.failed.extend(sendable.iter().map(|c| (broker_failure(c, &e), e.kind())));
             }
         }
-        crash::hit("outbox::after_publish_before_stamp");
-
-        if !acked.is_empty() {
-            let held: Vec<lease::Held> = acked.iter().map(|c| c.held).collect();
-            let fenced = lease::stamp(&self.pool, &held).await?;
-            let now = chrono::Utc::now();
-            for c in acked.iter().filter(|c| fenced.applied.contains(&c.held.id)) {
-                m::publish_lag((now - c.created_at).to_std().unwrap_or_default());
+        if self.publisher.as_ref().is_some_and(|p| !p.is_usable()) {
+            if let Some(p) = self.publisher.take() {
+                // Off the claim's path: the stamp and release must not wait on a dead
+                // peer's close.
+                tokio::spawn(p.close());
             }
-            m::published(fenced.applied.len());
-            for id in &fenced.applied {
-                // Per row, at debug: which replica stamped what (the harness attributes
-                // each loss to the replica, and its compat mode, that stamped it).
-                tracing::debug!(event = "outbox.stamped", envelope_id = %id);
-            }
-            report.published = fenced.applied.len();
-            report.stale += fenced.stale.len();
-            if !fenced.stale.is_empty() {
-                tracing::warn!(event = "outbox.stamp_stale", rows = fenced.stale.len(), first = %fenced.stale[0],
-                    "broker ACKed rows another worker has re-claimed; its claim stands (at-least-once)");
-            }
-            tracing::debug!(event = "outbox.published", rows = fenced.applied.len());
         }
-        if !failed.is_empty() {
-            for (f, kind) in &failed {
-                m::publish_error(kind);
-                if let Some(retry) = f.retry_in {
-                    tracing::warn!(event = "outbox.row_refused", envelope_id = %f.held.id, kind, error = %f.error,
-                        retry_in_ms = retry.as_millis() as u64, "row stays pending and backs off on its own");
-                }
-            }
-            report.broker_failed = failed.iter().filter(|(f, _)| f.retry_in.is_none()).count();
-            let rows: Vec<lease::Failure> = failed.into_iter().map(|(f, _)| f).collect();
-            let fenced = lease::release(&self.pool, &rows).await?;
-            report.stale += fenced.stale.len();
-            if report.broker_failed > 0 {
-                let first = rows.iter().find(|f| f.retry_in.is_none()).map(|f| f.error.as_str()).unwrap_or("");
-                tracing::warn!(event = "outbox.publish_failed", rows = report.broker_failed, first_error = %first);
-            }
-            report.failed = rows.len();
-        }
-        Ok(report)
+        out
     }
 
     fn row_failure(&self, c: &Claimed, error: String) -> lease::Failure {
@@ -424,21 +480,6 @@ impl OutboxWorker {
         Ok(report)
     }
 
-    async fn claim(&self) -> Result<Vec<Claimed>, OutboxError> {
-        let rows = lease::claim(&self.pool, self.cfg.claim_lease, self.cfg.batch_size).await?;
-        let claimed: Vec<Claimed> = rows
-            .into_iter()
-            .map(|r| Claimed {
-                held: lease::Held { id: r.id, claim: r.claim },
-                envelope: EventEnvelope::from_value(r.envelope).map_err(|e| format!("malformed: {e}")),
-                reclaimed: r.previous_claim.is_some(),
-                attempts: r.attempts,
-                created_at: r.created_at,
-            })
-            .collect();
-        Ok(claimed)
-    }
-
     async fn publisher(&mut self) -> Result<&Publisher, PublishError> {
         if self.publisher.is_none() {
             self.publisher = Some(Publisher::connect(&self.amqp_url, self.publisher_cfg).await?);
@@ -452,6 +493,107 @@ impl OutboxWorker {
 struct Stop<'a> {
     deadline: Option<tokio::time::Instant>,
     shutdown: Option<&'a CancellationToken>,
+}
+
+impl Stop<'_> {
+    fn late(&self) -> bool {
+        self.deadline.is_some_and(|d| tokio::time::Instant::now() >= d) || self.shutdown.is_some_and(CancellationToken::is_cancelled)
+    }
+}
+
+impl DrainReport {
+    fn add(&mut self, pass: &PassReport) {
+        self.passes += 1;
+        self.published += pass.published;
+        self.failed += pass.failed;
+        self.broker_failed += pass.broker_failed;
+    }
+}
+
+/// A published batch waiting for its stamp and release.
+#[derive(Default)]
+struct Published {
+    claimed: usize,
+    reclaimed: usize,
+    acked: Vec<Claimed>,
+    failed: Vec<(lease::Failure, &'static str)>,
+    /// A broker-level failure (connection, confirm timeout): the drain ends after this batch.
+    broker_failed: bool,
+}
+
+/// Claim one batch (`crash::hit("outbox::after_claim")` right after the claim commits).
+async fn claim(pool: &PgPool, cfg: &OutboxConfig) -> Result<Vec<Claimed>, OutboxError> {
+    let rows = lease::claim(pool, cfg.claim_lease, cfg.batch_size).await?;
+    if !rows.is_empty() {
+        crash::hit("outbox::after_claim");
+    }
+    Ok(rows
+        .into_iter()
+        .map(|r| Claimed {
+            held: lease::Held { id: r.id, claim: r.claim },
+            envelope: EventEnvelope::from_slice(r.envelope.as_bytes()).map_err(|e| format!("malformed: {e}")),
+            reclaimed: r.previous_claim.is_some(),
+            attempts: r.attempts,
+            created_at: r.created_at,
+        })
+        .collect())
+}
+
+/// A batch claimed ahead that the drain will not publish: released at once, without an
+/// attempt counted (it was never tried). Best effort: a row this misses heals by its lease.
+async fn hand_back(pool: &PgPool, claimed: &[Claimed]) {
+    if claimed.is_empty() {
+        return;
+    }
+    let held: Vec<lease::Held> = claimed.iter().map(|c| c.held).collect();
+    if let Err(e) = lease::unclaim(pool, &held).await {
+        tracing::warn!(event = "outbox.hand_back_failed", rows = held.len(), error = %e, "rows heal by lease expiry");
+    }
+}
+
+/// Stamp the ACKed rows of one batch and release its failed ones, both fenced by the claim.
+async fn settle(pool: &PgPool, batch: Published) -> Result<PassReport, OutboxError> {
+    let mut report = PassReport { claimed: batch.claimed, reclaimed: batch.reclaimed, ..Default::default() };
+    if !batch.acked.is_empty() {
+        let held: Vec<lease::Held> = batch.acked.iter().map(|c| c.held).collect();
+        let fenced = lease::stamp(pool, &held).await?;
+        let now = chrono::Utc::now();
+        for c in batch.acked.iter().filter(|c| fenced.applied.contains(&c.held.id)) {
+            m::publish_lag((now - c.created_at).to_std().unwrap_or_default());
+        }
+        m::published(fenced.applied.len());
+        for id in &fenced.applied {
+            // Per row, at debug: which replica stamped what (the harness attributes each loss
+            // to the replica, and its compat mode, that stamped it).
+            tracing::debug!(event = "outbox.stamped", envelope_id = %id);
+        }
+        report.published = fenced.applied.len();
+        report.stale += fenced.stale.len();
+        if !fenced.stale.is_empty() {
+            tracing::warn!(event = "outbox.stamp_stale", rows = fenced.stale.len(), first = %fenced.stale[0],
+                "broker ACKed rows another worker has re-claimed; its claim stands (at-least-once)");
+        }
+        tracing::debug!(event = "outbox.published", rows = fenced.applied.len());
+    }
+    if !batch.failed.is_empty() {
+        for (f, kind) in &batch.failed {
+            m::publish_error(kind);
+            if let Some(retry) = f.retry_in {
+                tracing::warn!(event = "outbox.row_refused", envelope_id = %f.held.id, kind, error = %f.error,
+                    retry_in_ms = retry.as_millis() as u64, "row stays pending and backs off on its own");
+            }
+        }
+        report.broker_failed = batch.failed.iter().filter(|(f, _)| f.retry_in.is_none()).count();
+        let rows: Vec<lease::Failure> = batch.failed.into_iter().map(|(f, _)| f).collect();
+        let fenced = lease::release(pool, &rows).await?;
+        report.stale += fenced.stale.len();
+        if report.broker_failed > 0 {
+            let first = rows.iter().find(|f| f.retry_in.is_none()).map(|f| f.error.as_str()).unwrap_or("");
+            tracing::warn!(event = "outbox.publish_failed", rows = report.broker_failed, first_error = %first);
+        }
+        report.failed = rows.len();
+    }
+    Ok(report)
 }
 
 fn broker_failure(c: &Claimed, e: &PublishError) -> lease::Failure {
@@ -478,7 +620,8 @@ pub mod lease {
     #[derive(Debug, Clone)]
     pub struct ClaimedRow {
         pub id: Uuid,
-        pub envelope: serde_json::Value,
+        /// The `envelope` JSONB as text: parsed once, straight into the envelope type.
+        pub envelope: String,
         /// The claim this one replaced: `Some` means a lease expired.
         pub previous_claim: Option<DateTime<Utc>>,
         /// The `claimed_at` this claim stamped: the fence for [`stamp`] and [`release`].
@@ -512,20 +655,23 @@ pub mod lease {
         pub retry_in: Option<Duration>,
     }
 
-    /// Claim up to `batch` pending rows, oldest first (`created_at`, then id): rows never
-    /// claimed or whose claim is older than `lease`, and not backing off.
-    pub async fn claim(pool: &PgPool, lease: Duration, batch: u32) -> Result<Vec<ClaimedRow>, sqlx::Error> {
-        type Row = (Uuid, serde_json::Value, Option<DateTime<Utc>>, DateTime<Utc>, i32, DateTime<Utc>);
-        let rows: Vec<Row> = sqlx::query_as(
-            "UPDATE event_outbox o SET claimed_at = now() \
+    /// The claim statement ($1 the lease in seconds, $2 the batch): the partial index
+    /// `idx_event_outbox_pending` (`WHERE published_at IS NULL`) serves its scan
+    /// (`chaos bench` EXPLAINs it).
+    pub const CLAIM_SQL: &str = "UPDATE event_outbox o SET claimed_at = now() \
              FROM (SELECT id, claimed_at AS prev FROM event_outbox \
                    WHERE published_at IS NULL \
                      AND (claimed_at IS NULL OR claimed_at < now() - make_interval(secs => $1)) \
                      AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
                    ORDER BY created_at, id LIMIT $2 FOR UPDATE SKIP LOCKED) c \
              WHERE o.id = c.id \
-             RETURNING o.id, o.envelope, c.prev, o.claimed_at, o.attempts, o.created_at",
-        )
+             RETURNING o.id, o.envelope::text, c.prev, o.claimed_at, o.attempts, o.created_at";
+
+    /// Claim up to `batch` pending rows, oldest first (`created_at`, then id): rows never
+    /// claimed or whose claim is older than `lease`, and not backing off.
+    pub async fn claim(pool: &PgPool, lease: Duration, batch: u32) -> Result<Vec<ClaimedRow>, sqlx::Error> {
+        type Row = (Uuid, String, Option<DateTime<Utc>>, DateTime<Utc>, i32, DateTime<Utc>);
+        let rows: Vec<Row> = sqlx::query_as(CLAIM_SQL)
         .bind(lease.as_secs_f64())
         .bind(i64::from(batch))
         .fetch_all(pool)
@@ -587,9 +733,132 @@ pub mod lease {
         Ok(split(&ids, applied))
     }
 
+    /// Hand claims back untried (a drain that claimed ahead and stopped): `claimed_at = NULL`
+    /// on the rows still under these claims, no attempt counted.
+    pub async fn unclaim(pool: &PgPool, held: &[Held]) -> Result<Fenced, sqlx::Error> {
+        let (ids, claims): (Vec<Uuid>, Vec<DateTime<Utc>>) = held.iter().map(|h| (h.id, h.claim)).unzip();
+        let applied: Vec<Uuid> = sqlx::query_scalar(
+            "UPDATE event_outbox o SET claimed_at = NULL \
+             FROM unnest($1::uuid[], $2::timestamptz[]) AS h(id, claim) \
+             WHERE o.id = h.id AND o.claimed_at = h.claim AND o.published_at IS NULL \
+             RETURNING o.id",
+        )
+        .bind(&ids)
+        .bind(&claims)
+        .fetch_all(pool)
+        .await?;
+        Ok(split(&ids, applied))
+    }
+
     fn split(asked: &[Uuid], applied: Vec<Uuid>) -> Fenced {
         let stale = asked.iter().filter(|id| !applied.contains(id)).copied().collect();
         Fenced { applied, stale }
+    }
+}
+
+/// The LISTEN/NOTIFY wake-up — the upgrade path ADR-022 names ("Polling-vs-LISTEN/NOTIFY":
+/// upgrade when `outbox.depth` p95 > 500 or publish lag p95 > 5 s; keep the polling worker
+/// as the fallback). Opt-in with `CRAIG_OUTBOX_NOTIFY=1`.
+///
+/// - **Producer side.** With [`set_staging_notifies`] on, [`publish_in_tx`] stages the row
+///   and `pg_notify('craig_outbox', '')` in one statement of the caller's transaction:
+///   PostgreSQL delivers the notification only if that transaction commits, and only after.
+/// - **Worker side.** [`listen`] holds ONE dedicated connection (its own one-connection pool,
+///   `application_name = craig-outbox-listener`, not the worker's pool) and wakes the worker
+///   on every notification. A notification is only a hint: the claim decides what is
+///   pending, so a lost, duplicated or early one changes nothing but latency.
+/// - **Losing the listener.** A lost connection (`outbox.listener_lost`) wakes the worker
+///   once (a notification may have been missed), then the listener reconnects with a 1 s
+///   pause between attempts; meanwhile the poll interval drains as before. Nothing is lost,
+///   because nothing but the claim ever decides what to publish.
+pub mod notify {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    use sqlx::PgPool;
+    use sqlx::postgres::{PgListener, PgPoolOptions};
+    use tokio::sync::Notify;
+    use tokio_util::sync::CancellationToken;
+
+    /// The channel staging notifies and the listener listens on (one per database).
+    pub const CHANNEL: &str = "craig_outbox";
+    /// The listener connection's `application_name` (an operator can find, or kill, it).
+    pub const APPLICATION_NAME: &str = "craig-outbox-listener";
+
+    static STAGING_NOTIFIES: AtomicBool = AtomicBool::new(false);
+
+    /// Make every [`super::publish_in_tx`] of this process also `NOTIFY` (process-wide: a
+    /// node serves one service database).
+    pub fn set_staging_notifies(on: bool) {
+        STAGING_NOTIFIES.store(on, Ordering::Relaxed);
+    }
+
+    pub fn staging_notifies() -> bool {
+        STAGING_NOTIFIES.load(Ordering::Relaxed)
+    }
+
+    /// Wake `wake` on every notification until `shutdown` (see the module doc).
+    pub async fn listen(pool: PgPool, wake: Arc<Notify>, shutdown: CancellationToken) {
+        let opts = (*pool.connect_options()).clone().application_name(APPLICATION_NAME);
+        let own = PgPoolOptions::new()
+            .max_connections(1)
+            .min_connections(0)
+            .max_lifetime(None)
+            .idle_timeout(None)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_lazy_with(opts);
+        loop {
+            let started = async {
+                let mut l = PgListener::connect_with(&own).await?;
+                l.ignore_pool_close_event(true);
+                l.listen(CHANNEL).await?;
+                Ok::<_, sqlx::Error>(l)
+            };
+            let l = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                l = started => l,
+            };
+            match l {
+                Ok(l) => {
+                    tracing::info!(event = "outbox.listener_started", channel = CHANNEL);
+                    // Anything staged while no one listened is drained now.
+                    wake.notify_one();
+                    if !serve(l, &wake, &shutdown).await {
+                        return;
+                    }
+                    // Lost: a notification may have been missed.
+                    wake.notify_one();
+                }
+                Err(e) => tracing::warn!(event = "outbox.listener_failed", error = %e, "polling carries on; retrying in 1 s"),
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+    }
+
+    /// Relay notifications until the connection is lost (`true`) or `shutdown` (`false`).
+    async fn serve(mut l: PgListener, wake: &Notify, shutdown: &CancellationToken) -> bool {
+        l.eager_reconnect(false);
+        loop {
+            let got = tokio::select! {
+                _ = shutdown.cancelled() => return false,
+                got = l.try_recv() => got,
+            };
+            match got {
+                Ok(Some(_)) => wake.notify_one(),
+                Ok(None) => {
+                    tracing::warn!(event = "outbox.listener_lost", "listener connection lost; polling until it is back");
+                    return true;
+                }
+                Err(e) => {
+                    tracing::warn!(event = "outbox.listener_lost", error = %e, "listener connection failed; polling until it is back");
+                    return true;
+                }
+            }
+        }
     }
 }
 

@@ -22,6 +22,8 @@
 //! | `CRAIG_RETENTION_INTERVAL_SECS` | 3600 (the prune's cadence, jittered ±10 %; at least 1) |
 //! | `CRAIG_RETENTION_BATCH` / `CRAIG_RETENTION_MAX_BATCHES` | 1000 / 100 (rows a DELETE, DELETEs a table a cycle) |
 //! | `CRAIG_OUTBOX_UNPUBLISHED_GRACE_SECS` | 3600 (pending rows older than this: `outbox_unpublished_beyond_grace`) |
+//! | `CRAIG_OUTBOX_NOTIFY` | 0 (1: the LISTEN/NOTIFY wake-up, polling kept as the fallback; `outbox::notify`) |
+//! | `CRAIG_CONSUMER_CONCURRENCY` | the prefetch, 32 (deliveries a consumer handles at once, 1..=32) |
 //!
 //! Settings that would silently switch the protocol off are rejected with the value and the
 //! rule ([`SettingsError::Unsafe`]): a zero lease, poll interval, backoff base or confirm
@@ -68,7 +70,15 @@ pub struct ServiceSettings {
     pub inbox_retry_cap: u32,
     /// The retention prune (#965/#1129), windows from [`Self::retention`].
     pub prune: crate::retention::PruneConfig,
+    /// `CRAIG_OUTBOX_NOTIFY`: stage with NOTIFY and wake the worker on it (`outbox::notify`).
+    pub outbox_notify: bool,
+    /// `CRAIG_CONSUMER_CONCURRENCY`: deliveries a consumer session handles at once,
+    /// 1..=[`CONSUMER_PREFETCH`] (default: the prefetch).
+    pub consumer_concurrency: u16,
 }
+
+/// The prefetch of every consumer session of the fleet (§D3).
+pub const CONSUMER_PREFETCH: u16 = 32;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SettingsError {
@@ -166,7 +176,22 @@ impl ServiceSettings {
             grace: Duration::from_secs(num("CRAIG_OUTBOX_UNPUBLISHED_GRACE_SECS", 3600)?),
             pre_965: false,
         };
+        let outbox_notify = match lookup("CRAIG_OUTBOX_NOTIFY").as_deref().map(str::trim) {
+            None | Some("" | "0" | "false") => false,
+            Some("1" | "true") => true,
+            Some(v) => return Err(SettingsError::Invalid { name: "CRAIG_OUTBOX_NOTIFY", value: v.into(), expected: "0 or 1" }),
+        };
+        let consumer_concurrency = num("CRAIG_CONSUMER_CONCURRENCY", u64::from(CONSUMER_PREFETCH))?;
+        if !(1..=u64::from(CONSUMER_PREFETCH)).contains(&consumer_concurrency) {
+            return Err(SettingsError::Invalid {
+                name: "CRAIG_CONSUMER_CONCURRENCY",
+                value: consumer_concurrency.to_string(),
+                expected: "concurrency of 1 up to the prefetch (32)",
+            });
+        }
         Ok(Self {
+            outbox_notify,
+            consumer_concurrency: consumer_concurrency as u16,
             prune,
             database_url: lookup("DATABASE_URL").unwrap_or_else(|| DEFAULT_DATABASE_URL.into()),
             amqp_url: lookup("AMQP_URL").unwrap_or_else(|| DEFAULT_AMQP_URL.into()),

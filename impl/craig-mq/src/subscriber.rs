@@ -12,7 +12,19 @@
 //!   bytes intact.
 //! - an ack or nack that FAILS tears the session down (#1197: never warn-and-continue,
 //!   which silently leaks prefetch credit); unacked deliveries return to the queue.
+//!
+//! **Concurrency.** A session handles up to [`SubscriberConfig::concurrency`] deliveries at
+//! once (at most the prefetch; `CRAIG_CONSUMER_CONCURRENCY`, default the prefetch), each
+//! settled on its own delivery tag, so one slow or failing delivery (a transient failure's
+//! `retry_delay`) never holds up the healthy ones behind it. Deliveries of the SAME envelope
+//! (a redelivery, a re-publish) never run at once: a later one waits for the earlier to
+//! settle, so the inbox sees it stamped and absorbs the copy, exactly as one at a time did. The price, stated where the
+//! inbox states its window (#1180): up to `concurrency` envelopes per replica can sit
+//! between handler and stamp when the replica dies. A session that ends (an ack failure,
+//! shutdown) first lets the handlers already running finish and settle; it takes no new
+//! delivery meanwhile.
 
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::time::Duration;
 
@@ -40,6 +52,8 @@ pub struct SubscriberConfig {
     pub amqp_url: String,
     pub spec: QueueSpec,
     pub prefetch: u16,
+    /// Deliveries handled at once, 1..=prefetch (0 or more than the prefetch: the prefetch).
+    pub concurrency: u16,
     pub heartbeat_secs: u16,
     /// Pause before a transient failure is requeued (keeps an outage from spinning).
     pub retry_delay: Duration,
@@ -146,12 +160,37 @@ where
         Ok::<_, lapin::Error>((ch, consumer))
     };
     let (ch, mut consumer) = bounded_set_up(&conn, set_up).await?;
-    tracing::info!(event = "subscriber.started", queue);
+    let limit = effective_concurrency(cfg.prefetch, cfg.concurrency);
+    tracing::info!(event = "subscriber.started", queue, concurrency = limit);
     let mut liveness = tokio::time::interval(Duration::from_secs(1));
+    let mut running = futures_util::stream::FuturesUnordered::new();
+    // Envelopes being handled, each with the deliveries of the SAME envelope that arrived
+    // meanwhile: those wait for it, so the inbox sees the first one stamped and absorbs them
+    // (a redelivery must not race its original inside one session).
+    let mut busy: HashMap<uuid::Uuid, VecDeque<(Delivery, EventEnvelope)>> = HashMap::new();
+    let mut waiting = 0usize;
     let result = loop {
+        let room = running.len() + waiting < limit;
         let next = tokio::select! {
             _ = shutdown.cancelled() => break Ok(()),
-            next = consumer.next() => next,
+            Some((id, done)) = running.next(), if !running.is_empty() => {
+                if let Err(e) = done {
+                    break Err(e);
+                }
+                if let Some(id) = id {
+                    match busy.get_mut(&id).and_then(VecDeque::pop_front) {
+                        Some((delivery, envelope)) => {
+                            waiting -= 1;
+                            running.push(dispatch(cfg, handler, delivery, Ok(envelope)));
+                        }
+                        None => {
+                            busy.remove(&id);
+                        }
+                    }
+                }
+                continue;
+            }
+            next = consumer.next(), if room => next,
             _ = liveness.tick() => {
                 if alive(&conn, &ch) {
                     continue;
@@ -164,48 +203,92 @@ where
             Some(Err(e)) => break Err(e.into()),
             None => break Err(SessionError::StreamEnded),
         };
-        if let Err(e) = dispatch(cfg, handler, delivery).await {
-            break Err(e);
+        match EventEnvelope::from_slice(&delivery.data) {
+            Ok(envelope) => match busy.get_mut(&envelope.id) {
+                Some(queued) => {
+                    queued.push_back((delivery, envelope));
+                    waiting += 1;
+                }
+                None => {
+                    busy.insert(envelope.id, VecDeque::new());
+                    running.push(dispatch(cfg, handler, delivery, Ok(envelope)));
+                }
+            },
+            Err(e) => running.push(dispatch(cfg, handler, delivery, Err(e.to_string()))),
         }
     };
+    // The handlers already running finish and settle (their outcome is logged by dispatch);
+    // cutting them off would open the #1180 window for no reason. Deliveries still waiting
+    // behind one of them go back to the queue unsettled when the connection closes.
+    while let Some((_, done)) = running.next().await {
+        if let Err(e) = done {
+            tracing::warn!(event = "subscriber.settle_failed", queue, error = %e);
+        }
+    }
     let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "bye".into())).await;
     result
 }
 
-async fn dispatch<H, Fut>(cfg: &SubscriberConfig, handler: &H, delivery: Delivery) -> Result<(), SessionError>
+/// Deliveries a session handles at once: `concurrency` within 1..=prefetch, else the prefetch.
+pub fn effective_concurrency(prefetch: u16, concurrency: u16) -> usize {
+    let prefetch = usize::from(prefetch.max(1));
+    match usize::from(concurrency) {
+        0 => prefetch,
+        n => n.min(prefetch),
+    }
+}
+
+/// Handle one delivery: `parsed` is its envelope, or why its bytes are not one. Returns the
+/// envelope id (to release the same-envelope serialization) and the settlement's result.
+async fn dispatch<H, Fut>(
+    cfg: &SubscriberConfig,
+    handler: &H,
+    delivery: Delivery,
+    parsed: Result<EventEnvelope, String>,
+) -> (Option<uuid::Uuid>, Result<(), SessionError>)
 where
     H: Fn(EventEnvelope) -> Fut,
     Fut: Future<Output = Result<(), HandlerError>>,
 {
     let queue = cfg.spec.queue.as_str();
-    let envelope = match EventEnvelope::from_slice(&delivery.data) {
+    let envelope = match parsed {
         Ok(env) => env,
         Err(e) => {
             tracing::error!(event = "subscriber.malformed_envelope", queue, error = %e, bytes = delivery.data.len(),
                 "dead-lettering malformed delivery with its raw bytes");
-            settled("nack", delivery.acker.nack(BasicNackOptions { requeue: false, ..Default::default() })).await?;
-            return Ok(());
+            let r = settled("nack", delivery.acker.nack(BasicNackOptions { requeue: false, ..Default::default() })).await;
+            return (None, r);
         }
     };
-    match handler(envelope.clone()).await {
-        Ok(()) => settled("ack", delivery.acker.ack(BasicAckOptions::default())).await?,
+    let id = envelope.id;
+    let r = match handler(envelope).await {
+        Ok(()) => settled("ack", delivery.acker.ack(BasicAckOptions::default())).await,
         Err(HandlerError::Transient(why)) => {
-            tracing::warn!(event = "subscriber.transient_failure", queue, envelope_id = %envelope.id, error = %why);
+            tracing::warn!(event = "subscriber.transient_failure", queue, envelope_id = %id, error = %why);
             tokio::time::sleep(cfg.retry_delay).await;
-            settled("nack", delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() })).await?;
+            settled("nack", delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() })).await
         }
         Err(HandlerError::Permanent(why)) => {
-            tracing::error!(event = "subscriber.permanent_failure", queue, envelope_id = %envelope.id, error = %why,
+            tracing::error!(event = "subscriber.permanent_failure", queue, envelope_id = %id, error = %why,
                 "dead-lettering to craig.dlx");
-            settled("nack", delivery.acker.nack(BasicNackOptions { requeue: false, ..Default::default() })).await?;
+            settled("nack", delivery.acker.nack(BasicNackOptions { requeue: false, ..Default::default() })).await
         }
-    }
-    Ok(())
+    };
+    (Some(id), r)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn concurrency_stays_within_one_and_the_prefetch() {
+        assert_eq!(effective_concurrency(32, 0), 32);
+        assert_eq!(effective_concurrency(32, 1), 1);
+        assert_eq!(effective_concurrency(32, 8), 8);
+        assert_eq!(effective_concurrency(32, 64), 32);
+        assert_eq!(effective_concurrency(0, 0), 1);
+    }
 
     #[tokio::test]
     async fn an_ack_that_was_not_sent_or_never_completes_is_a_failure() {

@@ -3,3 +3,4 @@
 mod common;
 mod lease_model;
 mod outbox;
+mod subscriber;

@@ -430,3 +430,81 @@ async fn in_a_mixed_batch_exactly_the_unroutable_envelopes_are_unroutable() {
     assert_eq!(env.take_all().await.into_iter().collect::<HashSet<_>>(), routed);
     env.finish().await;
 }
+
+/// Issue 12: a drain that claimed a batch ahead and then stops hands it back untried: the
+/// rows are claimable at once, with no attempt counted; a stale fence changes nothing.
+#[tokio::test]
+async fn a_batch_claimed_ahead_is_handed_back_untried_and_only_under_its_own_claim() {
+    use craig_mq::outbox::lease;
+    let env = env("unclaim").await;
+    env.stage(5, 5).await;
+    let rows = lease::claim(&env.pool, Duration::from_secs(60), 10).await.unwrap();
+    assert_eq!(rows.len(), 5);
+    let held: Vec<lease::Held> = rows.iter().map(|r| lease::Held { id: r.id, claim: r.claim }).collect();
+    let stale = lease::Held { claim: held[0].claim - chrono::Duration::seconds(1), ..held[0] };
+    assert_eq!(lease::unclaim(&env.pool, &[stale]).await.unwrap().stale, vec![stale.id], "another claim's fence");
+    let back = lease::unclaim(&env.pool, &held).await.unwrap();
+    assert_eq!(back.applied.len(), 5);
+    let (attempts, claimed): (i64, i64) =
+        sqlx::query_as("SELECT sum(attempts)::bigint, count(claimed_at) FROM event_outbox").fetch_one(&env.pool).await.unwrap();
+    assert_eq!((attempts, claimed), (0, 0), "handed back untried: no attempt counted, no claim left");
+    assert_eq!(lease::claim(&env.pool, Duration::from_secs(60), 10).await.unwrap().len(), 5, "claimable at once");
+    env.finish().await;
+}
+
+/// The LISTEN/NOTIFY upgrade path (issue 12): with a 60 s poll, a staged row is published
+/// because the staging transaction's NOTIFY woke the worker; after the server terminates
+/// the listener connection, a row staged while nobody listens is still published (the
+/// lost listener wakes the worker, then reconnects), exactly once each.
+#[tokio::test]
+async fn notify_wakes_the_worker_and_a_lost_listener_loses_nothing() {
+    let owned = env("notify").await;
+    let env = &owned;
+    env.declare_rules_queue().await;
+    let mut cfg = fast_outbox();
+    cfg.poll_interval = Duration::from_secs(60);
+    craig_mq::outbox::notify::set_staging_notifies(true);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let worker = tokio::spawn(env.worker(cfg).with_notify(true).run(stop.clone()));
+    let listeners = || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = $1")
+            .bind(craig_mq::outbox::notify::APPLICATION_NAME)
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+        n
+    };
+    let published_within = |secs: u64| async move {
+        let until = Instant::now() + Duration::from_secs(secs);
+        while env.pending().await > 0 && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        env.pending().await == 0
+    };
+    let until = Instant::now() + Duration::from_secs(10);
+    while listeners().await == 0 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(listeners().await, 1, "one listener connection");
+    // Let the worker's first (start-up) drain pass, so only a wake-up can publish.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let first = env.stage(1, 1).await;
+    assert!(published_within(20).await, "the NOTIFY woke the worker long before its 60 s poll");
+
+    let cut: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND application_name = $1",
+    )
+    .bind(craig_mq::outbox::notify::APPLICATION_NAME)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(cut, vec![true], "the server terminated the listener");
+    let second = env.stage(1, 1).await;
+    assert!(published_within(20).await, "the lost listener woke the worker; nothing waits for the 60 s poll");
+    stop.cancel();
+    worker.await.unwrap();
+    craig_mq::outbox::notify::set_staging_notifies(false);
+    let got: Vec<String> = env.take_all().await;
+    assert_eq!(got, vec![first[0].to_string(), second[0].to_string()], "each exactly once");
+    owned.finish().await;
+}
