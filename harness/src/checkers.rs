@@ -456,9 +456,22 @@ pub const STAMP_DUE_MS: u64 = 2_000;
 /// a re-run must be absorbed by the arbiter, so any second effect is a violation.
 pub const ARBITER_BACKED: &[&str] = &["financial"];
 
-/// Re-executions one fault can excuse per consumer replica: a subscriber runs one handler
-/// at a time, so at most one envelope of a replica can sit between handler and stamp.
-pub const HANDLER_CONCURRENCY: usize = 1;
+/// Re-executions one fault can excuse per consumer replica: as many envelopes as the
+/// replica's consume session handled at once (`CRAIG_CONSUMER_CONCURRENCY`, at most the
+/// prefetch), in the replica's own word: the `concurrency` of its last `subscriber.started`
+/// before the first run ([`Event::ConsumerStarted`]); 1 when it said nothing.
+fn handler_concurrency(h: &History, replica: Option<&str>, t: u64) -> usize {
+    let Some(replica) = replica else { return 1 };
+    h.iter()
+        .take_while(|e| e.t_ms <= t)
+        .filter_map(|e| match &e.event {
+            Event::ConsumerStarted { replica: r, concurrency } if r == replica => Some(*concurrency),
+            _ => None,
+        })
+        .last()
+        .unwrap_or(1)
+        .max(1)
+}
 
 /// What can open the #1180 window of an execution on replica R: R crashing, the database
 /// killed or paused, or R's own database link cut — while the stamp was due.
@@ -539,7 +552,8 @@ fn window_faults(h: &History) -> Vec<WindowFault> {
 /// - a fault could have stopped the FIRST execution's stamp: a crash of the replica that ran
 ///   it, a kill/pause of the database, or a cut of that replica's own database link, in force
 ///   within [`STAMP_DUE_MS`] after the first execution (and before the second);
-/// - that fault has not already excused [`HANDLER_CONCURRENCY`] re-executions of that replica;
+/// - that fault has not already excused as many re-executions of that replica as its consume
+///   session ran handlers at once (its own `subscriber.started concurrency=N`, else 1);
 /// - the system corroborates it: the inbox reported reprocessing that envelope
 ///   (`Event::Reprocessed`, from `inbox.reprocessed`) — logged by the replica that ran the
 ///   re-execution, within [`STAMP_DUE_MS`] after it, each report excusing one re-run.
@@ -597,11 +611,12 @@ pub fn effect_once(h: &History) -> Verdict {
             let candidates: Vec<usize> =
                 (0..faults.len()).filter(|&i| faults[i].opens(*t1, r1.as_deref()) && faults[i].from <= *t2).collect();
             let arbiter = arbitered.contains(envelope);
+            let bound = handler_concurrency(h, r1.as_deref(), *t1);
             let free = candidates
                 .iter()
                 .copied()
                 .filter(|_| !arbiter)
-                .find(|&i| used.get(&(i, r1.clone())).copied().unwrap_or(0) < HANDLER_CONCURRENCY);
+                .find(|&i| used.get(&(i, r1.clone())).copied().unwrap_or(0) < bound);
             // Corroboration of THIS re-run: the replica that ran it logged `inbox.reprocessed`
             // for the envelope right after it (the line follows the stamp), once per re-run.
             let r2 = pair[1].1.as_deref();
@@ -685,7 +700,7 @@ pub fn effect_once(h: &History) -> Verdict {
                     } else if candidates.is_empty() {
                         format!("no crash of {on}, database kill/pause or cut of its database link within {STAMP_DUE_MS} ms after the first run")
                     } else if free.is_none() {
-                        format!("the only fault in its window ({}) already excused {HANDLER_CONCURRENCY} re-execution(s) of {on}", faults[candidates[0]].label)
+                        format!("the only fault in its window ({}) already excused {bound} re-execution(s) of {on}, its consume session's concurrency", faults[candidates[0]].label)
                     } else {
                         debug_assert!(!corroborated);
                         "the inbox reported no reprocess of it (not a re-run of an unstamped envelope)".to_owned()
@@ -2528,6 +2543,33 @@ mod tests {
         let v = effect_once(&h);
         assert_eq!((v.validity, v.counts["crash_window_reexecutions"], v.counts["unattributed"]), (Validity::Invalid, 1, 1));
         assert!(v.witnesses.iter().any(|w| w.contains("already excused 1 re-execution(s) of rules-1")), "{:?}", v.witnesses);
+    }
+
+    /// Issue 12: a consume session that handles N deliveries at once can leave N envelopes in
+    /// the #1180 window, so one crash excuses up to N corroborated re-runs, in the replica's
+    /// own word (`subscriber.started concurrency=N`), and never N + 1.
+    #[test]
+    fn one_crash_excuses_as_many_reruns_as_the_replica_said_it_ran_at_once() {
+        let run = |concurrency: Option<usize>| {
+            let mut h = History::default();
+            if let Some(n) = concurrency {
+                h.push(1, Event::ConsumerStarted { replica: "rules-1".into(), concurrency: n });
+            }
+            for env in [101, 102, 103] {
+                effect_on(&mut h, 10, env, "rules-1");
+            }
+            crash(&mut h, 12, "rules-1");
+            for env in [101, 102, 103] {
+                reprocessed(&mut h, 50, env, "rules-1");
+                effect_on(&mut h, 50, env, "rules-1");
+            }
+            h.sort();
+            let v = effect_once(&h);
+            (v.validity, v.counts["crash_window_reexecutions"], v.counts["unattributed"])
+        };
+        assert_eq!(run(Some(3)), (Validity::Valid, 3, 0));
+        assert_eq!(run(Some(2)), (Validity::Invalid, 2, 1));
+        assert_eq!(run(None), (Validity::Invalid, 1, 2), "a replica that said nothing ran one at a time");
     }
 
     /// Audit finding: the inbox's report corroborates only the re-run it follows, on the

@@ -59,6 +59,10 @@ pub enum Event {
     /// recorded — first start, late start, restart after a crash or kill, upgrade — so the
     /// checkers know which behaviour ran an execution at its time.
     Started { replica: String, compat: Vec<String> },
+    /// A consume session of `replica` started handling up to `concurrency` deliveries at once
+    /// (its `subscriber.started` line): how many envelopes one crash of it can leave inside
+    /// the #1180 window.
+    ConsumerStarted { replica: String, concurrency: usize },
     /// A replica's outbox stamped `envelope` published (its `outbox.stamped` log line),
     /// while running `compat`: who to blame when a stamped event never arrives.
     Stamped { envelope: Uuid, replica: String, compat: Vec<String> },

@@ -22,7 +22,9 @@
 //!                           # connect_timeout_ms, backoff_base_ms, backoff_max_ms,
 //!                           # retention_interval_secs (the prune's cadence, #965),
 //!                           # send_timeout_secs / send_lease_secs (#1185 send queue),
-//!                           # idempotency_claim_secs (§D5 claim, 1..=30)
+//!                           # idempotency_claim_secs (§D5 claim, 1..=30),
+//!                           # outbox_notify = true (the LISTEN/NOTIFY wake-up),
+//!                           # consumer_concurrency (1..=32, default 32: the prefetch)
 //!
 //! [workload]
 //! kind = "referrals"        # referrals (POST /v1/cases/referrals, counted in rules'
@@ -56,6 +58,9 @@
 //!
 //! [[faults]]
 //! kind = "crash"            # crash | kill | pause | toxic | down | queue_limit | upgrade | downgrade
+//!                           # | terminate (target "database": pg_terminate_backend on every
+//!                           # backend named application_name, default craig-outbox-listener,
+//!                           # every 250 ms for duration_ms)
 //! target = "cases-1"        # a replica, "broker", "database", or a link "cases-1->broker"
 //! failpoint = "outbox::after_publish_before_stamp"
 //! at = { failpoint_hit = 3 }  # or { after_ms = N } or { after_writes = N }
@@ -250,6 +255,17 @@ pub struct Settings {
     /// The §D5 claim's life (`CRAIG_IDEMPOTENCY_CLAIM_SECS`, 1..=30; production 30).
     #[serde(default = "idempotency_claim")]
     pub idempotency_claim_secs: u64,
+    /// The LISTEN/NOTIFY wake-up (`CRAIG_OUTBOX_NOTIFY`; default off, as in production).
+    #[serde(default)]
+    pub outbox_notify: bool,
+    /// Deliveries a consumer handles at once (`CRAIG_CONSUMER_CONCURRENCY`, 1..=32; default
+    /// the prefetch, 32).
+    #[serde(default = "consumer_concurrency")]
+    pub consumer_concurrency: u16,
+}
+
+fn consumer_concurrency() -> u16 {
+    craig_mq::settings::CONSUMER_PREFETCH
 }
 
 fn idempotency_claim() -> u64 {
@@ -310,6 +326,8 @@ impl Default for Settings {
             send_timeout_secs: send_timeout(),
             send_lease_secs: send_lease(),
             idempotency_claim_secs: idempotency_claim(),
+            outbox_notify: false,
+            consumer_concurrency: consumer_concurrency(),
         }
     }
 }
@@ -457,6 +475,11 @@ pub enum FaultKind {
     Upgrade,
     /// Like `upgrade`, onto an older behaviour: `compat` names at least one mode.
     Downgrade,
+    /// `pg_terminate_backend` on every backend of the database server whose
+    /// `application_name` is `application_name` (default `craig-outbox-listener`, the
+    /// LISTEN/NOTIFY connection), swept every 250 ms for `duration_ms`: the server itself
+    /// cuts exactly those connections, again each time they come back.
+    Terminate,
 }
 
 impl FaultKind {
@@ -471,6 +494,7 @@ impl FaultKind {
             FaultKind::QueueLimit => "queue_limit",
             FaultKind::Upgrade => "upgrade",
             FaultKind::Downgrade => "downgrade",
+            FaultKind::Terminate => "terminate",
         }
     }
 }
@@ -498,6 +522,9 @@ pub struct Fault {
     /// For `kind = "upgrade"` / `"downgrade"`: the compat modes the replica restarts with.
     #[serde(default)]
     pub compat: Option<Vec<String>>,
+    /// For `kind = "terminate"`: whose backends (default `craig-outbox-listener`).
+    #[serde(default)]
+    pub application_name: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -754,6 +781,9 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
     } else if w.race || w.cancel_share > 0.0 || w.requery_share > 0.0 || w.export_sizes != export_sizes() {
         return Err(err(at("[workload]"), "export_sizes, race, cancel_share and requery_share belong to kind = \"exports\"".into()));
     }
+    if !(1..=craig_mq::settings::CONSUMER_PREFETCH).contains(&s.settings.consumer_concurrency) {
+        return Err(err(at("[settings]"), format!("consumer_concurrency must be 1..={} (the prefetch)", craig_mq::settings::CONSUMER_PREFETCH)));
+    }
     if !(1..=craig_api::idempotency::CLAIM_TTL.as_secs()).contains(&s.settings.idempotency_claim_secs) {
         return Err(err(at("[settings]"), format!("idempotency_claim_secs must be 1..={} (the ADR's claim)", craig_api::idempotency::CLAIM_TTL.as_secs())));
     }
@@ -898,7 +928,14 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         } else if fault.queue.is_some() || fault.max_length.is_some() {
             return Err(err(span, "queue and max_length belong to a queue_limit fault".into()));
         }
-        if matches!(fault.kind, FaultKind::Pause | FaultKind::Toxic | FaultKind::Down | FaultKind::QueueLimit) && fault.duration_ms.is_none() {
+        if fault.kind == FaultKind::Terminate {
+            if target != FaultTarget::Database {
+                return Err(err(span, "a terminate fault targets \"database\" (the server whose backends it terminates)".into()));
+            }
+        } else if fault.application_name.is_some() {
+            return Err(err(key_in(f.span(), "application_name"), "application_name belongs to a terminate fault".into()));
+        }
+        if matches!(fault.kind, FaultKind::Pause | FaultKind::Toxic | FaultKind::Down | FaultKind::QueueLimit | FaultKind::Terminate) && fault.duration_ms.is_none() {
             return Err(err(span, "this fault needs duration_ms (when it heals)".into()));
         }
     }

@@ -260,6 +260,12 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
             }
             continue;
         }
+        if line.contains("event=\"subscriber.started\"") {
+            if let Some(n) = line.split_once(" concurrency=").and_then(|(_, r)| r.split_whitespace().next()).and_then(|n| n.parse().ok()) {
+                out.push((at(), Event::ConsumerStarted { replica: replica.to_owned(), concurrency: n }));
+            }
+            continue;
+        }
         let reprocessed = line.contains("event=\"inbox.reprocessed\"");
         let stamped = line.contains("event=\"outbox.stamped\"");
         // A consumer handing a message to dead-lettering: the broker path's reject, or the
@@ -325,6 +331,7 @@ mod tests {
              2026-11-30T16:00:01.950000Z  INFO craig_fleet::send_jobs: event=\"send_jobs.finalized\" job_id={env} correlation_id={env} generation=2 result=\"failed\" fence=\"applied\" outcome=Failed(\"transport: timed out\")\n\
              2026-11-30T16:00:01.900000Z  INFO craig_mq::retention: event=\"retention.cycle\" outbox=0 inbox=0 idempotency=0 pre_965=false\n\
              2026-11-30T16:00:01.900000Z  WARN craig_mq::retention: pending outbox rows older than the grace: kept event=\"retention.outbox_unpublished_beyond_grace\" rows=10 grace_secs=3600\n\
+             2026-11-30T16:00:02.000000Z  INFO craig_mq::subscriber: event=\"subscriber.started\" queue=\"craig-rules.events\" concurrency=32\n\
              not a line of interest envelope_id={env}\n"
         );
         let origin = chrono::DateTime::parse_from_rfc3339("2026-11-30T16:00:00Z").unwrap().timestamp_millis();
@@ -339,6 +346,7 @@ mod tests {
                 (Some(1800), Event::AckedUnrecorded { key: "00ff00ff00ff00ff".into(), replica: "cases-1".into(), compat: vec![] }),
                 (Some(1950), Event::SendFinalized { correlation: env, replica: "cases-1".into(), result: "failed".into(), applied: true }),
                 (Some(1900), Event::PruneCycle { replica: "cases-1".into(), kept_pending: 10 }),
+                (Some(2000), Event::ConsumerStarted { replica: "cases-1".into(), concurrency: 32 }),
             ]
         );
     }

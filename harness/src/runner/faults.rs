@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use anyhow::Context as _;
 use serde_json::json;
 use tokio::sync::{Mutex, watch};
 use tokio::time::Instant;
@@ -284,6 +285,9 @@ async fn inject(
             let to = f.compat.as_deref().filter(|c| !c.is_empty()).map(|c| c.join(",")).unwrap_or_else(|| "current".into());
             format!("{} to {to}", f.target)
         }
+        (_, FaultKind::Terminate) => {
+            format!("{} ({})", f.target, f.application_name.as_deref().unwrap_or(craig_mq::outbox::notify::APPLICATION_NAME))
+        }
         (Some(t), FaultKind::Toxic) => format!("{} ({} {})", f.target, t.kind.type_name(), t.stream.as_str()),
         (_, FaultKind::QueueLimit) => {
             format!("{} (max-length {}, reject-publish)", f.queue.as_deref().unwrap_or("?"), f.max_length.unwrap_or(0))
@@ -432,6 +436,31 @@ async fn inject(
             );
             tokio::time::sleep(hold).await;
             toxi.set_enabled(&proxy, true).await?;
+        }
+        (FaultTarget::Database, FaultKind::Terminate) => {
+            let name = f.application_name.clone().unwrap_or_else(|| craig_mq::outbox::notify::APPLICATION_NAME.to_owned());
+            let url = backend.lock().await.endpoints().databases.first().map(|(_, u)| u.clone()).context("no database")?;
+            let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&url).await?;
+            let until = Instant::now() + hold;
+            let mut pids: Vec<i32> = Vec::new();
+            loop {
+                // The server's own word: the pids it terminated.
+                // In the target list, so it runs only on the rows the WHERE kept.
+                let cut: Vec<(i32, bool)> = sqlx::query_as(
+                    "SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1 AND pid <> pg_backend_pid()",
+                )
+                .bind(&name)
+                .fetch_all(&pool)
+                .await
+                .unwrap_or_default();
+                pids.extend(cut.into_iter().filter(|(_, done)| *done).map(|(pid, _)| pid));
+                if Instant::now() >= until {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            pool.close().await;
+            log.evidence(kind, &label, (!pids.is_empty()).then(|| format!("{} backend(s) named {name} terminated (pids {pids:?})", pids.len())));
         }
         _ => anyhow::bail!("fault {kind} on {} is not supported", f.target),
     }

@@ -458,6 +458,8 @@ async fn drive(
                 ("CRAIG_INBOX_RETRY_CAP".into(), s.settings.inbox_retry_cap.to_string()),
                 ("CRAIG_RETENTION_INTERVAL_SECS".into(), s.settings.retention_interval_secs.to_string()),
                 ("CRAIG_IDEMPOTENCY_CLAIM_SECS".into(), s.settings.idempotency_claim_secs.to_string()),
+                ("CRAIG_OUTBOX_NOTIFY".into(), if s.settings.outbox_notify { "1" } else { "0" }.into()),
+                ("CRAIG_CONSUMER_CONCURRENCY".into(), s.settings.consumer_concurrency.to_string()),
                 // `craig_mq::outbox=debug` for `outbox.stamped`: who stamped what.
                 ("RUST_LOG".into(), "info,craig_mq::outbox=debug,sqlx=warn,lapin=warn,lapin::returned_messages=error".into()),
             ];
