@@ -14,6 +14,7 @@
 //! | [`process`] | fleet replicas as child processes: signals, restarts, logs |
 
 pub mod backend;
+pub mod bench;
 pub mod checkers;
 pub mod history;
 pub mod process;

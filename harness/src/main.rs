@@ -10,6 +10,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use craig_chaos::backend::BackendKind;
+use craig_chaos::bench::BenchOptions;
 use craig_chaos::report::RunReport;
 use craig_chaos::runner::{RunOptions, run_scenario, scenario_seed};
 use craig_chaos::scenario;
@@ -49,6 +50,38 @@ enum Command {
     List {
         paths: Vec<PathBuf>,
     },
+    /// Measure the implementation on the local backend, each figure a ratio to a baseline
+    /// from the same run (relay, pre-1128, parallel drain, publish lag with polling and
+    /// LISTEN/NOTIFY, consumer, middleware, the claim's plan). Prints a table on stderr and
+    /// the JSON on stdout; writes bench.json and bench.md to the report folder. Build it with
+    /// `--profile perf` for full optimisation. Exit 1 when a correctness check failed.
+    Bench {
+        /// Seconds instead of minutes: tiny sizes, one round (what ci/test runs).
+        #[arg(long)]
+        smoke: bool,
+        /// Rounds of each measurement (baseline and subject alternate; medians).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=20))]
+        rounds: Option<u32>,
+        /// Rows of the relay, pre-1128 and parallel-drain backlogs (default 100000).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(100..=2_000_000))]
+        backlog: Option<u64>,
+        /// Events of the consumer backlog (default 100000).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(100..=2_000_000))]
+        consumer_backlog: Option<u64>,
+        /// The subject consumer's concurrency, 1..=32 (default 32, the prefetch); the
+        /// baseline is always concurrency 1.
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=32))]
+        consumer_concurrency: Option<u16>,
+        /// Seconds of each lag measurement (default 30).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=600))]
+        lag_secs: Option<u64>,
+        /// Only these groups: relay, parallel, lag, consumer, http, explain (repeatable).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+        /// Report folder (default: target/chaos/bench-<time>).
+        #[arg(long)]
+        report: Option<PathBuf>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -61,6 +94,48 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::List { paths } => list(&paths),
+        Command::Bench { smoke, rounds, backlog, consumer_backlog, consumer_concurrency, lag_secs, only, report } => {
+            let dir = report.unwrap_or_else(|| PathBuf::from("target/chaos").join(format!("bench-{}", chrono::Utc::now().format("%Y%m%d-%H%M%S"))));
+            let mut opts = if smoke { BenchOptions::smoke(dir.clone()) } else { BenchOptions::full(dir.clone()) };
+            if let Some(r) = rounds {
+                opts.rounds = r as usize;
+            }
+            if let Some(b) = backlog {
+                opts.backlog = b as usize;
+            }
+            if let Some(b) = consumer_backlog {
+                opts.consumer_backlog = b as usize;
+            }
+            if let Some(c) = consumer_concurrency {
+                opts.consumer_concurrency = c;
+            }
+            if let Some(s) = lag_secs {
+                opts.lag_secs = s;
+            }
+            if let Some(bad) = only.iter().find(|o| !craig_chaos::bench::GROUPS.contains(&o.as_str())) {
+                eprintln!("chaos bench: unknown group {bad:?}; known: {}", craig_chaos::bench::GROUPS.join(", "));
+                return ExitCode::from(2);
+            }
+            opts.only = only;
+            let command = std::env::args().collect::<Vec<_>>().join(" ");
+            let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+            match rt.block_on(craig_chaos::bench::run(&opts, &command)) {
+                Ok(rep) => {
+                    eprintln!("\n{}", rep.table());
+                    println!("{}", serde_json::to_string_pretty(&rep).unwrap_or_default());
+                    if let Err(e) = rep.write(&dir) {
+                        eprintln!("chaos bench: writing {}: {e}", dir.display());
+                        return ExitCode::from(3);
+                    }
+                    eprintln!("bench: {}/bench.json and bench.md", dir.display());
+                    if rep.failures.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) }
+                }
+                Err(e) => {
+                    eprintln!("chaos bench: {e:#}");
+                    ExitCode::from(3)
+                }
+            }
+        }
         Command::Run { paths, seed, backend, report, junit, seeds } => {
             let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
             rt.block_on(async {
