@@ -53,8 +53,8 @@ enum Command {
     /// Measure the implementation on the local backend, each figure a ratio to a baseline
     /// from the same run (relay, pre-1128, parallel drain, publish lag with polling and
     /// LISTEN/NOTIFY, consumer, middleware, the claim's plan). Prints a table on stderr and
-    /// the JSON on stdout; writes bench.json and bench.md to the report folder. Build it with
-    /// `--profile perf` for full optimisation. Exit 1 when a correctness check failed.
+    /// the JSON on stdout; writes bench.json and bench.md to the report folder. Measure a
+    /// `--release` build (full optimisation). Exit 1 when a correctness check failed.
     Bench {
         /// Seconds instead of minutes: tiny sizes, one round (what ci/test runs).
         #[arg(long)]
@@ -65,7 +65,10 @@ enum Command {
         /// Rows of the relay, pre-1128 and parallel-drain backlogs (default 100000).
         #[arg(long, value_parser = clap::value_parser!(u64).range(100..=2_000_000))]
         backlog: Option<u64>,
-        /// Events of the consumer backlog (default 100000).
+        /// The outbox worker's batch, as CRAIG_OUTBOX_BATCH (default 100, production's).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        batch: Option<u32>,
+        /// Events of the consumer backlog (default 50000).
         #[arg(long, value_parser = clap::value_parser!(u64).range(100..=2_000_000))]
         consumer_backlog: Option<u64>,
         /// The subject consumer's concurrency, 1..=32 (default 32, the prefetch); the
@@ -94,7 +97,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::List { paths } => list(&paths),
-        Command::Bench { smoke, rounds, backlog, consumer_backlog, consumer_concurrency, lag_secs, only, report } => {
+        Command::Bench { smoke, rounds, backlog, batch, consumer_backlog, consumer_concurrency, lag_secs, only, report } => {
             let dir = report.unwrap_or_else(|| PathBuf::from("target/chaos").join(format!("bench-{}", chrono::Utc::now().format("%Y%m%d-%H%M%S"))));
             let mut opts = if smoke { BenchOptions::smoke(dir.clone()) } else { BenchOptions::full(dir.clone()) };
             if let Some(r) = rounds {
@@ -102,6 +105,9 @@ fn main() -> ExitCode {
             }
             if let Some(b) = backlog {
                 opts.backlog = b as usize;
+            }
+            if let Some(b) = batch {
+                opts.batch = b;
             }
             if let Some(b) = consumer_backlog {
                 opts.consumer_backlog = b as usize;
@@ -209,7 +215,7 @@ fn seeds_summary(
             let word = if r.inconclusive { "inconclusive" } else { "NOT met" };
             let _ = writeln!(
                 out,
-                "    {word} under --seed {rs}: cargo run --release -p craig-chaos -- run {} --seed {rs} --backend {backend}",
+                "    {word} under --seed {rs}: cargo run --profile ci -p craig-chaos -- run {} --seed {rs} --backend {backend}",
                 s.path.display()
             );
         }
@@ -241,7 +247,7 @@ async fn run(paths: Vec<PathBuf>, seed: Option<u64>, backend: BackendKind, repor
     let report_dir = report.unwrap_or_else(|| PathBuf::from("target/chaos").join(&run_id));
     let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
     let command = format!(
-        "cargo run --release -p craig-chaos -- run {}--seed {seed}{} --backend {backend}",
+        "cargo run --profile ci -p craig-chaos -- run {}--seed {seed}{} --backend {backend}",
         if shown.is_empty() { String::new() } else { format!("{} ", shown.join(" ")) },
         if seeds > 1 { format!(" --seeds {seeds}") } else { String::new() }
     );
@@ -403,8 +409,8 @@ mod tests {
         assert!(out.starts_with("seeds: 2 derived from --seed 11\n"), "{out}");
         assert!(out.contains("a                            2/2 seeds met  (3 s)"), "{out}");
         assert!(out.contains("b                            0/2 seeds met  (3 s)"), "{out}");
-        assert!(out.contains("inconclusive under --seed 11: cargo run --release -p craig-chaos -- run scenarios/b.toml --seed 11 --backend local"), "{out}");
-        assert!(out.contains("NOT met under --seed 22: cargo run --release -p craig-chaos -- run scenarios/b.toml --seed 22 --backend local"), "{out}");
+        assert!(out.contains("inconclusive under --seed 11: cargo run --profile ci -p craig-chaos -- run scenarios/b.toml --seed 11 --backend local"), "{out}");
+        assert!(out.contains("NOT met under --seed 22: cargo run --profile ci -p craig-chaos -- run scenarios/b.toml --seed 22 --backend local"), "{out}");
         assert!(!out.contains("scenarios/a.toml"), "a seed that met needs no reproduce command: {out}");
     }
 }

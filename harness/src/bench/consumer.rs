@@ -26,7 +26,12 @@ async fn reset(pool: &PgPool) -> anyhow::Result<()> {
 /// events/s from its start to the last effect.
 /// (events/s, CPU split, effects beyond one per event).
 async fn run_once(env: &Env, spec: &QueueSpec, n: usize, use_inbox: bool, concurrency: u16) -> anyhow::Result<(f64, super::CpuSplit, usize)> {
-    let pool = env.rules.clone();
+    // The node's own pool size for this concurrency (craig_fleet::node::pool_size).
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(craig_fleet::node::pool_size(concurrency))
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&env.rules_url)
+        .await?;
     reset(&pool).await?;
     let (conn, ch) = confirm_channel(&env.amqp_url, "bench-consumer-backlog").await?;
     ch.queue_purge(spec.queue.as_str().into(), QueuePurgeOptions::default()).await?;
@@ -72,6 +77,7 @@ async fn run_once(env: &Env, spec: &QueueSpec, n: usize, use_inbox: bool, concur
     // No fault ran: every event has exactly one effect.
     let (effects, distinct): (i64, i64) =
         sqlx::query_as("SELECT count(*), count(DISTINCT envelope_id) FROM rule_evaluations").fetch_one(&pool).await?;
+    pool.close().await;
     let extra = (effects - distinct).max(0) as usize + (distinct as usize).saturating_sub(n);
     Ok((n as f64 / secs, cpu, extra))
 }

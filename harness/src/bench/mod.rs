@@ -11,6 +11,7 @@
 //! | `lag_notify` | the same with LISTEN/NOTIFY (`outbox::notify`) | the same direct publish | p50 ≤ 10 ms, p99 ≤ 50 ms |
 //! | `inbox` | the rules consumer with `handle_idempotently` | the same handler without the inbox | ≥ 0.5 |
 //! | `consumer` | the consumer at concurrency N (the prefetch) end to end | the same at concurrency 1 (the old consumer) | ≥ 3 |
+//! | `notify_staging` | 8 concurrent producers staging with NOTIFY | the same without | (its cost) |
 //! | `idem_miss`, `idem_replay` | the §D5 middleware, a miss / a replay, 16 concurrent HTTP clients over TCP | the same route without the layer | — |
 //!
 //! Plus the claim query's plan (`EXPLAIN`), which must use the partial index. Every run is
@@ -22,8 +23,8 @@
 //!
 //! Runs on the local backend (private PostgreSQL with `fsync=off`, private RabbitMQ), in
 //! process: the worker, the consumer and the middleware are the library code the nodes run.
-//! Build it with `--profile perf` (full optimisation); the release profile's dependencies
-//! are at opt-level 1 and run slower.
+//! Measure a `--release` build (full optimisation): the `ci` profile that `ci/test` builds is
+//! at opt-level 1 (the harness at 0) and runs only the smoke run.
 
 mod consumer;
 mod http;
@@ -60,6 +61,8 @@ pub struct BenchOptions {
     pub lag_secs: u64,
     /// Requests per HTTP measurement.
     pub requests: usize,
+    /// The outbox worker's batch (`CRAIG_OUTBOX_BATCH`; default production's 100).
+    pub batch: u32,
     /// Only these figures (empty: all).
     pub only: Vec<String>,
     pub report_dir: PathBuf,
@@ -71,12 +74,13 @@ impl BenchOptions {
             smoke: false,
             rounds: 3,
             backlog: 100_000,
-            consumer_backlog: 100_000,
+            consumer_backlog: 50_000,
             sequential_backlog: 20_000,
             consumer_concurrency: craig_mq::settings::CONSUMER_PREFETCH,
             lag_rate: 1_000,
             lag_secs: 30,
             requests: 5_000,
+            batch: craig_mq::OutboxConfig::default().batch_size,
             only: Vec::new(),
             report_dir,
         }
@@ -220,6 +224,7 @@ pub(crate) struct Env {
     _backend: Backend,
     pub cases: PgPool,
     pub rules: PgPool,
+    pub rules_url: String,
     pub amqp_url: String,
 }
 
@@ -238,7 +243,8 @@ impl Env {
         craig_mq::topology::deploy_operator_part(&ep.amqp_url).await?;
         let rules = pools.pop().context("rules pool")?;
         let cases = pools.pop().context("cases pool")?;
-        Ok(Env { _backend: backend, cases, rules, amqp_url: ep.amqp_url })
+        let rules_url = ep.database_url("rules").context("rules database")?.to_owned();
+        Ok(Env { _backend: backend, cases, rules, rules_url, amqp_url: ep.amqp_url })
     }
 }
 
@@ -270,6 +276,7 @@ pub async fn run(opts: &BenchOptions, command: &str) -> anyhow::Result<BenchRepo
         let (figs, fails) = relay::lag(&env, opts).await?;
         figures.extend(figs);
         failures.extend(fails);
+        figures.push(relay::staging_cost(&env, opts).await?);
     }
     if opts.wants("consumer") {
         let (figs, fails) = consumer::consumer(&env, opts).await?;
@@ -285,7 +292,13 @@ pub async fn run(opts: &BenchOptions, command: &str) -> anyhow::Result<BenchRepo
     machine.insert("cores".into(), serde_json::json!(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)));
     machine.insert("postgres".into(), serde_json::json!("private server, fsync=off"));
     let exe = std::env::current_exe().map(|p| p.display().to_string()).unwrap_or_default();
-    let profile = if exe.contains("/target/perf/") { "perf (full optimisation)" } else if exe.contains("/target/release/") { "release (dependencies at opt-level 1)" } else { "unknown" };
+    let profile = if exe.contains("/target/release/") {
+        "release (full optimisation)"
+    } else if exe.contains("/target/ci/") {
+        "ci (opt-level 1, the harness 0: not for figures)"
+    } else {
+        "unknown"
+    };
     machine.insert("binary".into(), serde_json::json!(exe));
     machine.insert("profile".into(), serde_json::json!(profile));
     let mut options = BTreeMap::new();
@@ -298,6 +311,7 @@ pub async fn run(opts: &BenchOptions, command: &str) -> anyhow::Result<BenchRepo
     options.insert("lag_rate".into(), serde_json::json!(opts.lag_rate));
     options.insert("lag_secs".into(), serde_json::json!(opts.lag_secs));
     options.insert("requests".into(), serde_json::json!(opts.requests));
+    options.insert("batch".into(), serde_json::json!(opts.batch));
     Ok(BenchReport {
         command: command.to_owned(),
         started_at,

@@ -439,7 +439,14 @@ async fn inject(
         }
         (FaultTarget::Database, FaultKind::Terminate) => {
             let name = f.application_name.clone().unwrap_or_else(|| craig_mq::outbox::notify::APPLICATION_NAME.to_owned());
-            let url = backend.lock().await.endpoints().databases.first().map(|(_, u)| u.clone()).context("no database")?;
+            let databases = backend.lock().await.endpoints().databases;
+            let url = databases.first().map(|(_, u)| u.clone()).context("no database")?;
+            // This run's databases only: on a shared server (`external`) another run's
+            // backends are neither ours to cut nor our evidence.
+            let names: Vec<String> = databases
+                .iter()
+                .filter_map(|(_, u)| u.rsplit_once('/').map(|(_, db)| db.split('?').next().unwrap_or(db).to_owned()))
+                .collect();
             let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&url).await?;
             let until = Instant::now() + hold;
             let mut pids: Vec<i32> = Vec::new();
@@ -447,9 +454,11 @@ async fn inject(
                 // The server's own word: the pids it terminated.
                 // In the target list, so it runs only on the rows the WHERE kept.
                 let cut: Vec<(i32, bool)> = sqlx::query_as(
-                    "SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1 AND pid <> pg_backend_pid()",
+                    "SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity \
+                     WHERE application_name = $1 AND datname = ANY($2) AND pid <> pg_backend_pid()",
                 )
                 .bind(&name)
+                .bind(&names)
                 .fetch_all(&pool)
                 .await
                 .unwrap_or_default();

@@ -48,12 +48,21 @@ pub struct NodeOptions {
 
 /// A lazily connecting pool: the node starts (and serves `/healthz`) while its database is
 /// still down, and every user of the pool retries on its own schedule.
-pub fn pool(url: &str) -> anyhow::Result<PgPool> {
+///
+/// Sized [`pool_size`]: a connection for each handler the consumer may run at once, plus
+/// room for the outbox worker (its pipelined claim, publish and stamp), the HTTP routes and
+/// the prune, so a busy consumer never starves a stamp into its lease.
+pub fn pool(url: &str, connections: u32) -> anyhow::Result<PgPool> {
     PgPoolOptions::new()
-        .max_connections(10)
+        .max_connections(connections)
         .acquire_timeout(Duration::from_secs(5))
         .connect_lazy(url)
         .with_context(|| format!("bad DATABASE_URL {:?}", craig_mq::settings::redact(url)))
+}
+
+/// Connections of a node's pool: 10 besides the consumer's `concurrency` handlers.
+pub fn pool_size(consumer_concurrency: u16) -> u32 {
+    10 + u32::from(consumer_concurrency)
 }
 
 /// An error text with `url`'s password removed, should the driver have echoed it.
@@ -210,7 +219,7 @@ fn idempotency_layer(opts: &NodeOptions, service: Service, pool: &PgPool) -> any
 pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Result<()> {
     let service = opts.service;
     metrics_handle();
-    let pool = pool(&opts.settings.database_url)?;
+    let pool = pool(&opts.settings.database_url, pool_size(opts.settings.consumer_concurrency))?;
     let direct = opts.compat.has(Compat::PreD1).then(|| {
         std::sync::Arc::new(crate::compat::DirectPublisher::new(&opts.settings.amqp_url, opts.settings.publisher))
     });

@@ -27,13 +27,19 @@
 //! sleeps the poll interval (1 s). At-least-once: a crash after the ACK and before the stamp
 //! re-publishes after lease expiry; the inbox is the consumer-side boundary.
 //!
-//! **Pipelined drain.** Inside a drain the passes overlap: while batch N is being published
-//! (the only batch on the channel, so returns still match their batch), the stamp/release of
-//! batch N-1 and the claim of batch N+1 run on their own pooled connections. Every rule above
+//! **Pipelined drain.** Inside a drain the passes overlap: two lanes (two confirm channels,
+//! each on its own connection) each publish one batch, so one batch's frames go out while the
+//! other's confirms come back, and a batch is alone on its channel (returns still match their
+//! batch); meanwhile finished batches are stamped/released and the next batch is claimed, each
+//! statement on its own pooled connection. Every rule above
 //! holds per batch: each statement is its own short transaction, nothing is locked across a
 //! publish, and stamps and releases stay fenced by their claim. A drain that stops early
 //! (a broker-level failure, the shutdown deadline) hands its pre-claimed batch back at once
-//! ([`lease::unclaim`]) instead of leaving it to the lease.
+//! ([`lease::unclaim`]) instead of leaving it to the lease, and so does a drain whose batch
+//! claimed ahead waited longer than `lease - worst-case publish` for a free lane (then it is
+//! claimed afresh): a claim's publish always ends inside its lease, as without the pipeline.
+//! The crash point `outbox::after_claim` fires only on a drain's first claim, when nothing
+//! else is in flight.
 //!
 //! **LISTEN/NOTIFY (opt-in, `CRAIG_OUTBOX_NOTIFY=1`; the ADR's upgrade path).** Staging
 //! sends `pg_notify('craig_outbox', '')` in the staging transaction and a listener connection
@@ -170,7 +176,12 @@ pub struct OutboxWorker {
     amqp_url: String,
     publisher_cfg: PublisherConfig,
     cfg: OutboxConfig,
+    /// Lane 0 (and the pre-1128 drain's unconfirmed publisher): one confirm channel on its
+    /// own connection.
     publisher: Option<Publisher>,
+    /// Lane 1: the second channel a pipelined drain publishes on, so one batch's frames go out
+    /// while the other's confirms come back (returns are matched per channel).
+    second: Option<Publisher>,
     failures: u32,
     mode: DrainMode,
     /// The retention prune that runs inside this worker (#965/#1129), if any.
@@ -193,7 +204,7 @@ pub enum DrainMode {
 
 impl OutboxWorker {
     pub fn new(pool: PgPool, amqp_url: impl Into<String>, publisher_cfg: PublisherConfig, cfg: OutboxConfig) -> Self {
-        Self { pool, amqp_url: amqp_url.into(), publisher_cfg, cfg, publisher: None, failures: 0, mode: DrainMode::default(), prune: None, notify: false }
+        Self { pool, amqp_url: amqp_url.into(), publisher_cfg, cfg, publisher: None, second: None, failures: 0, mode: DrainMode::default(), prune: None, notify: false }
     }
 
     /// Run the retention prune (`crate::retention`) inside this worker, beside the drain.
@@ -222,7 +233,9 @@ impl OutboxWorker {
     pub async fn run(mut self, shutdown: CancellationToken) {
         let prune = self.prune.take().map(|cfg| tokio::spawn(crate::retention::run(self.pool.clone(), cfg, shutdown.clone())));
         let wake = std::sync::Arc::new(tokio::sync::Notify::new());
-        let listener = self.notify.then(|| tokio::spawn(notify::listen(self.pool.clone(), wake.clone(), shutdown.clone())));
+        // pre-1128 keeps its tick ("100 a tick"): no wake-ups.
+        let notify_on = self.notify && self.mode == DrainMode::ClaimLease;
+        let listener = notify_on.then(|| tokio::spawn(notify::listen(self.pool.clone(), wake.clone(), shutdown.clone())));
         loop {
             // A drain other replicas keep full must still notice the stop between passes.
             let pause = match self.drain_until(Stop { deadline: None, shutdown: Some(&shutdown) }).await {
@@ -264,7 +277,7 @@ impl OutboxWorker {
             let _ = prune.await;
         }
         tracing::info!(event = "outbox.stopped", final_drain = ?last.ok().and_then(Result::ok));
-        if let Some(p) = self.publisher.take() {
+        for p in [self.publisher.take(), self.second.take()].into_iter().flatten() {
             p.close().await;
         }
     }
@@ -278,75 +291,105 @@ impl OutboxWorker {
     }
 
     async fn drain_until(&mut self, stop: Stop<'_>) -> Result<DrainReport, OutboxError> {
+        use futures_util::stream::{FuturesUnordered, StreamExt as _};
         let mut report = DrainReport::default();
         if self.mode == DrainMode::Pre1128 {
             let pass = self.pass_pre1128().await?;
             return Ok(DrainReport { passes: 1, published: pass.published, failed: pass.failed, broker_failed: pass.failed });
         }
-        // The pipeline (module doc): publish batch N while batch N-1 settles and batch N+1 is
-        // claimed, each statement on its own pooled connection.
-        let (pool, cfg) = (self.pool.clone(), self.cfg);
+        let (pool, cfg, pcfg) = (self.pool.clone(), self.cfg, self.publisher_cfg);
+        let url = self.amqp_url.clone();
         let batch = cfg.batch_size as usize;
-        let mut claimed = claim(&pool, &cfg).await?;
-        let mut unsettled: Option<Published> = None;
+        // The longest a claim may wait before its publish starts: its publish must still end
+        // inside the lease, which the settings size for ONE worst-case publish
+        // (`settings::check_protocol`). A batch claimed ahead that waited longer (the
+        // publishes before it ran long) goes back untried and is claimed afresh.
+        let fresh_for = cfg.claim_lease.saturating_sub(pcfg.worst_case_publish());
+        // Claim ahead while both lanes are busy only where a batch can afford to wait a whole
+        // publish for one (a lease of at least two worst-case publishes, as production's 60 s
+        // against 15 s); with a tighter lease a batch is claimed only when a lane is free.
+        let can_wait = fresh_for >= pcfg.worst_case_publish();
+        // Only the drain's first claim has nothing in flight beside it: the crash point
+        // `outbox::after_claim` means "claimed, nothing published" (crate::crash).
+        let first = claim(&pool, &cfg).await?;
+        if first.is_empty() {
+            return Ok(report);
+        }
+        crash::hit("outbox::after_claim");
+
+        // The pipeline (module doc): two lanes publish (each batch alone on its channel), one
+        // batch waits claimed for a free lane, and finished batches settle, all at once.
+        let mut lanes: Vec<Option<Publisher>> = vec![self.second.take(), self.publisher.take()];
+        let lane_count = lanes.len();
+        // The batch claimed and not yet published: its claim time, and whether it had to wait
+        // for a lane.
+        let mut ready: Option<(Vec<Claimed>, tokio::time::Instant, bool)> = Some((first, tokio::time::Instant::now(), false));
+        let mut claiming = FuturesUnordered::new();
+        let mut publishing = FuturesUnordered::new();
+        let mut settling = FuturesUnordered::new();
+        // `more`: the last claim came back full. `stopping`: claim nothing more (a broker
+        // failure, a stale-only pass, a database error, the deadline or the stop).
+        let (mut more, mut stopping) = (true, false);
+        let mut error: Option<OutboxError> = None;
         loop {
-            if claimed.is_empty() {
+            stopping |= stop.late();
+            if let Some((b, at, waited)) = ready.take() {
+                if stopping {
+                    hand_back(&pool, &b).await;
+                } else if lanes.is_empty() {
+                    ready = Some((b, at, true));
+                } else if waited && at.elapsed() > fresh_for {
+                    tracing::warn!(event = "outbox.claim_aged", rows = b.len(), waited_ms = at.elapsed().as_millis() as u64,
+                        "a batch claimed ahead waited too long for a free lane; handed back and claimed afresh");
+                    hand_back(&pool, &b).await;
+                    more = true;
+                } else if let Some(lane) = lanes.pop() {
+                    more = b.len() >= batch;
+                    publishing.push(publish_on(lane, &url, pcfg, &cfg, b));
+                }
+            }
+            if ready.is_none() && claiming.is_empty() && more && !stopping && (can_wait || !lanes.is_empty()) {
+                claiming.push(async { claim(&pool, &cfg).await.map(|b| (b, tokio::time::Instant::now())) });
+            }
+            if ready.is_none() && claiming.is_empty() && publishing.is_empty() && settling.is_empty() {
                 break;
             }
-            let more = claimed.len() >= batch && !stop.late();
-            let prev = unsettled.take();
-            let (published, settled, next) = tokio::join!(
-                self.publish_claimed(std::mem::take(&mut claimed)),
-                async {
-                    match prev {
-                        Some(p) => settle(&pool, p).await.map(Some),
-                        None => Ok(None),
+            tokio::select! {
+                Some(claimed) = claiming.next(), if !claiming.is_empty() => match claimed {
+                    Ok((b, _)) if b.is_empty() => more = false,
+                    Ok((b, at)) => ready = Some((b, at, false)),
+                    Err(e) => {
+                        error.get_or_insert(e);
+                        stopping = true;
                     }
                 },
-                async { if more { claim(&pool, &cfg).await.map(Some) } else { Ok(None) } },
-            );
-            crash::hit("outbox::after_publish_before_stamp");
-            let mut stop_now = published.broker_failed;
-            let next = match next {
-                Ok(next) => next.unwrap_or_default(),
-                Err(e) => {
-                    // The claim failed (the database): settle what was published if the
-                    // database lets us (else it heals by its lease), then report the error.
-                    if let Ok(Some(p)) = &settled {
-                        report.add(p);
+                Some((lane, published)) = publishing.next(), if !publishing.is_empty() => {
+                    crash::hit("outbox::after_publish_before_stamp");
+                    lanes.push(lane);
+                    stopping |= published.broker_failed;
+                    settling.push(settle(&pool, published));
+                }
+                Some(settled) = settling.next(), if !settling.is_empty() => match settled {
+                    Ok(p) => {
+                        report.add(&p);
+                        // Nothing published, nothing refused: every stamp was stale (another
+                        // worker won).
+                        stopping |= p.published == 0 && p.failed == 0;
                     }
-                    let _ = settle(&pool, published).await;
-                    return Err(e);
-                }
-            };
-            let settled = match settled {
-                Ok(p) => p,
-                Err(e) => {
-                    // The stamp of N-1 failed (the database): N stays claimed and heals by its
-                    // lease, as a stamp failure always did; the batch claimed ahead goes back.
-                    hand_back(&pool, &next).await;
-                    return Err(e);
-                }
-            };
-            if let Some(p) = settled {
-                report.add(&p);
-                // Nothing published, nothing refused: every stamp was stale (another worker won).
-                stop_now |= p.published == 0 && p.failed == 0;
+                    Err(e) => {
+                        error.get_or_insert(e);
+                        stopping = true;
+                    }
+                },
             }
-            if stop_now {
-                hand_back(&pool, &next).await;
-                let p = settle(&pool, published).await?;
-                report.add(&p);
-                return Ok(report);
-            }
-            unsettled = Some(published);
-            claimed = next;
         }
-        if let Some(p) = unsettled {
-            let p = settle(&pool, p).await?;
-            report.add(&p);
+        debug_assert_eq!(lanes.len(), lane_count, "every lane came back");
+        self.publisher = lanes.pop().flatten();
+        self.second = lanes.pop().flatten();
+        match error {
+            Some(e) => Err(e),
+            None => Ok(report),
         }
-        Ok(report)
     }
 
     /// One claim → publish → stamp/release pass, unpipelined (tests drive it step by step).
@@ -355,68 +398,11 @@ impl OutboxWorker {
         if claimed.is_empty() {
             return Ok(PassReport::default());
         }
-        let published = self.publish_claimed(claimed).await;
+        crash::hit("outbox::after_claim");
+        let (lane, published) = publish_on(self.publisher.take(), &self.amqp_url, self.publisher_cfg, &self.cfg, claimed).await;
+        self.publisher = lane;
         crash::hit("outbox::after_publish_before_stamp");
         settle(&self.pool, published).await
-    }
-
-    /// Publish one claimed batch (the only one on the channel: returns are matched within a
-    /// batch) and sort its rows into ACKed and failed. No database work happens here.
-    async fn publish_claimed(&mut self, claimed: Vec<Claimed>) -> Published {
-        let reclaimed = claimed.iter().filter(|c| c.reclaimed).count();
-        if reclaimed > 0 {
-            tracing::warn!(event = "outbox.lease_expired", rows = reclaimed, "re-claiming rows whose lease expired");
-        }
-        let mut out = Published { claimed: claimed.len(), reclaimed, ..Default::default() };
-        let mut sendable: Vec<Claimed> = Vec::with_capacity(claimed.len());
-        for c in claimed {
-            match &c.envelope {
-                Ok(_) => sendable.push(c),
-                Err(why) => {
-                    let f = self.row_failure(&c, why.clone());
-                    out.failed.push((f, "malformed"));
-                }
-            }
-        }
-        if sendable.is_empty() {
-            return out;
-        }
-        match self.publisher().await {
-            Ok(publisher) => {
-                let envs: Vec<EventEnvelope> = sendable.iter().filter_map(|c| c.envelope.as_ref().ok().cloned()).collect();
-                let results = publisher.publish_batch(&envs).await;
-                for (c, res) in sendable.into_iter().zip(results) {
-                    match res {
-                        Ok(()) => out.acked.push(c),
-                        Err(e) if e.is_row_level() => {
-                            let f = self.row_failure(&c, format!("{}: {e}", e.kind()));
-                            out.failed.push((f, e.kind()));
-                        }
-                        Err(e) => {
-                            out.broker_failed = true;
-                            out.failed.push((broker_failure(&c, &e), e.kind()));
-                        }
-                    }
-                }
-            }
-            Err(e) => {
-                out.broker_failed = true;
-                out.failed.extend(sendable.iter().map(|c| (broker_failure(c, &e), e.kind())));
-            }
-        }
-        if self.publisher.as_ref().is_some_and(|p| !p.is_usable()) {
-            if let Some(p) = self.publisher.take() {
-                // Off the claim's path: the stamp and release must not wait on a dead
-                // peer's close.
-                tokio::spawn(p.close());
-            }
-        }
-        out
-    }
-
-    fn row_failure(&self, c: &Claimed, error: String) -> lease::Failure {
-        let attempts = u32::try_from(c.attempts).unwrap_or(0).saturating_add(1);
-        lease::Failure { held: c.held, error, retry_in: Some(backoff(&self.cfg, attempts)) }
     }
 
     /// Update the `outbox_depth` gauge (rows still waiting for a broker ACK).
@@ -480,12 +466,6 @@ impl OutboxWorker {
         Ok(report)
     }
 
-    async fn publisher(&mut self) -> Result<&Publisher, PublishError> {
-        if self.publisher.is_none() {
-            self.publisher = Some(Publisher::connect(&self.amqp_url, self.publisher_cfg).await?);
-        }
-        Ok(self.publisher.as_ref().expect("just set"))
-    }
 }
 
 /// When a drain stops early, checked between passes (a pass is never cut in half).
@@ -510,6 +490,74 @@ impl DrainReport {
     }
 }
 
+fn row_failure(cfg: &OutboxConfig, c: &Claimed, error: String) -> lease::Failure {
+    let attempts = u32::try_from(c.attempts).unwrap_or(0).saturating_add(1);
+    lease::Failure { held: c.held, error, retry_in: Some(backoff(cfg, attempts)) }
+}
+
+/// Publish one claimed batch on `lane` (connecting it if needed) and sort its rows into
+/// ACKed and failed; the lane comes back (None once unusable: the next use reconnects). The
+/// batch is the only one on that channel, so returns are matched within it. No database work.
+async fn publish_on(
+    mut lane: Option<Publisher>,
+    amqp_url: &str,
+    pcfg: PublisherConfig,
+    cfg: &OutboxConfig,
+    claimed: Vec<Claimed>,
+) -> (Option<Publisher>, Published) {
+    let reclaimed = claimed.iter().filter(|c| c.reclaimed).count();
+    if reclaimed > 0 {
+        tracing::warn!(event = "outbox.lease_expired", rows = reclaimed, "re-claiming rows whose lease expired");
+    }
+    let mut out = Published { claimed: claimed.len(), reclaimed, ..Default::default() };
+    let mut sendable: Vec<Claimed> = Vec::with_capacity(claimed.len());
+    for c in claimed {
+        match &c.envelope {
+            Ok(_) => sendable.push(c),
+            Err(why) => {
+                let f = row_failure(cfg, &c, why.clone());
+                out.failed.push((f, "malformed"));
+            }
+        }
+    }
+    if sendable.is_empty() {
+        return (lane, out);
+    }
+    if lane.is_none() {
+        match Publisher::connect(amqp_url, pcfg).await {
+            Ok(p) => lane = Some(p),
+            Err(e) => {
+                out.broker_failed = true;
+                out.failed.extend(sendable.iter().map(|c| (broker_failure(c, &e), e.kind())));
+                return (None, out);
+            }
+        }
+    }
+    let publisher = lane.as_ref().expect("connected above");
+    let envs: Vec<EventEnvelope> = sendable.iter().filter_map(|c| c.envelope.as_ref().ok().cloned()).collect();
+    let results = publisher.publish_batch(&envs).await;
+    for (c, res) in sendable.into_iter().zip(results) {
+        match res {
+            Ok(()) => out.acked.push(c),
+            Err(e) if e.is_row_level() => {
+                let f = row_failure(cfg, &c, format!("{}: {e}", e.kind()));
+                out.failed.push((f, e.kind()));
+            }
+            Err(e) => {
+                out.broker_failed = true;
+                out.failed.push((broker_failure(&c, &e), e.kind()));
+            }
+        }
+    }
+    if !publisher.is_usable() {
+        if let Some(p) = lane.take() {
+            // Off the claim's path: the stamp and release must not wait on a dead peer's close.
+            tokio::spawn(p.close());
+        }
+    }
+    (lane, out)
+}
+
 /// A published batch waiting for its stamp and release.
 #[derive(Default)]
 struct Published {
@@ -521,12 +569,9 @@ struct Published {
     broker_failed: bool,
 }
 
-/// Claim one batch (`crash::hit("outbox::after_claim")` right after the claim commits).
+/// Claim one batch.
 async fn claim(pool: &PgPool, cfg: &OutboxConfig) -> Result<Vec<Claimed>, OutboxError> {
     let rows = lease::claim(pool, cfg.claim_lease, cfg.batch_size).await?;
-    if !rows.is_empty() {
-        crash::hit("outbox::after_claim");
-    }
     Ok(rows
         .into_iter()
         .map(|r| Claimed {

@@ -107,3 +107,52 @@ async fn concurrency_one_handles_one_delivery_at_a_time() {
     assert_eq!((done.load(Ordering::SeqCst), most.load(Ordering::SeqCst)), (10, 1));
     env.finish().await;
 }
+
+/// Deliveries of ONE envelope never run at once, whatever the concurrency: a copy waits for
+/// the original to settle (so the inbox would see it stamped), while other envelopes go on.
+#[tokio::test]
+async fn copies_of_one_envelope_never_run_at_once() {
+    let env = env("subscriber_same_envelope").await;
+    env.declare_rules_queue().await;
+    let (conn, ch) = env.channel().await;
+    ch.confirm_select(lapin::options::ConfirmSelectOptions::default()).await.unwrap();
+    let copied = envelope();
+    let mut bodies = vec![copied.to_vec(); 3];
+    bodies.extend((0..5).map(|_| envelope().to_vec()));
+    for body in &bodies {
+        ch.basic_publish("craig.events".into(), EVENT.into(), lapin::options::BasicPublishOptions::default(), body, lapin::BasicProperties::default())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    let (inside, most, done) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let handler = {
+        let (inside, most, done, id) = (inside.clone(), most.clone(), done.clone(), copied.id);
+        move |e: craig_mq::EventEnvelope| {
+            let (inside, most, done) = (inside.clone(), most.clone(), done.clone());
+            async move {
+                if e.id == id {
+                    let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                }
+                done.fetch_add(1, Ordering::SeqCst);
+                Ok::<(), HandlerError>(())
+            }
+        }
+    };
+    let stop = tokio_util::sync::CancellationToken::new();
+    let session = tokio::spawn(run_subscriber(cfg(&env, 8), handler, stop.clone()));
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while done.load(Ordering::SeqCst) < 8 && std::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.cancel();
+    session.await.unwrap();
+    assert_eq!(done.load(Ordering::SeqCst), 8, "every delivery handled");
+    assert_eq!(most.load(Ordering::SeqCst), 1, "the three copies ran one after another");
+    env.finish().await;
+}
