@@ -229,7 +229,8 @@ impl OutboxWorker {
     /// Poll until `shutdown`, then run one last BOUNDED drain so a SIGTERM leaves little
     /// behind that the broker could take: passes stop at a deadline (the poll interval, at
     /// least 5 s) even while other replicas keep the outbox full, and a pass is never cut
-    /// in half, so no claim is abandoned to wait out its lease.
+    /// in half, so no claim is abandoned to wait out its lease — unless the database or the
+    /// broker hangs past the hard stop (`outbox.final_drain_cut`; then claims heal by lease).
     pub async fn run(mut self, shutdown: CancellationToken) {
         let prune = self.prune.take().map(|cfg| tokio::spawn(crate::retention::run(self.pool.clone(), cfg, shutdown.clone())));
         let wake = std::sync::Arc::new(tokio::sync::Notify::new());
@@ -273,6 +274,12 @@ impl OutboxWorker {
         // The hard stop only guards a pass that hangs past every timeout it has.
         let hard = window + self.publisher_cfg.worst_case_publish() + Duration::from_secs(10);
         let last = tokio::time::timeout(hard, self.drain_until(Stop { deadline: Some(deadline), shutdown: None })).await;
+        if last.is_err() {
+            // Only a database or broker hanging past every bound gets here: whatever the cut
+            // drain held heals by its lease (at-least-once), as after a crash.
+            tracing::warn!(event = "outbox.final_drain_cut", after_ms = hard.as_millis() as u64,
+                "the final drain hung past its hard stop; its claims heal by lease expiry");
+        }
         if let Some(prune) = prune {
             let _ = prune.await;
         }
@@ -311,6 +318,10 @@ impl OutboxWorker {
         let can_wait = fresh_for >= pcfg.worst_case_publish();
         // Only the drain's first claim has nothing in flight beside it: the crash point
         // `outbox::after_claim` means "claimed, nothing published" (crate::crash).
+        if stop.late() {
+            return Ok(report);
+        }
+        let asked = tokio::time::Instant::now();
         let first = claim(&pool, &cfg).await?;
         if first.is_empty() {
             return Ok(report);
@@ -323,8 +334,12 @@ impl OutboxWorker {
         let lane_count = lanes.len();
         // The batch claimed and not yet published: its claim time, and whether it had to wait
         // for a lane.
-        let mut ready: Option<(Vec<Claimed>, tokio::time::Instant, bool)> = Some((first, tokio::time::Instant::now(), false));
+        // Its claim time is when the claim was ASKED for: the lease runs from the database's
+        // `now()` inside the statement, never later.
+        let mut ready: Option<(Vec<Claimed>, tokio::time::Instant, bool)> = Some((first, asked, false));
         let mut claiming = FuturesUnordered::new();
+        // Hand-backs run beside the publishes, never holding them up.
+        let mut handing = FuturesUnordered::new();
         let mut publishing = FuturesUnordered::new();
         let mut settling = FuturesUnordered::new();
         // `more`: the last claim came back full. `stopping`: claim nothing more (a broker
@@ -335,26 +350,30 @@ impl OutboxWorker {
             stopping |= stop.late();
             if let Some((b, at, waited)) = ready.take() {
                 if stopping {
-                    hand_back(&pool, &b).await;
+                    handing.push(hand_back(&pool, b));
                 } else if lanes.is_empty() {
                     ready = Some((b, at, true));
                 } else if waited && at.elapsed() > fresh_for {
                     tracing::warn!(event = "outbox.claim_aged", rows = b.len(), waited_ms = at.elapsed().as_millis() as u64,
                         "a batch claimed ahead waited too long for a free lane; handed back and claimed afresh");
-                    hand_back(&pool, &b).await;
-                    more = true;
+                    more = b.len() >= batch;
+                    handing.push(hand_back(&pool, b));
                 } else if let Some(lane) = lanes.pop() {
                     more = b.len() >= batch;
                     publishing.push(publish_on(lane, &url, pcfg, &cfg, b));
                 }
             }
             if ready.is_none() && claiming.is_empty() && more && !stopping && (can_wait || !lanes.is_empty()) {
-                claiming.push(async { claim(&pool, &cfg).await.map(|b| (b, tokio::time::Instant::now())) });
+                claiming.push(async {
+                    let asked = tokio::time::Instant::now();
+                    claim(&pool, &cfg).await.map(|b| (b, asked))
+                });
             }
-            if ready.is_none() && claiming.is_empty() && publishing.is_empty() && settling.is_empty() {
+            if ready.is_none() && claiming.is_empty() && publishing.is_empty() && settling.is_empty() && handing.is_empty() {
                 break;
             }
             tokio::select! {
+                Some(()) = handing.next(), if !handing.is_empty() => {}
                 Some(claimed) = claiming.next(), if !claiming.is_empty() => match claimed {
                     Ok((b, _)) if b.is_empty() => more = false,
                     Ok((b, at)) => ready = Some((b, at, false)),
@@ -586,7 +605,7 @@ async fn claim(pool: &PgPool, cfg: &OutboxConfig) -> Result<Vec<Claimed>, Outbox
 
 /// A batch claimed ahead that the drain will not publish: released at once, without an
 /// attempt counted (it was never tried). Best effort: a row this misses heals by its lease.
-async fn hand_back(pool: &PgPool, claimed: &[Claimed]) {
+async fn hand_back(pool: &PgPool, claimed: Vec<Claimed>) {
     if claimed.is_empty() {
         return;
     }
@@ -599,26 +618,17 @@ async fn hand_back(pool: &PgPool, claimed: &[Claimed]) {
 /// Stamp the ACKed rows of one batch and release its failed ones, both fenced by the claim.
 async fn settle(pool: &PgPool, batch: Published) -> Result<PassReport, OutboxError> {
     let mut report = PassReport { claimed: batch.claimed, reclaimed: batch.reclaimed, ..Default::default() };
+    // Both statements run whatever the other did (a failed stamp must not keep the failed
+    // rows claimed: #1128 releases a failed publish at once); the first error is returned.
+    let mut first_error: Option<OutboxError> = None;
     if !batch.acked.is_empty() {
         let held: Vec<lease::Held> = batch.acked.iter().map(|c| c.held).collect();
-        let fenced = lease::stamp(pool, &held).await?;
-        let now = chrono::Utc::now();
-        for c in batch.acked.iter().filter(|c| fenced.applied.contains(&c.held.id)) {
-            m::publish_lag((now - c.created_at).to_std().unwrap_or_default());
+        match lease::stamp(pool, &held).await {
+            Err(e) => {
+                first_error = Some(e.into());
+            }
+            Ok(fenced) => stamped(&mut report, &batch, fenced),
         }
-        m::published(fenced.applied.len());
-        for id in &fenced.applied {
-            // Per row, at debug: which replica stamped what (the harness attributes each loss
-            // to the replica, and its compat mode, that stamped it).
-            tracing::debug!(event = "outbox.stamped", envelope_id = %id);
-        }
-        report.published = fenced.applied.len();
-        report.stale += fenced.stale.len();
-        if !fenced.stale.is_empty() {
-            tracing::warn!(event = "outbox.stamp_stale", rows = fenced.stale.len(), first = %fenced.stale[0],
-                "broker ACKed rows another worker has re-claimed; its claim stands (at-least-once)");
-        }
-        tracing::debug!(event = "outbox.published", rows = fenced.applied.len());
     }
     if !batch.failed.is_empty() {
         for (f, kind) in &batch.failed {
@@ -630,15 +640,43 @@ async fn settle(pool: &PgPool, batch: Published) -> Result<PassReport, OutboxErr
         }
         report.broker_failed = batch.failed.iter().filter(|(f, _)| f.retry_in.is_none()).count();
         let rows: Vec<lease::Failure> = batch.failed.into_iter().map(|(f, _)| f).collect();
-        let fenced = lease::release(pool, &rows).await?;
-        report.stale += fenced.stale.len();
+        match lease::release(pool, &rows).await {
+            Err(e) => {
+                first_error.get_or_insert(e.into());
+            }
+            Ok(fenced) => report.stale += fenced.stale.len(),
+        }
         if report.broker_failed > 0 {
             let first = rows.iter().find(|f| f.retry_in.is_none()).map(|f| f.error.as_str()).unwrap_or("");
             tracing::warn!(event = "outbox.publish_failed", rows = report.broker_failed, first_error = %first);
         }
         report.failed = rows.len();
     }
-    Ok(report)
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(report),
+    }
+}
+
+/// Account for a stamp: metrics, the per-row `outbox.stamped` lines, stale stamps.
+fn stamped(report: &mut PassReport, batch: &Published, fenced: lease::Fenced) {
+    let now = chrono::Utc::now();
+    for c in batch.acked.iter().filter(|c| fenced.applied.contains(&c.held.id)) {
+        m::publish_lag((now - c.created_at).to_std().unwrap_or_default());
+    }
+    m::published(fenced.applied.len());
+    for id in &fenced.applied {
+        // Per row, at debug: which replica stamped what (the harness attributes each loss to
+        // the replica, and its compat mode, that stamped it).
+        tracing::debug!(event = "outbox.stamped", envelope_id = %id);
+    }
+    report.published = fenced.applied.len();
+    report.stale += fenced.stale.len();
+    if !fenced.stale.is_empty() {
+        tracing::warn!(event = "outbox.stamp_stale", rows = fenced.stale.len(), first = %fenced.stale[0],
+            "broker ACKed rows another worker has re-claimed; its claim stands (at-least-once)");
+    }
+    tracing::debug!(event = "outbox.published", rows = fenced.applied.len());
 }
 
 fn broker_failure(c: &Claimed, e: &PublishError) -> lease::Failure {
@@ -739,18 +777,20 @@ pub mod lease {
 
     /// Stamp `published_at` (the broker ACKed) on the rows still under these claims.
     pub async fn stamp(pool: &PgPool, held: &[Held]) -> Result<Fenced, sqlx::Error> {
+        fenced_set(pool, held, "published_at = GREATEST(now(), o.created_at), claimed_at = NULL, next_attempt_at = NULL").await
+    }
+
+    /// `UPDATE … SET <set>` on the rows still under these claims (row AND fence), one
+    /// statement; `set` is one of this module's constants, never input.
+    async fn fenced_set(pool: &PgPool, held: &[Held], set: &'static str) -> Result<Fenced, sqlx::Error> {
         let (ids, claims): (Vec<Uuid>, Vec<DateTime<Utc>>) = held.iter().map(|h| (h.id, h.claim)).unzip();
-        let applied: Vec<Uuid> = sqlx::query_scalar(
-            "UPDATE event_outbox o SET published_at = GREATEST(now(), o.created_at), claimed_at = NULL, \
-                    next_attempt_at = NULL \
+        let sql = format!(
+            "UPDATE event_outbox o SET {set} \
              FROM unnest($1::uuid[], $2::timestamptz[]) AS h(id, claim) \
              WHERE o.id = h.id AND o.claimed_at = h.claim AND o.published_at IS NULL \
-             RETURNING o.id",
-        )
-        .bind(&ids)
-        .bind(&claims)
-        .fetch_all(pool)
-        .await?;
+             RETURNING o.id"
+        );
+        let applied: Vec<Uuid> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).bind(&ids).bind(&claims).fetch_all(pool).await?;
         Ok(split(&ids, applied))
     }
 
@@ -781,18 +821,7 @@ pub mod lease {
     /// Hand claims back untried (a drain that claimed ahead and stopped): `claimed_at = NULL`
     /// on the rows still under these claims, no attempt counted.
     pub async fn unclaim(pool: &PgPool, held: &[Held]) -> Result<Fenced, sqlx::Error> {
-        let (ids, claims): (Vec<Uuid>, Vec<DateTime<Utc>>) = held.iter().map(|h| (h.id, h.claim)).unzip();
-        let applied: Vec<Uuid> = sqlx::query_scalar(
-            "UPDATE event_outbox o SET claimed_at = NULL \
-             FROM unnest($1::uuid[], $2::timestamptz[]) AS h(id, claim) \
-             WHERE o.id = h.id AND o.claimed_at = h.claim AND o.published_at IS NULL \
-             RETURNING o.id",
-        )
-        .bind(&ids)
-        .bind(&claims)
-        .fetch_all(pool)
-        .await?;
-        Ok(split(&ids, applied))
+        fenced_set(pool, held, "claimed_at = NULL").await
     }
 
     fn split(asked: &[Uuid], applied: Vec<Uuid>) -> Fenced {
