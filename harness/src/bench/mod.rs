@@ -120,7 +120,7 @@ pub struct Figure {
     pub baseline_label: String,
     pub baseline: f64,
     pub baseline_rounds: Vec<f64>,
-    /// subject / baseline (for a latency: baseline / subject is NOT used; see `what`).
+    /// subject / baseline (for a latency figure, subject p99 over baseline p99).
     pub ratio: f64,
     pub goal: Option<String>,
     pub met: Option<bool>,
