@@ -775,7 +775,7 @@ fn fault_replica(tag: &str) -> Option<&str> {
 /// twin is red for its documented cause and not for any violation of the same checker.
 pub const VIOLATION_KINDS: &[&str] =
     &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed", "double_post", "conflicting_events", "terminal_flip", "pruned_pending", "replay_past_window",
-      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status"];
+      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status", "captured"];
 
 /// Which faults can cause a dead-letter violation of a kind, by the fault tag.
 #[derive(Clone, Copy)]
@@ -1004,7 +1004,29 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
     v.count("tokenless_extra_rows", tokenless_extra);
     v.count("completed_and_dead_lettered", both);
     v.count("misattributed", misattributed);
-    v.settle(taps == 0, "nothing to check: no dead letter reached craig.dlx")
+    // Issue 21.1: a delivery in the capture queue was acked off the DLQ with no audit row;
+    // the harness read the queue itself. One it could not read leaves the verdict open.
+    let captured = h.iter().find_map(|e| if let Event::CaptureLeft { count } = e.event { Some(count) } else { None });
+    let mut unread_capture = false;
+    match captured {
+        Some(u32::MAX) => unread_capture = true,
+        Some(n) if n > 0 => {
+            for _ in 0..n {
+                v.blame(dead_letter_tags(h, "captured", "security", Through::Database));
+            }
+            v.witness(format!(
+                "{n} dead letter(s) left in {}: acked off the DLQ and never recorded in dead_letter_audit",
+                craig_mq::dlq::CAPTURE_QUEUE
+            ));
+            v.count("captured", n as usize);
+        }
+        _ => v.count("captured", 0),
+    }
+    let v = v.settle(taps == 0, "nothing to check: no dead letter reached craig.dlx");
+    if unread_capture && v.validity == Validity::Valid {
+        return Verdict { validity: Validity::Unknown, error: Some(format!("{} could not be read at the end", craig_mq::dlq::CAPTURE_QUEUE)), ..v };
+    }
+    v
 }
 
 /// Exactly one `security.dlq.threshold_exceeded` per crossing per event type (§D3 #1156,
@@ -1674,6 +1696,33 @@ mod tests {
                 window_epoch_ms: received,
             },
         );
+    }
+
+    /// Issue 21.1: a delivery left in the capture queue (acked off the DLQ, no audit row) is
+    /// a violation of its own kind, even when every tapped occurrence has its row; a
+    /// capture queue the harness could not read leaves the verdict open.
+    #[test]
+    fn dlq_occurrence_once_counts_what_was_left_captured() {
+        let base = || {
+            let mut h = History::default();
+            started(&mut h, 0, "security-1", &[]);
+            tapped(&mut h, "k1", Some("xdeath:1"));
+            audited(&mut h, "k1", Some("xdeath:1"), "recorded", "a", 1);
+            h
+        };
+        let mut h = base();
+        h.push(30, Event::CaptureLeft { count: 2 });
+        h.sort();
+        let v = dlq_occurrence_once(&h);
+        assert_eq!((v.validity, v.counts["captured"]), (Validity::Invalid, 2), "{v:?}");
+        assert!(v.all_point_at("kind:captured"), "{:?}", v.culprits);
+        let mut unread = base();
+        unread.push(30, Event::CaptureLeft { count: u32::MAX });
+        unread.sort();
+        assert_eq!(dlq_occurrence_once(&unread).validity, Validity::Unknown);
+        let mut clean = base();
+        clean.sort();
+        assert_eq!(dlq_occurrence_once(&clean).validity, Validity::Valid);
     }
 
     /// Issue 9: one row per occurrence holds; a DLQ redelivery recorded twice (pre-1181: no

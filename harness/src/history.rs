@@ -71,6 +71,9 @@ pub enum Event {
     Healed,
     /// Dead letters at the end of the run: still in the DLQ plus already audited.
     DeadLetters { count: u32 },
+    /// Deliveries left in `craig-security.dlq.capture` at the end of the run (acked off the
+    /// DLQ without an audit row; issue 21.1), read by the harness itself (passive declare).
+    CaptureLeft { count: u32 },
     /// A dead letter as the harness's own tap on `craig.dlx` saw it (a copy bound `dlq.#`;
     /// the system's path is untouched): the occurrence it names, read exactly as the DLQ
     /// consumer reads it (`craig_mq::dlq::DeadLetterDelivery`). `key` is a digest of the

@@ -24,7 +24,11 @@
 //!                           # send_timeout_secs / send_lease_secs (#1185 send queue),
 //!                           # idempotency_claim_secs (§D5 claim, 1..=30),
 //!                           # outbox_notify = true (the LISTEN/NOTIFY wake-up),
-//!                           # consumer_concurrency (1..=32, default 32: the prefetch)
+//!                           # consumer_concurrency (1..=32, default 32: the prefetch),
+//!                           # dlq_park_ms / dlq_max_parks (security's DLQ park, 2000, and
+//!                           # the parks a refused delivery may cause before capture, 30),
+//!                           # dlq_redrive_secs (security's capture redrive; 0 = off, the
+//!                           # default here, so a capture stays visible)
 //!
 //! [workload]
 //! kind = "referrals"        # referrals (POST /v1/cases/referrals, counted in rules'
@@ -262,6 +266,26 @@ pub struct Settings {
     /// the prefetch, 32).
     #[serde(default = "consumer_concurrency")]
     pub consumer_concurrency: u16,
+    /// Security's DLQ park (`CRAIG_DLQ_PARK_MS`, 200..=600000; production 2000) and the parks
+    /// a delivery the database keeps refusing may cause before it is captured
+    /// (`CRAIG_DLQ_MAX_PARKS`, 1..=10000; production 30; #1197, issue 21.1).
+    #[serde(default = "dlq_park")]
+    pub dlq_park_ms: u64,
+    #[serde(default = "dlq_max_parks")]
+    pub dlq_max_parks: u32,
+    /// Security's own capture redrive (`CRAIG_DLQ_REDRIVE_SECS`; production 60). Off (0) by
+    /// default here, so a dead letter that was captured stays visible to
+    /// `dlq_occurrence_once` (kind:captured) instead of being healed behind the run's back.
+    #[serde(default)]
+    pub dlq_redrive_secs: u64,
+}
+
+fn dlq_park() -> u64 {
+    craig_mq::dlq::DlqRetryConfig::default().park_delay().as_millis() as u64
+}
+
+fn dlq_max_parks() -> u32 {
+    craig_mq::dlq::DEFAULT_MAX_PARKS
 }
 
 fn consumer_concurrency() -> u16 {
@@ -328,6 +352,9 @@ impl Default for Settings {
             idempotency_claim_secs: idempotency_claim(),
             outbox_notify: false,
             consumer_concurrency: consumer_concurrency(),
+            dlq_park_ms: dlq_park(),
+            dlq_max_parks: dlq_max_parks(),
+            dlq_redrive_secs: 0,
         }
     }
 }
@@ -844,6 +871,16 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
     };
     if let Err(why) = craig_mq::settings::check_protocol(&outbox, &publisher) {
         return Err(err(at("[settings]"), format!("settings a node would refuse: {why}")));
+    }
+    let dlq = craig_mq::dlq::DlqRetryConfig::default();
+    let parked = craig_mq::dlq::DlqRetryConfig::new(dlq.max_attempts(), dlq.retry_delay(), std::time::Duration::from_millis(st.dlq_park_ms))
+        .and_then(|c| c.with_max_parks(st.dlq_max_parks));
+    if let Err(why) = parked {
+        let key = if matches!(why, craig_mq::dlq::DlqConfigError::Parks(_)) { "dlq_max_parks" } else { "dlq_park_ms" };
+        return Err(err(at(key), format!("settings a node would refuse: {why}")));
+    }
+    if st.dlq_redrive_secs > 86_400 {
+        return Err(err(at("dlq_redrive_secs"), "dlq_redrive_secs must be 0 (off) up to 86400".into()));
     }
     for f in &s.faults {
         let span = Some(f.span());

@@ -460,6 +460,9 @@ async fn drive(
                 ("CRAIG_IDEMPOTENCY_CLAIM_SECS".into(), s.settings.idempotency_claim_secs.to_string()),
                 ("CRAIG_OUTBOX_NOTIFY".into(), if s.settings.outbox_notify { "1" } else { "0" }.into()),
                 ("CRAIG_CONSUMER_CONCURRENCY".into(), s.settings.consumer_concurrency.to_string()),
+                ("CRAIG_DLQ_PARK_MS".into(), s.settings.dlq_park_ms.to_string()),
+                ("CRAIG_DLQ_MAX_PARKS".into(), s.settings.dlq_max_parks.to_string()),
+                ("CRAIG_DLQ_REDRIVE_SECS".into(), s.settings.dlq_redrive_secs.to_string()),
                 // `craig_mq::outbox=debug` for `outbox.stamped`: who stamped what.
                 ("RUST_LOG".into(), "info,craig_mq::outbox=debug,sqlx=warn,lapin=warn,lapin::returned_messages=error".into()),
             ];

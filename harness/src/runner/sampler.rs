@@ -153,9 +153,38 @@ pub(super) async fn drain(
             .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
         None => Some(0),
     };
-    if let (Some(w), Some(a)) = (waiting, audited) {
-        log.push(Event::DeadLetters { count: w.saturating_add(a) });
+    // What security set aside in its capture queue reached the DLQ path too (issue 21.1):
+    // counted toward the activity floor, and judged by dlq_occurrence_once.
+    let mut captured = Some(0);
+    if s.fleet.contains_key("security") {
+        captured = match tokio::time::timeout(Duration::from_secs(5), queue_messages(amqp_url, craig_mq::dlq::CAPTURE_QUEUE)).await {
+            Ok(Ok(n)) => Some(n),
+            _ => None,
+        };
+        match captured {
+            Some(0) => {}
+            Some(n) => log.push(Event::CaptureLeft { count: n }),
+            // Unread is not "none left": dlq_occurrence_once says it could not tell.
+            None => log.push(Event::CaptureLeft { count: u32::MAX }),
+        }
     }
+    if let (Some(w), Some(a)) = (waiting, audited) {
+        log.push(Event::DeadLetters { count: w.saturating_add(a).saturating_add(captured.unwrap_or(0)) });
+    }
+}
+
+/// Messages waiting in `queue` (0 when it was never declared).
+async fn queue_messages(amqp: &str, queue: &str) -> anyhow::Result<u32> {
+    let conn = craig_mq::publisher::connect(amqp, 5, "chaos-probe").await?;
+    let ch = conn.create_channel().await?;
+    let n = match craig_mq::topology::queue_depth(&ch, queue).await {
+        Ok(n) => n,
+        // A passive declare of a queue nobody declared: NOT_FOUND, nothing was captured.
+        Err(e) if format!("{e} {e:?}").contains("NOT_FOUND") => 0,
+        Err(e) => return Err(e.into()),
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "probe".into())).await;
+    Ok(n)
 }
 
 /// Rows not yet ACKed, leaving out `except`.

@@ -65,9 +65,15 @@ pub struct ReplayParams {
 /// An RFC 3339 timestamp from a query value (a `+` that form decoding turned into a space is
 /// put back).
 fn timestamp(name: &str, v: &str) -> Result<DateTime<Utc>, String> {
-    DateTime::parse_from_rfc3339(&v.replace(' ', "+"))
+    use chrono::Datelike;
+    let t = DateTime::parse_from_rfc3339(&v.replace(' ', "+"))
         .map(|t| t.with_timezone(&Utc))
-        .map_err(|e| format!("{name}={v:?} is not an RFC 3339 timestamp: {e}"))
+        .map_err(|e| format!("{name}={v:?} is not an RFC 3339 timestamp: {e}"))?;
+    // Issue 21.3: what PostgreSQL's timestamptz and the window arithmetic both hold.
+    if !(1..=9999).contains(&t.year()) {
+        return Err(format!("{name}={v:?} is outside the years 0001..=9999"));
+    }
+    Ok(t)
 }
 
 async fn replay(
@@ -129,6 +135,10 @@ async fn replay(
                 Json(json!({ "matched": matched, "restaged": restaged, "from": from, "to": to, "event_type": p.event_type, "dry_run": dry_run })),
             )
                 .into_response()
+        }
+        // A value the database refuses as data (SQLSTATE class 22) is the caller's error.
+        Err(sqlx::Error::Database(db)) if db.code().is_some_and(|c| c.starts_with("22")) => {
+            error_response(StatusCode::BAD_REQUEST, &format!("the replay window was refused as data: {db}"))
         }
         Err(e) => {
             tracing::error!(event = "replay.failed", sub = %claims.sub, service = %st.service, error = %e);

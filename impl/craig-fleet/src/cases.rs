@@ -180,18 +180,26 @@ pub struct Activation {
     pub referral_id: Option<Uuid>,
 }
 
+/// The first and last day a placement may start on (issue 21.3): what `chrono`, PostgreSQL's
+/// `date` and a per-diem period (which reaches into the next month) all hold. Anything else
+/// is the client's error, answered 400 with this range.
+pub const START_RANGE: (chrono::NaiveDate, chrono::NaiveDate) = (
+    chrono::NaiveDate::from_ymd_opt(1, 1, 1).expect("0001-01-01 exists"),
+    chrono::NaiveDate::from_ymd_opt(9999, 12, 31).expect("9999-12-31 exists"),
+);
+
 /// The per-diem period a placement starting on `start` is paid for first: the first of its
-/// month and the days from `start` to the month's end, inclusive.
-pub fn perdiem_period(start: chrono::NaiveDate) -> (chrono::NaiveDate, i32) {
+/// month and the days from `start` to the month's end, inclusive. `None` for a date whose
+/// month has no successor `chrono` can name (never reached inside [`START_RANGE`]).
+pub fn perdiem_period(start: chrono::NaiveDate) -> Option<(chrono::NaiveDate, i32)> {
     use chrono::Datelike;
-    let first = start.with_day(1).expect("day 1 exists");
+    let first = start.with_day(1)?;
     let next = if start.month() == 12 {
-        chrono::NaiveDate::from_ymd_opt(start.year() + 1, 1, 1)
+        chrono::NaiveDate::from_ymd_opt(start.year().checked_add(1)?, 1, 1)
     } else {
         chrono::NaiveDate::from_ymd_opt(start.year(), start.month() + 1, 1)
-    }
-    .expect("the first of a month exists");
-    (first, (next - start).num_days() as i32)
+    }?;
+    Some((first, i32::try_from((next - start).num_days()).ok()?))
 }
 
 async fn activate_placement(
@@ -212,7 +220,10 @@ async fn activate_placement(
         return error_response(StatusCode::BAD_REQUEST, "care_level must be 1..=64 printable ASCII characters");
     }
     let start = req.start.unwrap_or_else(|| chrono::Utc::now().date_naive());
-    let (period_start, days) = perdiem_period(start);
+    let (lo, hi) = START_RANGE;
+    let Some((period_start, days)) = perdiem_period(start).filter(|_| (lo..=hi).contains(&start)) else {
+        return error_response(StatusCode::BAD_REQUEST, &format!("start {start} is outside {lo}..={hi}"));
+    };
     let payload = json!({
         "placement_id": id,
         "referral_id": req.referral_id,
@@ -254,6 +265,10 @@ async fn activate_placement(
         Err(sqlx::Error::Database(db)) if db.is_foreign_key_violation() => {
             error_response(StatusCode::UNPROCESSABLE_ENTITY, "referral_id names no referral")
         }
+        // A value the database refuses as data is the client's, never "unavailable".
+        Err(e) if crate::db_error::classify(&e) == crate::db_error::DbFailure::Data => {
+            error_response(StatusCode::BAD_REQUEST, &format!("the activation was refused as data: {e}"))
+        }
         Err(e) => {
             tracing::error!(event = "cases.activation_failed", placement_id = %id, error = %e);
             error_response(StatusCode::SERVICE_UNAVAILABLE, "database unavailable; the placement was not activated")
@@ -264,13 +279,16 @@ async fn activate_placement(
 #[cfg(test)]
 mod tests {
     use super::perdiem_period;
-    use chrono::NaiveDate;
+    use chrono::{Datelike, NaiveDate};
 
     #[test]
     fn the_first_period_runs_from_the_start_to_the_end_of_its_month() {
         let d = |y, m, d| NaiveDate::from_ymd_opt(y, m, d).unwrap();
-        assert_eq!(perdiem_period(d(2026, 12, 1)), (d(2026, 12, 1), 31));
-        assert_eq!(perdiem_period(d(2026, 12, 31)), (d(2026, 12, 1), 1));
-        assert_eq!(perdiem_period(d(2028, 2, 10)), (d(2028, 2, 1), 20));
+        assert_eq!(perdiem_period(d(2026, 12, 1)), Some((d(2026, 12, 1), 31)));
+        assert_eq!(perdiem_period(d(2026, 12, 31)), Some((d(2026, 12, 1), 1)));
+        assert_eq!(perdiem_period(d(2028, 2, 10)), Some((d(2028, 2, 1), 20)));
+        assert_eq!(perdiem_period(super::START_RANGE.1), Some((d(9999, 12, 1), 1)));
+        // Issue 21.3: the last December chrono holds has no next month: no period, no panic.
+        assert_eq!(perdiem_period(NaiveDate::from_ymd_opt(NaiveDate::MAX.year(), 12, 1).unwrap()), None);
     }
 }

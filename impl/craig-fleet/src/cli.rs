@@ -53,6 +53,11 @@ enum Command {
     /// (publishes are mandatory, so an event with no queue yet stays pending). Run it with
     /// the operator's credential: no service account may declare the exchanges (#1202).
     Topology,
+    /// Security's dead-letter tools (ADR-022 §D3, #1197).
+    Dlq {
+        #[command(subcommand)]
+        action: DlqAction,
+    },
     /// Print the rabbitmqctl commands that create each service's least-privilege account
     /// (ADR-022 #1202) on a vhost, and exit. Passwords are left for the operator to set.
     Access {
@@ -60,6 +65,15 @@ enum Command {
         #[arg(long, default_value = "/")]
         vhost: String,
     },
+}
+
+#[derive(Subcommand)]
+enum DlqAction {
+    /// Re-read craig-security.dlq.capture once and record every captured dead letter the
+    /// database now takes into dead_letter_audit (DATABASE_URL is security's database; its
+    /// occurrence token keeps a redriven occurrence to one row). What it still refuses stays
+    /// captured. Prints what it did; exits 1 when the database is unreachable.
+    RedriveCapture,
 }
 
 /// Parse `args` (program name first) and run `craig-node` to completion.
@@ -132,6 +146,22 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
     if let Some(Command::Migrate { service, wait, compat }) = cli.command {
         node::migrate_for(service, &settings.database_url, Duration::from_secs(wait), &CompatSet::new(compat)).await?;
         println!("craig-node: migrations/{service} applied");
+        return Ok(());
+    }
+    if let Some(Command::Dlq { action: DlqAction::RedriveCapture }) = cli.command {
+        let pool = node::pool(&settings.database_url, 2)?;
+        let handler = |d| {
+            let pool = pool.clone();
+            async move { crate::security::on_dead_letter(&pool, d, crate::security::RecorderMode::default()).await }
+        };
+        let r = craig_mq::dlq::redrive_capture(&settings.amqp_url, settings.publisher.heartbeat_secs, &handler)
+            .await
+            .map_err(|e| anyhow::anyhow!("{}", craig_mq::settings::redact_text(&e.to_string(), &settings.amqp_url)))?;
+        pool.close().await;
+        println!("craig-node: capture redrive: {} recorded, {} still refused and kept", r.redriven, r.kept);
+        if r.unreachable {
+            anyhow::bail!("security's database is unreachable; the rest of craig-security.dlq.capture waits (run it again)");
+        }
         return Ok(());
     }
     if let Some(Command::Topology) = cli.command {

@@ -9,7 +9,7 @@ use axum::extract::FromRef;
 use axum::routing::get;
 use axum::{Json, Router};
 use craig_api::JwtKey;
-use craig_mq::dlq::{DlqConsumerConfig, DlqRetryConfig, subscribe_dlq};
+use craig_mq::dlq::{DlqConsumerConfig, subscribe_dlq};
 use craig_mq::subscriber::{SubscriberConfig, run_subscriber};
 use craig_mq::topology::{QueueSpec, consumer_queue};
 use craig_mq::{DrainMode, OutboxWorker, ServiceSettings};
@@ -57,6 +57,7 @@ pub fn pool(url: &str, connections: u32) -> anyhow::Result<PgPool> {
         .max_connections(connections)
         .acquire_timeout(Duration::from_secs(5))
         .connect_lazy(url)
+        .map_err(|e| anyhow::anyhow!("{}", redact_error(&e.to_string(), url)))
         .with_context(|| format!("bad DATABASE_URL {:?}", craig_mq::settings::redact(url)))
 }
 
@@ -65,16 +66,9 @@ pub fn pool_size(consumer_concurrency: u16) -> u32 {
     10 + u32::from(consumer_concurrency)
 }
 
-/// An error text with `url`'s password removed, should the driver have echoed it.
+/// An error text with `url`'s passwords removed (both forms), should the driver have echoed them.
 fn redact_error(text: &str, url: &str) -> String {
-    let redacted = craig_mq::settings::redact(url);
-    let mut out = text.replace(url, &redacted);
-    if let Some(pass) = url.split_once("://").and_then(|(_, r)| r.rsplit_once('@')).and_then(|(ui, _)| ui.split_once(':')).map(|(_, p)| p) {
-        if !pass.is_empty() {
-            out = out.replace(pass, "***");
-        }
-    }
-    out
+    craig_mq::settings::redact_text(text, url)
 }
 
 /// Apply `service`'s migrations, retrying the connection for up to `wait`.
@@ -87,7 +81,11 @@ pub async fn migrate(service: Service, url: &str, wait: Duration) -> anyhow::Res
 pub async fn migrate_for(service: Service, url: &str, wait: Duration, compat: &CompatSet) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + wait;
     let pool = loop {
-        match PgPoolOptions::new().max_connections(1).connect(url).await {
+        // Each attempt bounded (sqlx's own default retries a refused connection for 30 s),
+        // so `--wait` is what the caller waits.
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let attempt = left.clamp(Duration::from_secs(1), Duration::from_secs(5));
+        match PgPoolOptions::new().max_connections(1).acquire_timeout(attempt).connect(url).await {
             Ok(p) => break p,
             Err(e) if tokio::time::Instant::now() < deadline => {
                 tracing::warn!(event = "node.migrate_waiting", error = %redact_error(&e.to_string(), url));
@@ -181,6 +179,7 @@ fn metrics_handle() -> Option<&'static metrics_exporter_prometheus::PrometheusHa
                 .install_recorder()
                 .ok()?;
             craig_mq::metrics::describe();
+            craig_api::idempotency::describe_metrics();
             Some(handle)
         })
         .as_ref()
@@ -209,6 +208,13 @@ fn idempotency_layer(opts: &NodeOptions, service: Service, pool: &PgPool) -> any
     };
     let mut cfg = Config::new(JwtKey::new(&opts.jwt_secret), service.audience());
     cfg.claim_ttl = Duration::from_secs(claim_secs);
+    // CRAIG_IDEMPOTENCY_TTL_HOURS decides a row's life (issue 21.6); 0 disables its prune, so
+    // the row lives the longest window a setting may name.
+    let hours = match opts.settings.retention.idempotency_hours {
+        0 => craig_mq::settings::MAX_RETENTION_DAYS * 24,
+        h => h,
+    };
+    cfg.response_ttl = Duration::from_secs(u64::from(hours) * 3600);
     cfg.pre_1183 = opts.compat.has(Compat::Pre1183);
     cfg.pre_1184 = opts.compat.has(Compat::Pre1184);
     let store = if opts.compat.has(Compat::PreD5) { Store::memory() } else { Store::postgres(pool.clone()) };
@@ -376,7 +382,7 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
             prefetch: 32,
             heartbeat_secs: opts.settings.publisher.heartbeat_secs,
             reconnect_delay: Duration::from_secs(1),
-            retry: DlqRetryConfig::default(),
+            retry: opts.settings.dlq_retry,
             log_and_ack: opts.compat.has(Compat::Pre1197),
         };
         let pool = pool.clone();
@@ -384,6 +390,24 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
             let pool = pool.clone();
             async move { security::on_dead_letter(&pool, d, mode).await }
         };
+        // Issue 21.1: the capture queue is not a dead end; security re-reads it on a cadence
+        // and records what the database now takes (the occurrence token arbitrates).
+        if let Some(every) = opts.settings.dlq_redrive.filter(|_| !opts.compat.has(Compat::Pre1197)) {
+            let (url, hb, stop, handler) = (opts.settings.amqp_url.clone(), opts.settings.publisher.heartbeat_secs, shutdown.clone(), handler.clone());
+            tasks.spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(every) => {}
+                    }
+                    match craig_mq::dlq::redrive_capture(&url, hb, &handler).await {
+                        Ok(r) if r.redriven + r.kept > 0 => tracing::info!(event = "security.dlq.redrive_pass", redriven = r.redriven, kept = r.kept, unreachable = r.unreachable),
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!(event = "security.dlq.redrive_failed", error = %e),
+                    }
+                }
+            });
+        }
         tasks.spawn(subscribe_dlq(cfg, handler, shutdown.clone()));
     }
 

@@ -113,7 +113,7 @@ impl<'a> Row<'a> {
             routing_key: d.routing_key.clone(),
             original_queue: d.original_queue.clone(),
             envelope_id: d.envelope.as_ref().map(|e| e.id),
-            event_type: d.event_type().map(str::to_owned),
+            event_type: event_type_of(d),
             source_service: d.envelope.as_ref().map(|e| e.source_service.clone()),
             reason: d.reason.clone(),
             envelope: d.envelope.as_ref(),
@@ -138,7 +138,7 @@ impl<'a> Row<'a> {
             routing_key: d.routing_key.replace('\0', "\u{fffd}"),
             original_queue: None,
             envelope_id: d.envelope.as_ref().map(|e| e.id),
-            event_type: d.event_type().and_then(clean),
+            event_type: event_type_of(d).as_deref().and_then(clean),
             source_service: d.envelope.as_ref().and_then(|e| clean(&e.source_service)),
             reason: None,
             envelope: None,
@@ -148,6 +148,21 @@ impl<'a> Row<'a> {
             note: Some(why),
         }
     }
+}
+
+/// The #1156 window's key of a delivery: the envelope's event type; for a body that is not
+/// an envelope, the routing key it was first published with (`x-death`), else the one event
+/// type the consumer queue it came from is bound to (issue 21.2). `None` only when neither
+/// says (a raw publish to `craig.dlx`, or a wildcard queue).
+fn event_type_of(d: &DeadLetterDelivery) -> Option<String> {
+    d.event_type().map(str::to_owned).or_else(|| {
+        let q = d.original_queue.as_deref()?;
+        let service = crate::service::ALL.into_iter().find(|s| craig_mq::topology::consumer_queue(s.name()) == q)?;
+        match service.queue_bindings() {
+            [only] if !only.contains(['#', '*']) => Some((*only).to_owned()),
+            _ => None,
+        }
+    })
 }
 
 /// Record one DLQ delivery (see the module doc). An `Err` is a database failure: nothing

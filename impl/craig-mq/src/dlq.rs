@@ -246,6 +246,10 @@ pub struct DeadLetterDelivery {
     pub quarantine: Option<String>,
     /// Why the occurrence is tokenless although it came with token material.
     pub token_note: Option<String>,
+    /// The routing key the dead letter was first published with (the oldest `x-death`
+    /// entry's `routing-keys`; CONTRACT: routing key = `event_type`), when it is a valid
+    /// event type: the #1156 window's key for a body that is not an envelope.
+    pub routed_event_type: Option<String>,
 }
 
 impl DeadLetterDelivery {
@@ -264,6 +268,7 @@ impl DeadLetterDelivery {
             reason: None,
             quarantine: None,
             token_note: None,
+            routed_event_type: headers.and_then(|h| h.inner().get("x-death")).and_then(first_routing_key),
         };
         let mut notes: Vec<String> = Vec::new();
 
@@ -355,10 +360,31 @@ impl DeadLetterDelivery {
         d
     }
 
-    /// The envelope's `event_type`, the threshold's key (#1156).
+    /// The threshold's key (#1156): the envelope's `event_type`, or, when the body is not an
+    /// envelope, the routing key it was first published with (issue 21.2: a burst of
+    /// garbage on one stream is exactly the incident the threshold exists for).
     pub fn event_type(&self) -> Option<&str> {
-        self.envelope.as_ref().map(|e| e.event_type.as_str())
+        match &self.envelope {
+            Some(e) => Some(e.event_type.as_str()),
+            None => self.routed_event_type.as_deref(),
+        }
     }
+}
+
+/// The first routing key of the OLDEST `x-death` entry (the publish that started the
+/// history), when it is a plausible event type: 1..=255 ASCII graphic bytes and not a
+/// `dlq.` key of `craig.dlx`. Anything else is no event type at all.
+fn first_routing_key(xdeath: &AMQPValue) -> Option<String> {
+    let AMQPValue::FieldArray(entries) = xdeath else { return None };
+    let AMQPValue::FieldTable(oldest) = entries.as_slice().last()? else { return None };
+    let AMQPValue::FieldArray(keys) = oldest.inner().get("routing-keys")? else { return None };
+    let key = match keys.as_slice().first()? {
+        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok()?,
+        AMQPValue::ShortString(s) => s.as_str().to_owned(),
+        _ => return None,
+    };
+    let plausible = (1..=255).contains(&key.len()) && key.bytes().all(|b| b.is_ascii_graphic()) && !key.starts_with(DLQ_ROUTING_PREFIX);
+    plausible.then_some(key)
 }
 
 /// A wrapper's token must name the envelope and queue it travels with; a token that names
@@ -443,7 +469,8 @@ pub enum DlqError<E: std::error::Error + 'static> {
     #[error("transient, retry in session: {0}")]
     TransientRetry(#[source] E),
     /// Park the session for [`DlqRetryConfig::park_delay`] (a database outage), then requeue
-    /// the delivery: nothing is acked, nothing is lost.
+    /// the delivery: nothing is acked, nothing is lost. Never counted toward
+    /// [`DlqRetryConfig::max_parks`]: an outage is not the delivery's fault (issue 21.1).
     #[error("transient, park: {0}")]
     TransientPark(#[source] E),
     /// Will never succeed: the raw delivery is captured (published with a confirm to
@@ -490,8 +517,10 @@ impl DlqRetryConfig {
         }
         Ok(Self { max_attempts, retry_delay, park_delay, max_parks: DEFAULT_MAX_PARKS })
     }
-    /// How many times ONE delivery may park the session before it is captured instead: a
-    /// delivery that fails "transiently" forever (a statement timeout on that row, say)
+    /// How many times ONE delivery may park the session, with the database ANSWERING and
+    /// refusing it ([`DlqError::TransientRetry`] past its attempts), before it is captured
+    /// instead; parks of an unreachable database never count. A delivery that fails
+    /// "transiently" forever (a statement timeout on that row, say)
     /// must not hold the healthy dead letters behind it (default [`DEFAULT_MAX_PARKS`]).
     /// Captured is not lost: its raw bytes and the reason wait in [`CAPTURE_QUEUE`].
     pub fn with_max_parks(self, max_parks: u32) -> Result<Self, DlqConfigError> {
@@ -555,6 +584,11 @@ impl ParkCounts {
         let n = self.0.entry(Self::key(dl)).or_default();
         *n += 1;
         *n
+    }
+
+    /// Parks counted so far for `dl` (an uncounted park leaves it as it is).
+    fn count(&self, dl: &DeadLetterDelivery) -> u32 {
+        self.0.get(&Self::key(dl)).copied().unwrap_or(0)
     }
 
     fn settled(&mut self, dl: &DeadLetterDelivery) {
@@ -714,39 +748,46 @@ where
             settled("ack", delivery.acker.ack(BasicAckOptions::default())).await?;
             return Ok(());
         }
-        match err {
+        let (e, answered) = match err {
             DlqError::TransientRetry(e) if attempt < cfg.retry.max_attempts => {
                 tracing::warn!(event = "security.dlq.retry", attempt, routing_key = %dl.routing_key, error = %e);
                 crate::metrics::dlq_outcome("retried");
                 attempt += 1;
                 tokio::time::sleep(cfg.retry.retry_delay).await;
+                continue;
             }
-            DlqError::TransientRetry(e) | DlqError::TransientPark(e) => {
-                let n = parks.park(&dl);
-                if n > cfg.retry.max_parks {
-                    // This delivery alone has kept failing for max_parks parks: set it aside
-                    // so the dead letters behind it are recorded (it is captured, not lost).
-                    let why = format!("parked {} times without being recorded; last error: {e}", n - 1);
-                    capture_delivery(capture, &delivery, &dl, &why).await?;
-                    parks.settled(&dl);
-                    return Ok(());
-                }
-                tracing::warn!(event = "security.dlq.parked", attempt, parks = n, routing_key = %dl.routing_key, error = %e,
-                    park = ?cfg.retry.park_delay, "parking the session; the delivery is requeued, not acked");
-                crate::metrics::dlq_outcome("parked");
-                tokio::select! {
-                    _ = shutdown.cancelled() => {}
-                    _ = tokio::time::sleep(cfg.retry.park_delay) => {}
-                }
-                settled("nack", delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() })).await?;
-                return Ok(());
-            }
+            // The database answered and still failed this row, attempt after attempt.
+            DlqError::TransientRetry(e) => (e, true),
+            // The database is unreachable: an outage, not this delivery's fault.
+            DlqError::TransientPark(e) => (e, false),
             DlqError::Permanent(e) => {
                 capture_delivery(capture, &delivery, &dl, &e.to_string()).await?;
                 parks.settled(&dl);
                 return Ok(());
             }
+        };
+        // Issue 21.1 (#1197): only parks the database answered count toward max_parks. An
+        // outage parks every delivery alike for as long as it lasts; counting it would move
+        // the queued dead letters out of the audit one by one (captured, never recorded).
+        let n = if answered { parks.park(&dl) } else { parks.count(&dl) };
+        if answered && n > cfg.retry.max_parks {
+            // This delivery alone has kept failing for max_parks parks: set it aside so the
+            // dead letters behind it are recorded (it is captured, not lost: see
+            // [`redrive_capture`]).
+            let why = format!("parked {} times without being recorded; last error: {e}", n - 1);
+            capture_delivery(capture, &delivery, &dl, &why).await?;
+            parks.settled(&dl);
+            return Ok(());
         }
+        tracing::warn!(event = "security.dlq.parked", attempt, parks = n, counted = answered, routing_key = %dl.routing_key, error = %e,
+            park = ?cfg.retry.park_delay, "parking the session; the delivery is requeued, not acked");
+        crate::metrics::dlq_outcome("parked");
+        tokio::select! {
+            _ = shutdown.cancelled() => {}
+            _ = tokio::time::sleep(cfg.retry.park_delay) => {}
+        }
+        settled("nack", delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() })).await?;
+        return Ok(());
     }
 }
 
@@ -778,6 +819,120 @@ async fn capture_delivery(
     crate::metrics::dlq_outcome("captured");
     settled("ack", delivery.acker.ack(BasicAckOptions::default())).await?;
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// The way back from the capture queue (issue 21.1)
+// ---------------------------------------------------------------------------------------
+
+/// What one [`redrive_capture`] pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RedriveReport {
+    /// Captured deliveries the handler took (a new audit row, or absorbed by the occurrence
+    /// token it already has): acked off the capture queue.
+    pub redriven: u64,
+    /// Deliveries the handler still refused while the database answered: put back at the
+    /// queue's tail with their bytes and headers, so they never hold up the ones behind.
+    pub kept: u64,
+    /// The pass stopped because the database is unreachable; the rest wait for the next.
+    pub unreachable: bool,
+}
+
+/// Why a redrive pass stopped with an error (what it had done is lost with it: nothing is
+/// acked that was not recorded or kept).
+#[derive(Debug, thiserror::Error)]
+pub enum RedriveError {
+    #[error("capture redrive: {0}")]
+    Amqp(#[from] lapin::Error),
+    #[error("capture redrive: putting a refused delivery back was not confirmed: {0}")]
+    Keep(String),
+}
+
+fn header_text(h: Option<&FieldTable>, key: &str) -> Option<String> {
+    match h?.inner().get(key)? {
+        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok(),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+/// One pass over [`CAPTURE_QUEUE`] (issue 21.1: the capture queue is not a dead end): each
+/// delivery waiting when the pass began is read back exactly as the DLQ consumer read it
+/// (its raw bytes, its original headers with `x-death`, the DLQ routing key it arrived
+/// under) and handed to `handler`, the DLQ consumer's own. Recorded (or absorbed by its
+/// occurrence token, #1181) → acked and counted `dlq_outcomes_total{outcome="redriven"}`;
+/// refused while the database answers → published again at the tail (confirmed) and the
+/// original acked; the database unreachable → requeued and the pass ends. Run by the
+/// security node every `CRAIG_DLQ_REDRIVE_SECS` and by `craig-node dlq redrive-capture`.
+pub async fn redrive_capture<H, Fut, E>(amqp_url: &str, heartbeat_secs: u16, handler: &H) -> Result<RedriveReport, RedriveError>
+where
+    H: Fn(DeadLetterDelivery) -> Fut,
+    Fut: Future<Output = Result<(), DlqError<E>>>,
+    E: std::error::Error + 'static,
+{
+    let conn = crate::publisher::connect(amqp_url, heartbeat_secs, "craig-security.dlq.redrive").await?;
+    let result = redrive_on(&conn, handler).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "redriven".into())).await;
+    result
+}
+
+async fn redrive_on<H, Fut, E>(conn: &lapin::Connection, handler: &H) -> Result<RedriveReport, RedriveError>
+where
+    H: Fn(DeadLetterDelivery) -> Fut,
+    Fut: Future<Output = Result<(), DlqError<E>>>,
+    E: std::error::Error + 'static,
+{
+    use lapin::options::BasicGetOptions;
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    let waiting = ch.queue_declare(CAPTURE_QUEUE.into(), durable, FieldTable::default()).await?.message_count();
+    let mut report = RedriveReport::default();
+    for _ in 0..waiting {
+        let Some(got) = ch.basic_get(CAPTURE_QUEUE.into(), BasicGetOptions { no_ack: false }).await? else { break };
+        let delivery = got.delivery;
+        let headers = delivery.properties.headers().clone();
+        let routing_key = header_text(headers.as_ref(), "x-craig-dlq-routing-key").unwrap_or_else(|| delivery.routing_key.to_string());
+        let dl = DeadLetterDelivery::read(&delivery.data, &routing_key, headers.as_ref());
+        match handler(dl).await {
+            Ok(()) => {
+                delivery.acker.ack(BasicAckOptions::default()).await?;
+                crate::metrics::dlq_outcome("redriven");
+                report.redriven += 1;
+                tracing::info!(event = "security.dlq.redriven", routing_key = %routing_key, bytes = delivery.data.len(),
+                    "a captured dead letter is recorded");
+            }
+            Err(DlqError::TransientPark(e)) => {
+                delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await?;
+                report.unreachable = true;
+                tracing::warn!(event = "security.dlq.redrive_paused", error = %e, "the database is unreachable; the capture queue waits");
+                break;
+            }
+            Err(DlqError::TransientRetry(e) | DlqError::Permanent(e)) => {
+                let mut h = headers.unwrap_or_default();
+                h.insert("x-craig-redrive-error".into(), AMQPValue::LongString(e.to_string().into()));
+                let props = lapin::BasicProperties::default().with_delivery_mode(2).with_headers(h);
+                let confirm = async {
+                    ch.basic_publish("".into(), CAPTURE_QUEUE.into(), BasicPublishOptions { mandatory: true, immediate: false }, &delivery.data, props)
+                        .await?
+                        .await
+                };
+                match tokio::time::timeout(Duration::from_secs(10), confirm).await {
+                    Ok(Ok(lapin::Confirmation::Ack(None))) => {}
+                    other => {
+                        let _ = delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;
+                        return Err(RedriveError::Keep(format!("{other:?}")));
+                    }
+                }
+                delivery.acker.ack(BasicAckOptions::default()).await?;
+                report.kept += 1;
+                tracing::warn!(event = "security.dlq.redrive_kept", routing_key = %routing_key, error = %e,
+                    "a captured dead letter is still refused; kept in the capture queue");
+            }
+        }
+    }
+    let _ = ch.close(200, "redriven".into()).await;
+    Ok(report)
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@
 //! | `inbox_processed_total` | counter | first executions of a handler |
 //! | `inbox_reprocessed_total` | counter | re-executions of an unstamped envelope (the #1180 window) |
 //! | `dlq_queue_depth` | gauge | the DLQ consumer, every second: ready messages on `craig-security.dlq` (#1199) |
-//! | `dlq_outcomes_total{outcome}` | counter | each DLQ delivery's fate (#1199): `recorded` (a new audit row, tokened or tokenless), `duplicate` (a redelivered occurrence absorbed), `quarantined` (malformed bytes or a divergent token, recorded as such), `retried`, `parked`, `captured` (confirmed capture publish), `acked_unrecorded` (compat `pre-1197` only) |
+//! | `dlq_outcomes_total{outcome}` | counter | each DLQ delivery's fate (#1199): `recorded` (a new audit row, tokened or tokenless), `duplicate` (a redelivered occurrence absorbed), `quarantined` (malformed bytes or a divergent token, recorded as such), `retried`, `parked`, `captured` (confirmed capture publish), `redriven` (a captured delivery recorded by a capture redrive, beside its `recorded`/`duplicate`/`quarantined`), `acked_unrecorded` (compat `pre-1197` only) |
 //!
 //! ADR-022's LISTEN/NOTIFY abandonment criterion reads the first two (depth p95 > 500, lag
 //! p95 > 5 s over 24 h).
@@ -33,7 +33,7 @@ pub const DLQ_OUTCOMES: &str = "dlq_outcomes_total";
 
 /// Every `outcome` label `dlq_outcomes_total` can carry.
 pub const DLQ_OUTCOMES_LABELS: &[&str] =
-    &["recorded", "duplicate", "quarantined", "retried", "parked", "captured", "acked_unrecorded"];
+    &["recorded", "duplicate", "quarantined", "retried", "parked", "captured", "redriven", "acked_unrecorded"];
 
 /// Every `kind` label `outbox_publish_errors_total` can carry.
 pub const PUBLISH_ERROR_KINDS: &[&str] = &["nacked", "confirm_timeout", "connection", "unroutable", "malformed"];
@@ -57,6 +57,8 @@ pub fn describe() {
     metrics::gauge!(OUTBOX_DEPTH).set(0.0);
     metrics::gauge!(DLQ_QUEUE_DEPTH).set(0.0);
     metrics::gauge!(OUTBOX_UNPUBLISHED_BEYOND_GRACE).set(0.0);
+    // Issue 21.8: the histogram registered at zero count renders its buckets from the start.
+    let _ = metrics::histogram!(OUTBOX_PUBLISH_LAG);
     for outcome in DLQ_OUTCOMES_LABELS {
         metrics::counter!(DLQ_OUTCOMES, "outcome" => *outcome).increment(0);
     }

@@ -123,15 +123,20 @@ async fn prune_locked(conn: &mut sqlx::PgConnection, cfg: &PruneConfig) -> Resul
             batched(conn, "DELETE FROM event_outbox WHERE id IN (SELECT id FROM event_outbox \
                  WHERE created_at < now() - make_interval(days => $2) LIMIT $1)", Some(r.outbox_days), cfg).await?
         } else {
+            // Issue 21.5, the #1194 way: the predicate again on the outer DELETE. A row a
+            // concurrent replay re-staged (its UPDATE held the row while this DELETE waited)
+            // is re-checked as it is NOW, pending, and kept.
             batched(conn, "DELETE FROM event_outbox WHERE id IN (SELECT id FROM event_outbox \
-                 WHERE published_at IS NOT NULL AND created_at < now() - make_interval(days => $2) LIMIT $1)", Some(r.outbox_days), cfg).await?
+                 WHERE published_at IS NOT NULL AND created_at < now() - make_interval(days => $2) LIMIT $1) \
+                 AND published_at IS NOT NULL AND created_at < now() - make_interval(days => $2)", Some(r.outbox_days), cfg).await?
         };
     }
     // pre-#965 windows the inbox like the outbox: the dedup record can go before the row.
     let inbox_days = if cfg.pre_965 { r.outbox_days } else { r.inbox_days };
     if inbox_days > 0 {
         report.inbox = batched(conn, "DELETE FROM event_inbox WHERE envelope_id IN (SELECT envelope_id FROM event_inbox \
-             WHERE received_at < now() - make_interval(days => $2) LIMIT $1)", Some(inbox_days), cfg).await?;
+             WHERE received_at < now() - make_interval(days => $2) LIMIT $1) \
+             AND received_at < now() - make_interval(days => $2)", Some(inbox_days), cfg).await?;
     }
     if r.idempotency_hours > 0 {
         // #1194: never a live claim (a re-claim restarts expires_at; this guards the rest).
@@ -208,7 +213,11 @@ pub fn replay_allowed(from: DateTime<Utc>, to: DateTime<Utc>, now: DateTime<Utc>
     if days == 0 {
         return Ok(());
     }
-    let horizon = now - chrono::Duration::days(i64::from(days));
+    // Never a panic on a window past what chrono holds (settings bound it; the library API
+    // does not): such a horizon is before every timestamp.
+    let horizon = chrono::Duration::try_days(i64::from(days))
+        .and_then(|d| now.checked_sub_signed(d))
+        .unwrap_or(DateTime::<Utc>::MIN_UTC);
     if from < horizon {
         return Err(ReplayRefused::PastRetention { from, horizon, days });
     }

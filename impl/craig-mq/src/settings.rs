@@ -24,6 +24,8 @@
 //! | `CRAIG_OUTBOX_UNPUBLISHED_GRACE_SECS` | 3600 (pending rows older than this: `outbox_unpublished_beyond_grace`) |
 //! | `CRAIG_OUTBOX_NOTIFY` | 0 (1: the LISTEN/NOTIFY wake-up, polling kept as the fallback; `outbox::notify`) |
 //! | `CRAIG_CONSUMER_CONCURRENCY` | the prefetch, 32 (deliveries a consumer handles at once, 1..=32) |
+//! | `CRAIG_DLQ_PARK_MS` / `CRAIG_DLQ_MAX_PARKS` | 2000 / 30 (security's DLQ park, and the parks one delivery the database keeps refusing may cause before it is captured; #1197) |
+//! | `CRAIG_DLQ_REDRIVE_SECS` | 60 (security re-reads its capture queue this often; 0: only `craig-node dlq redrive-capture`) |
 //!
 //! Settings that would silently switch the protocol off are rejected with the value and the
 //! rule ([`SettingsError::Unsafe`]): a zero lease, poll interval, backoff base or confirm
@@ -39,7 +41,13 @@ use crate::publisher::PublisherConfig;
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
-/// Retention windows (ADR-022 § Retention policy). Days / hours; 0 disables the prune.
+/// The longest retention window a setting may name: 100 years. Every window is bounded by
+/// it (`CRAIG_IDEMPOTENCY_TTL_HOURS` by `24 ×` it), so the prune's `make_interval`, the
+/// replay horizon (`chrono`) and the idempotency row's `expires_at` never overflow.
+pub const MAX_RETENTION_DAYS: u32 = 36_500;
+
+/// Retention windows (ADR-022 § Retention policy). Days / hours; 0 disables the prune
+/// (for `idempotency_hours`: rows live [`MAX_RETENTION_DAYS`] and are never pruned early).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Retention {
     pub outbox_days: u32,
@@ -75,6 +83,11 @@ pub struct ServiceSettings {
     /// `CRAIG_CONSUMER_CONCURRENCY`: deliveries a consumer session handles at once,
     /// 1..=[`CONSUMER_PREFETCH`] (default: the prefetch).
     pub consumer_concurrency: u16,
+    /// Security's DLQ retry policy (#1197): `CRAIG_DLQ_PARK_MS`, `CRAIG_DLQ_MAX_PARKS`.
+    pub dlq_retry: crate::dlq::DlqRetryConfig,
+    /// `CRAIG_DLQ_REDRIVE_SECS`: how often security re-reads its capture queue (`None`: never
+    /// by itself).
+    pub dlq_redrive: Option<Duration>,
 }
 
 /// The prefetch of every consumer session of the fleet (§D3).
@@ -120,10 +133,26 @@ impl ServiceSettings {
                 expected: "integer below 2^32",
             })
         };
+        // Issue 21.4: a window past what PostgreSQL intervals and chrono hold overflowed
+        // (4294967295 days bound as -1 day: every dedup record pruned at once).
+        let window = |name: &'static str, default: u64, max: u32, unit: &str| -> Result<u32, SettingsError> {
+            let v = num(name, default)?;
+            if v > u64::from(max) {
+                return Err(SettingsError::Unsafe {
+                    name,
+                    value: v.to_string(),
+                    rule: format!(
+                        "a retention window may be at most {max} {unit} ({MAX_RETENTION_DAYS} days, 100 years): a larger one \
+                         overflows the database's interval arithmetic and prunes every row, or none (ADR-022 § Retention policy)"
+                    ),
+                });
+            }
+            Ok(v as u32)
+        };
         let retention = Retention {
-            outbox_days: small("CRAIG_OUTBOX_RETENTION_DAYS", 30)?,
-            inbox_days: small("CRAIG_INBOX_RETENTION_DAYS", 31)?,
-            idempotency_hours: small("CRAIG_IDEMPOTENCY_TTL_HOURS", 24)?,
+            outbox_days: window("CRAIG_OUTBOX_RETENTION_DAYS", 30, MAX_RETENTION_DAYS, "days")?,
+            inbox_days: window("CRAIG_INBOX_RETENTION_DAYS", 31, MAX_RETENTION_DAYS, "days")?,
+            idempotency_hours: window("CRAIG_IDEMPOTENCY_TTL_HOURS", 24, MAX_RETENTION_DAYS * 24, "hours")?,
         };
         retention.check()?;
         let batch = small("CRAIG_OUTBOX_BATCH", 100)?;
@@ -189,7 +218,30 @@ impl ServiceSettings {
                 expected: "concurrency of 1 up to the prefetch (32)",
             });
         }
+        let dlq_invalid = |name: &'static str, e: crate::dlq::DlqConfigError| SettingsError::Invalid {
+            name,
+            value: lookup(name).unwrap_or_default(),
+            expected: match e {
+                crate::dlq::DlqConfigError::ParkDelay { .. } => "park of 200 ms (the in-session retry delay) up to 600000 ms",
+                _ => "count of parks, 1..=10000",
+            },
+        };
+        let defaults = crate::dlq::DlqRetryConfig::default();
+        let park_ms = num("CRAIG_DLQ_PARK_MS", defaults.park_delay().as_millis() as u64)?;
+        let dlq_retry = crate::dlq::DlqRetryConfig::new(defaults.max_attempts(), defaults.retry_delay(), Duration::from_millis(park_ms))
+            .map_err(|e| dlq_invalid("CRAIG_DLQ_PARK_MS", e))?;
+        let max_parks = num("CRAIG_DLQ_MAX_PARKS", u64::from(crate::dlq::DEFAULT_MAX_PARKS))?;
+        let dlq_retry = dlq_retry
+            .with_max_parks(u32::try_from(max_parks).unwrap_or(u32::MAX))
+            .map_err(|e| dlq_invalid("CRAIG_DLQ_MAX_PARKS", e))?;
+        let redrive = num("CRAIG_DLQ_REDRIVE_SECS", 60)?;
+        if redrive > 86_400 {
+            return Err(SettingsError::Invalid { name: "CRAIG_DLQ_REDRIVE_SECS", value: redrive.to_string(), expected: "interval of 0 (off) up to 86400 s" });
+        }
+        let dlq_redrive = (redrive > 0).then(|| Duration::from_secs(redrive));
         Ok(Self {
+            dlq_retry,
+            dlq_redrive,
             outbox_notify,
             consumer_concurrency: consumer_concurrency as u16,
             prune,
@@ -203,19 +255,96 @@ impl ServiceSettings {
     }
 }
 
-/// `url` with any password replaced by `***` (`postgres://u:***@host/db`), for every log
-/// and error line that names a DATABASE_URL or AMQP_URL.
+/// `url` with any password replaced by `***`, for every log and error line that names a
+/// DATABASE_URL or AMQP_URL: the userinfo form (`postgres://u:***@host/db`) and the query
+/// parameter form (`?password=***`, libpq's; any case).
 pub fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+    let Some((scheme, rest)) = url.split_once("://") else { return redact_query(url) };
     // Up to the LAST '@': a password may hold '/', '?', '#' or '@' (unencoded, in a URL that
     // is malformed for exactly that reason); hiding too much beats printing a secret.
-    match rest.rsplit_once('@') {
+    let out = match rest.rsplit_once('@') {
         Some((userinfo, host)) if userinfo.contains(':') => {
             let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
             format!("{scheme}://{user}:***@{host}")
         }
         _ => url.to_owned(),
+    };
+    redact_query(&out)
+}
+
+/// Every `password=` parameter's value (after `?` or `&`, up to `&` or `#`) as `***`.
+fn redact_query(s: &str) -> String {
+    const KEY: &str = "password=";
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(at) = rest.to_ascii_lowercase().find(KEY) {
+        let starts_param = at > 0 && matches!(rest.as_bytes()[at - 1], b'?' | b'&');
+        let value_at = at + KEY.len();
+        out.push_str(&rest[..value_at]);
+        rest = &rest[value_at..];
+        if starts_param {
+            let end = rest.find(['&', '#']).unwrap_or(rest.len());
+            out.push_str("***");
+            rest = &rest[end..];
+        }
     }
+    out.push_str(rest);
+    out
+}
+
+/// The secrets `url` carries: the userinfo password and every `password=` query value, each
+/// as written and percent-decoded.
+fn secrets(url: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    if let Some(pass) = url.split_once("://").and_then(|(_, r)| r.rsplit_once('@')).and_then(|(ui, _)| ui.split_once(':')).map(|(_, p)| p) {
+        found.push(pass.to_owned());
+    }
+    let lower = url.to_ascii_lowercase();
+    let mut from = 0;
+    while let Some(at) = lower[from..].find("password=").map(|i| i + from) {
+        let value_at = at + "password=".len();
+        if at > 0 && matches!(url.as_bytes()[at - 1], b'?' | b'&') {
+            let end = url[value_at..].find(['&', '#']).map_or(url.len(), |i| i + value_at);
+            found.push(url[value_at..end].to_owned());
+        }
+        from = value_at;
+    }
+    let decoded: Vec<String> = found.iter().map(|s| percent_decode(s)).collect();
+    found.extend(decoded);
+    found.retain(|s| !s.is_empty());
+    // Longest first, so a secret that contains another is replaced whole.
+    found.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    found.dedup();
+    found
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// `text` (an error a driver produced from `url`) with the URL redacted and every secret
+/// it carries replaced by `***`, should the driver have echoed one alone.
+pub fn redact_text(text: &str, url: &str) -> String {
+    let mut out = text.replace(url, &redact(url));
+    for secret in secrets(url) {
+        out = out.replace(&secret, "***");
+    }
+    redact_query(&out)
 }
 
 /// Reject worker settings that would silently disable the #1128 protocol.
@@ -360,6 +489,65 @@ mod tests {
         assert_eq!(redact("postgres://u:pa?ss#x@h:notaport/db"), "postgres://u:***@h:notaport/db");
         assert_eq!(redact("postgres://postgres@127.0.0.1/db"), "postgres://postgres@127.0.0.1/db");
         assert_eq!(redact("not a url"), "not a url");
+    }
+
+    /// Issue 21.4, measured: `CRAIG_INBOX_RETENTION_DAYS=4294967295` passed `load()` and bound
+    /// as -1 day, so every cycle deleted every dedup record. Every window is bounded on both
+    /// sides of [`MAX_RETENTION_DAYS`].
+    #[test]
+    fn retention_windows_are_bounded_naming_the_value_and_the_rule() {
+        let max = MAX_RETENTION_DAYS.to_string();
+        let over = (MAX_RETENTION_DAYS + 1).to_string();
+        let ok = load(&[("CRAIG_OUTBOX_RETENTION_DAYS", "30"), ("CRAIG_INBOX_RETENTION_DAYS", &max)]).unwrap();
+        assert_eq!(ok.retention.inbox_days, MAX_RETENTION_DAYS);
+        for (name, value) in [
+            ("CRAIG_INBOX_RETENTION_DAYS", over.as_str()),
+            ("CRAIG_INBOX_RETENTION_DAYS", "4294967295"),
+            ("CRAIG_INBOX_RETENTION_DAYS", "100000000"),
+            ("CRAIG_OUTBOX_RETENTION_DAYS", over.as_str()),
+        ] {
+            let err = load(&[(name, value), ("CRAIG_INBOX_RETENTION_DAYS", if name == "CRAIG_OUTBOX_RETENTION_DAYS" { "0" } else { value })])
+                .unwrap_err();
+            let msg = err.to_string();
+            assert!(msg.contains(name) && msg.contains(value) && msg.contains(&max), "{name}={value}: {msg}");
+        }
+        let hours_max = (MAX_RETENTION_DAYS * 24).to_string();
+        assert_eq!(load(&[("CRAIG_IDEMPOTENCY_TTL_HOURS", &hours_max)]).unwrap().retention.idempotency_hours, MAX_RETENTION_DAYS * 24);
+        let hours_over = (MAX_RETENTION_DAYS * 24 + 1).to_string();
+        let msg = load(&[("CRAIG_IDEMPOTENCY_TTL_HOURS", &hours_over)]).unwrap_err().to_string();
+        assert!(msg.contains("CRAIG_IDEMPOTENCY_TTL_HOURS") && msg.contains(&hours_over), "{msg}");
+        // The largest accepted window still computes a horizon (the replay rule).
+        let r = Retention { outbox_days: MAX_RETENTION_DAYS, inbox_days: MAX_RETENTION_DAYS + 1, idempotency_hours: 24 };
+        let now = chrono::Utc::now();
+        assert!(crate::retention::replay_allowed(now - chrono::Duration::days(1), now, now, &r).is_ok());
+    }
+
+    /// Issue 21.7, measured: a password given as a query parameter was printed.
+    #[test]
+    fn passwords_in_the_query_are_redacted_too() {
+        assert_eq!(
+            redact("postgres://app@127.0.0.1:1/x?password=s3cr3t&sslmode=bogus"),
+            "postgres://app@127.0.0.1:1/x?password=***&sslmode=bogus"
+        );
+        assert_eq!(redact("postgres://app@h/x?sslmode=disable&PassWord=s3cr3t"), "postgres://app@h/x?sslmode=disable&PassWord=***");
+        assert_eq!(redact("postgres://app:u@h/x?password=q#frag"), "postgres://app:***@h/x?password=***#frag");
+        assert_eq!(redact("amqp://guest@h/%2f?password=s3cr3t&heartbeat=5"), "amqp://guest@h/%2f?password=***&heartbeat=5");
+        let text = "invalid sslmode in postgres://app@h/x?password=s3cr3t&sslmode=bogus (password s3cr3t, s3cr%33t)";
+        let out = redact_text(text, "postgres://app@h/x?password=s3cr%33t&sslmode=bogus");
+        assert!(!out.contains("s3cr"), "{out}");
+    }
+
+    /// Issue 21.1: the DLQ park and its cap are settable, and refused out of range.
+    #[test]
+    fn the_dlq_park_and_its_cap_are_settable() {
+        let s = load(&[("CRAIG_DLQ_PARK_MS", "500"), ("CRAIG_DLQ_MAX_PARKS", "2"), ("CRAIG_DLQ_REDRIVE_SECS", "0")]).unwrap();
+        assert_eq!((s.dlq_retry.park_delay(), s.dlq_retry.max_parks(), s.dlq_redrive), (Duration::from_millis(500), 2, None));
+        let d = load(&[]).unwrap();
+        assert_eq!((d.dlq_retry, d.dlq_redrive), (crate::dlq::DlqRetryConfig::default(), Some(Duration::from_secs(60))));
+        for (name, value) in [("CRAIG_DLQ_PARK_MS", "100"), ("CRAIG_DLQ_PARK_MS", "600001"), ("CRAIG_DLQ_MAX_PARKS", "0"), ("CRAIG_DLQ_MAX_PARKS", "99999999999"), ("CRAIG_DLQ_REDRIVE_SECS", "86401")] {
+            let err = load(&[(name, value)]).unwrap_err().to_string();
+            assert!(err.contains(name) && err.contains(value), "{name}={value}: {err}");
+        }
     }
 
     #[test]

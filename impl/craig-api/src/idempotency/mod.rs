@@ -81,8 +81,8 @@ use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
 pub use layer::IdempotencyLayer;
-pub use service::{Idempotency, retry_after_secs};
-pub use store::{CachedBody, Claim, ClaimRequest, Finalized, Store, StoreError, StoredResponse};
+pub use service::{Idempotency, describe_metrics, retry_after_secs};
+pub use store::{CachedBody, Claim, ClaimRequest, Finalized, Store, StoreError, StoredResponse, RESPONSE_TTL};
 
 use crate::JwtKey;
 
@@ -106,6 +106,8 @@ pub struct Config {
     /// The audience a token must carry (`craig-<service>`).
     pub audience: String,
     pub claim_ttl: Duration,
+    /// A row's life (`expires_at`), default [`store::RESPONSE_TTL`] (24 h).
+    pub response_ttl: Duration,
     /// Compat pre-1183: over-cap 2xx stored and served empty.
     pub pre_1183: bool,
     /// Compat pre-1184: the query left out of the cache key.
@@ -114,7 +116,7 @@ pub struct Config {
 
 impl Config {
     pub fn new(key: JwtKey, audience: impl Into<String>) -> Self {
-        Self { key, audience: audience.into(), claim_ttl: CLAIM_TTL, pre_1183: false, pre_1184: false }
+        Self { key, audience: audience.into(), claim_ttl: CLAIM_TTL, response_ttl: store::RESPONSE_TTL, pre_1183: false, pre_1184: false }
     }
 }
 

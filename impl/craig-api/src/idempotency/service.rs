@@ -63,7 +63,20 @@ where
     }
 }
 
+/// Every `outcome` label `idempotency_requests_total` can carry.
+pub const OUTCOMES: &[&str] =
+    &["unauthorized", "missing_key", "request_too_large", "request_unreadable", "replay", "in_flight", "mismatch", "store_error", "miss"];
+
+/// Zero every `idempotency_requests_total` series, so a scrape shows each from start-up.
+pub fn describe_metrics() {
+    metrics::describe_counter!("idempotency_requests_total", "Requests on idempotent routes by outcome (ADR-022 §D5)");
+    for outcome in OUTCOMES {
+        metrics::counter!("idempotency_requests_total", "outcome" => *outcome).increment(0);
+    }
+}
+
 fn count(outcome: &'static str) {
+    debug_assert!(OUTCOMES.contains(&outcome), "unknown idempotency outcome {outcome}");
     metrics::counter!("idempotency_requests_total", "outcome" => outcome).increment(1);
 }
 
@@ -132,7 +145,7 @@ where
     let ck = cache_key(&method, &path, query, claims.sub, &key);
     let fingerprint = body_fingerprint(&bytes);
     let claim = store
-        .claim(&ClaimRequest { cache_key: &ck, method: &method, path: &path, user_sub: claims.sub, body_fingerprint: &fingerprint, claim_ttl: cfg.claim_ttl })
+        .claim(&ClaimRequest { cache_key: &ck, method: &method, path: &path, user_sub: claims.sub, body_fingerprint: &fingerprint, claim_ttl: cfg.claim_ttl, response_ttl: cfg.response_ttl })
         .await;
     let generation = match claim {
         Ok(Claim::Won { generation }) => generation,

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-/// How long a cached response (or a failed slot) lives: `expires_at = now() + 24 h`.
+/// How long a cached response (or a failed slot) lives by default: `expires_at = now() +
+/// 24 h`; a node sets [`ClaimRequest::response_ttl`] from `CRAIG_IDEMPOTENCY_TTL_HOURS`.
 pub const RESPONSE_TTL: Duration = Duration::from_secs(24 * 3600);
 
 /// What the middleware asks to claim.
@@ -26,6 +27,9 @@ pub struct ClaimRequest<'a> {
     pub body_fingerprint: &'a str,
     /// `claim_expires_at = now() + claim_ttl` (30 s in production).
     pub claim_ttl: Duration,
+    /// `expires_at = now() + response_ttl`: the row's life, for a new key and a re-claimed
+    /// one alike (`CRAIG_IDEMPOTENCY_TTL_HOURS`, default [`RESPONSE_TTL`]).
+    pub response_ttl: Duration,
 }
 
 /// The answer to a claim.
@@ -106,14 +110,14 @@ enum RowStatus {
 /// `processing` claim with the same body fingerprint is (re)claimed with the next
 /// generation and a fresh `expires_at`; anything else is read back below.
 const CLAIM: &str = "INSERT INTO idempotency_responses \
-       (cache_key, method, path, user_sub, body_fingerprint, status, claim_expires_at, claim_generation) \
-     VALUES ($1, $2, $3, $4, $5, 'processing', now() + make_interval(secs => $6), 1) \
+       (cache_key, method, path, user_sub, body_fingerprint, status, claim_expires_at, claim_generation, expires_at) \
+     VALUES ($1, $2, $3, $4, $5, 'processing', now() + make_interval(secs => $6), 1, now() + make_interval(secs => $7)) \
      ON CONFLICT (cache_key) DO UPDATE SET \
        method = EXCLUDED.method, path = EXCLUDED.path, user_sub = EXCLUDED.user_sub, \
        body_fingerprint = EXCLUDED.body_fingerprint, status = 'processing', status_code = NULL, \
        headers = NULL, body = NULL, body_too_large = false, started_at = now(), finished_at = NULL, \
        claim_expires_at = EXCLUDED.claim_expires_at, created_at = now(), \
-       expires_at = now() + interval '24 hours', \
+       expires_at = EXCLUDED.expires_at, \
        claim_generation = idempotency_responses.claim_generation + 1 \
      WHERE idempotency_responses.expires_at <= now() \
         OR (idempotency_responses.body_fingerprint IS NOT DISTINCT FROM EXCLUDED.body_fingerprint \
@@ -151,6 +155,7 @@ impl Store {
                         .bind(req.user_sub)
                         .bind(req.body_fingerprint)
                         .bind(req.claim_ttl.as_secs_f64())
+                        .bind(req.response_ttl.as_secs_f64())
                         .fetch_optional(pool)
                         .await?;
                     if let Some(generation) = won {
@@ -178,7 +183,7 @@ impl Store {
                     fingerprint: req.body_fingerprint.to_owned(),
                     status: RowStatus::Processing,
                     claim_expires: now + req.claim_ttl,
-                    expires: now + RESPONSE_TTL,
+                    expires: now + req.response_ttl,
                     generation,
                     response: None,
                 };

@@ -251,7 +251,7 @@ async fn a_stale_winner_cannot_overwrite_a_reclaimed_slot() {
     use craig_api::idempotency::{CachedBody, Claim, ClaimRequest, Finalized, Store};
     let (sandbox, pool) = database("fencing").await;
     let store = Store::postgres(pool.clone());
-    let req = ClaimRequest { cache_key: "ck", method: "POST", path: "/p", user_sub: Uuid::nil(), body_fingerprint: "fp", claim_ttl: Duration::from_secs(30) };
+    let req = ClaimRequest { cache_key: "ck", method: "POST", path: "/p", user_sub: Uuid::nil(), body_fingerprint: "fp", claim_ttl: Duration::from_secs(30), response_ttl: craig_api::idempotency::RESPONSE_TTL };
     assert_eq!(store.claim(&req).await.unwrap(), Claim::Won { generation: 1 });
     assert!(matches!(store.claim(&req).await.unwrap(), Claim::InFlight { .. }));
     sqlx::query("UPDATE idempotency_responses SET claim_expires_at = now() - interval '1 second'").execute(&pool).await.unwrap();

@@ -204,7 +204,7 @@ fn the_middleware_follows_the_state_machine() {
                         Op::Die { k, b } => {
                             let ck = cache_key("POST", "/m", &format!("size={}", SIZES[k]), sub, &format!("k{k}"));
                             let fp = body_fingerprint(BODIES[b]);
-                            let req = ClaimRequest { cache_key: &ck, method: "POST", path: "/m", user_sub: sub, body_fingerprint: &fp, claim_ttl: Duration::from_secs(30) };
+                            let req = ClaimRequest { cache_key: &ck, method: "POST", path: "/m", user_sub: sub, body_fingerprint: &fp, claim_ttl: Duration::from_secs(30), response_ttl: craig_api::idempotency::RESPONSE_TTL };
                             let claim = store.claim(&req).await.unwrap();
                             prop_assert_eq!(matches!(claim, Claim::Won { .. }), model[k].claims(b), "{:?} with body {}", model[k], b);
                             if model[k].claims(b) {

@@ -6,6 +6,7 @@ mod common;
 #[cfg(feature = "failpoints")]
 mod crash;
 mod financial;
+mod hardening;
 mod node;
 mod retention;
 mod security;

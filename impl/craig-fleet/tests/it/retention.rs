@@ -200,3 +200,43 @@ async fn a_node_prunes_on_its_cadence_and_exports_the_unpublished_signal() {
     db.close().await;
     fleet.finish().await;
 }
+
+/// Issue 21.5 (#965, §D4): the prune's DELETE re-checks its predicate on the row it deletes.
+/// Deterministic two sessions: a replay's UPDATE holds the row of a published row past the
+/// window (re-staging it), the prune starts and blocks on that row, the replay commits. The
+/// row is now pending and the replay reported it re-staged: the prune must keep it. Before
+/// the fix the outer `DELETE … WHERE id IN (subquery)` deleted it (it re-checks only the id).
+#[tokio::test]
+async fn the_prune_keeps_a_row_a_concurrent_replay_re_staged() {
+    let fleet = Fleet::new("retention_prune_vs_replay", &[Service::Cases]).await;
+    let db = fleet.pool(Service::Cases).await;
+    let row = outbox_row(&db, 31.0, true).await;
+    let mut replay = db.begin().await.unwrap();
+    let restaged = sqlx::query("UPDATE event_outbox SET published_at = NULL, attempts = 0, claimed_at = NULL WHERE id = $1")
+        .bind(row)
+        .execute(&mut *replay)
+        .await
+        .unwrap()
+        .rows_affected();
+    assert_eq!(restaged, 1);
+    let prune = tokio::spawn({
+        let db = db.clone();
+        async move { prune_once(&db, &PruneConfig::default()).await.unwrap() }
+    });
+    // The prune is blocked on the replay's row lock before the replay commits.
+    eventually(Duration::from_secs(20), "the prune waits on the replay's row lock", || {
+        let db = db.clone();
+        async move {
+            count(&db, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE 'DELETE FROM event_outbox%'").await > 0
+        }
+    })
+    .await;
+    replay.commit().await.unwrap();
+    let report = prune.await.unwrap();
+    assert!(exists(&db, "event_outbox", "id", row).await, "the prune deleted a row the replay had re-staged: {report:?}");
+    assert_eq!(report.outbox, 0, "{report:?}");
+    let pending: bool = sqlx::query_scalar("SELECT published_at IS NULL FROM event_outbox WHERE id = $1").bind(row).fetch_one(&db).await.unwrap();
+    assert!(pending);
+    db.close().await;
+    fleet.finish().await;
+}

@@ -419,7 +419,9 @@ async fn a_delivery_that_parks_forever_is_captured_and_the_rest_recorded() {
             async move {
                 let id = d.envelope.as_ref().map(|e| e.id);
                 if id == Some(stuck_id) {
-                    return Err(DlqError::TransientPark(std::io::Error::other("statement timeout on this row")));
+                    // The database answers and keeps refusing this row (issue 21.1: only such
+                    // a failure counts toward max_parks, never an unreachable database).
+                    return Err(DlqError::TransientRetry(std::io::Error::other("statement timeout on this row")));
                 }
                 seen.lock().unwrap().extend(id);
                 Ok(())
@@ -496,6 +498,192 @@ async fn dlq_backlog_of_ten_thousand_is_recorded_once_each() {
     assert_eq!(count(&pool, "SELECT count(DISTINCT occurrence_token) FROM dead_letter_audit").await as usize, N);
     assert_eq!(threshold_events(&pool).await.len(), 1, "one crossing for one event type");
     assert_eq!(sec.stop().await.code(), Some(0));
+    pool.close().await;
+    fleet.finish().await;
+}
+
+/// The retry policy of the park tests: one attempt, 20 ms parks, captured after 3.
+fn fast_parks() -> craig_mq::dlq::DlqRetryConfig {
+    craig_mq::dlq::DlqRetryConfig::new(1, Duration::from_millis(5), Duration::from_millis(20)).unwrap().with_max_parks(3).unwrap()
+}
+
+/// Issue 21.1 (#1197, #1156), failed before the fix: a database that is unreachable for
+/// far longer than `max_parks × park` moved the queued dead letters to the capture queue
+/// (acked, never recorded). Parks caused by an unreachable database never count toward the
+/// cap: once the database answers, every occurrence is recorded and nothing was captured.
+#[tokio::test]
+async fn an_outage_longer_than_max_parks_captures_nothing() {
+    use craig_mq::dlq::{CAPTURE_QUEUE, DlqConsumerConfig, DlqError, subscribe_dlq};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    let fleet = Fleet::new("dlq-long-outage", &[]).await;
+    let (conn, ch) = fleet.channel().await;
+    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
+    let letters: Vec<EventEnvelope> = (0..3).map(|_| envelope("case.referral_created")).collect();
+    for env in &letters {
+        ch.basic_publish(DLX_EXCHANGE.into(), RK.into(), BasicPublishOptions::default(), &env.to_vec(), Default::default())
+            .await
+            .unwrap();
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    let cfg = DlqConsumerConfig {
+        amqp_url: fleet.sandbox.amqp_url().to_owned(),
+        prefetch: 1,
+        heartbeat_secs: 10,
+        reconnect_delay: Duration::from_millis(100),
+        retry: fast_parks(),
+        log_and_ack: false,
+    };
+    let (down, parks, recorded) = (Arc::new(AtomicBool::new(true)), Arc::new(Mutex::new(0u32)), Arc::new(Mutex::new(Vec::new())));
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let task = tokio::spawn(subscribe_dlq(
+        cfg,
+        {
+            let (down, parks, recorded) = (down.clone(), parks.clone(), recorded.clone());
+            move |d: DeadLetterDelivery| {
+                let (down, parks, recorded) = (down.clone(), parks.clone(), recorded.clone());
+                async move {
+                    if down.load(Ordering::SeqCst) {
+                        *parks.lock().unwrap() += 1;
+                        return Err(DlqError::TransientPark(std::io::Error::other("pool timed out: the database is unreachable")));
+                    }
+                    recorded.lock().unwrap().extend(d.envelope.map(|e| e.id));
+                    Ok(())
+                }
+            }
+        },
+        shutdown.clone(),
+    ));
+    // Ten times max_parks parks of the first delivery: the outage outlasts the cap.
+    eventually(Duration::from_secs(30), "30 parks during the outage", || {
+        let parks = parks.clone();
+        async move { *parks.lock().unwrap() >= 30 }
+    })
+    .await;
+    assert_eq!(fleet.depth_if_declared(CAPTURE_QUEUE).await, Some(0), "an unreachable database captured a dead letter");
+    down.store(false, Ordering::SeqCst);
+    eventually(Duration::from_secs(20), "every dead letter recorded after the outage", || {
+        let recorded = recorded.clone();
+        async move { recorded.lock().unwrap().len() == 3 }
+    })
+    .await;
+    let mut got = recorded.lock().unwrap().clone();
+    got.sort();
+    let mut want: Vec<Uuid> = letters.iter().map(|e| e.id).collect();
+    want.sort();
+    assert_eq!(got, want, "each once");
+    assert_eq!(fleet.depth(CAPTURE_QUEUE).await, 0);
+    assert_eq!(fleet.depth(DLQ_QUEUE).await, 0);
+    shutdown.cancel();
+    task.await.unwrap();
+    fleet.finish().await;
+}
+
+/// Issue 21.1: the capture queue is not a dead end. `redrive_capture` re-reads what was
+/// captured and records it through the recorder; the occurrence token arbitrates, so a
+/// captured copy of an occurrence already recorded adds no row, and one the database still
+/// refuses is kept (moved behind the others, never blocking them).
+#[tokio::test]
+async fn captured_dead_letters_are_redriven_into_the_audit_once() {
+    use craig_mq::dlq::{CAPTURE_QUEUE, DlqError, redrive_capture};
+
+    let fleet = Fleet::new("dlq-redrive", &[Service::Security]).await;
+    let pool = fleet.pool(Service::Security).await;
+    let (conn, ch) = fleet.channel().await;
+    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
+    ch.queue_declare(CAPTURE_QUEUE.into(), lapin::options::QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
+        .await
+        .unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    // As capture_delivery leaves them: the raw bytes, the original headers (x-death), the
+    // DLQ routing key and the reason in headers.
+    let capture = |body: Vec<u8>, mut headers: FieldTable| {
+        headers.insert("x-craig-capture-reason".into(), AMQPValue::LongString("parked 30 times".into()));
+        headers.insert("x-craig-dlq-routing-key".into(), AMQPValue::LongString(RK.into()));
+        let ch = ch.clone();
+        async move {
+            let props = lapin::BasicProperties::default().with_delivery_mode(2).with_headers(headers);
+            let c = ch.basic_publish("".into(), CAPTURE_QUEUE.into(), BasicPublishOptions::default(), &body, props).await.unwrap().await.unwrap();
+            assert!(c.is_ack());
+        }
+    };
+    let now = Utc::now().timestamp() as u64;
+    let envs: Vec<EventEnvelope> = (0..4).map(|_| envelope("case.referral_created")).collect();
+    for env in &envs {
+        capture(env.to_vec(), x_death(Q, 1, now)).await;
+    }
+    // A second captured copy of the first occurrence (same x-death): one row, not two.
+    capture(envs[0].to_vec(), x_death(Q, 1, now)).await;
+    // One the recorder refuses for good.
+    let refused = envelope("case.referral_created");
+    capture(refused.to_vec(), x_death(Q, 1, now)).await;
+
+    let mode = RecorderMode::default();
+    let refused_id = refused.id;
+    let handler = |d: DeadLetterDelivery| {
+        let pool = pool.clone();
+        async move {
+            if d.envelope.as_ref().map(|e| e.id) == Some(refused_id) {
+                return Err(DlqError::Permanent(sqlx::Error::Protocol("refused for good".into())));
+            }
+            security::on_dead_letter(&pool, d, mode).await
+        }
+    };
+    let report = redrive_capture(fleet.sandbox.amqp_url(), 10, &handler).await.unwrap();
+    assert_eq!((report.redriven, report.kept), (5, 1), "{report:?}");
+    let tokens: Vec<Option<String>> = sqlx::query_scalar("SELECT occurrence_token FROM dead_letter_audit").fetch_all(&pool).await.unwrap();
+    assert_eq!(tokens.len(), 4, "one row per occurrence: {tokens:?}");
+    assert!(tokens.iter().all(|t| t.as_deref().is_some_and(|t| t.starts_with("xdeath:"))), "{tokens:?}");
+    assert_eq!(fleet.depth(CAPTURE_QUEUE).await, 1, "the refused one is kept");
+    // A second pass finds only the refused one, and keeps it again.
+    let report = redrive_capture(fleet.sandbox.amqp_url(), 10, &handler).await.unwrap();
+    assert_eq!((report.redriven, report.kept), (0, 1), "{report:?}");
+    let m = ch.basic_get(CAPTURE_QUEUE.into(), lapin::options::BasicGetOptions { no_ack: true }).await.unwrap().expect("kept");
+    assert_eq!(m.delivery.data, refused.to_vec(), "kept with its raw bytes");
+    let _ = conn.close(200, "bye".into()).await;
+    pool.close().await;
+    fleet.finish().await;
+}
+
+/// Issue 21.2 (#1156), measured: 13 unparseable bodies published on routing key
+/// `case.referral_created` and dead-lettered by the broker reached the audit as 13 rows and
+/// no threshold event, because the rows carried no event type. The event type of a dead
+/// letter whose envelope cannot be read is the routing key it was first published with
+/// (`x-death`'s `routing-keys`): exactly one threshold event, at the 11th.
+#[tokio::test]
+async fn a_burst_of_unparseable_dead_letters_crosses_the_threshold_once() {
+    let fleet = Fleet::new("dlq-unparseable-burst", &[Service::Security]).await;
+    let pool = fleet.pool(Service::Security).await;
+    let now = Utc::now().timestamp() as u64;
+    let mut fired = Vec::new();
+    for i in 0..13 {
+        let mut entry = FieldTable::default();
+        entry.insert("queue".into(), AMQPValue::LongString(Q.into()));
+        entry.insert("reason".into(), AMQPValue::LongString("rejected".into()));
+        entry.insert("count".into(), AMQPValue::LongLongInt(1));
+        entry.insert("time".into(), AMQPValue::Timestamp(now));
+        entry.insert("exchange".into(), AMQPValue::LongString("craig.events".into()));
+        entry.insert(
+            "routing-keys".into(),
+            AMQPValue::FieldArray(vec![AMQPValue::LongString("case.referral_created".into())].into()),
+        );
+        let mut h = FieldTable::default();
+        h.insert("x-death".into(), AMQPValue::FieldArray(vec![AMQPValue::FieldTable(entry)].into()));
+        let body = format!("{{garbage {i}");
+        let d = DeadLetterDelivery::read(body.as_bytes(), RK, Some(&h));
+        let r = security::record_dead_letter(&pool, &d, RecorderMode::default()).await.unwrap();
+        assert_eq!(r.recorded, Recorded::Malformed);
+        if r.threshold_event.is_some() {
+            fired.push((i + 1, r.window_count));
+        }
+    }
+    assert_eq!(fired, vec![(11, Some(11))], "one threshold event, at the 11th");
+    let events = threshold_events(&pool).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["event_type"], "case.referral_created");
+    let types: Vec<Option<String>> = sqlx::query_scalar("SELECT DISTINCT event_type FROM dead_letter_audit").fetch_all(&pool).await.unwrap();
+    assert_eq!(types, vec![Some("case.referral_created".to_owned())]);
     pool.close().await;
     fleet.finish().await;
 }
