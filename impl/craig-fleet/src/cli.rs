@@ -72,7 +72,9 @@ enum DlqAction {
     /// Re-read craig-security.dlq.capture once and record every captured dead letter the
     /// database now takes into dead_letter_audit (DATABASE_URL is security's database; its
     /// occurrence token keeps a redriven occurrence to one row). What it still refuses stays
-    /// captured. Prints what it did; exits 1 when the database is unreachable.
+    /// captured. Prints what it did (the running security node counts its own passes in
+    /// dlq_outcomes_total; this one-off process has no /metrics); exits 1 when the database
+    /// is unreachable.
     RedriveCapture,
 }
 
@@ -154,7 +156,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
             let pool = pool.clone();
             async move { crate::security::on_dead_letter(&pool, d, crate::security::RecorderMode::default()).await }
         };
-        let r = craig_mq::dlq::redrive_capture(&settings.amqp_url, settings.publisher.heartbeat_secs, &handler)
+        let r = craig_mq::dlq::redrive_capture(&settings.amqp_url, settings.publisher.heartbeat_secs, &handler, &CancellationToken::new())
             .await
             .map_err(|e| anyhow::anyhow!("{}", craig_mq::settings::redact_text(&e.to_string(), &settings.amqp_url)))?;
         pool.close().await;

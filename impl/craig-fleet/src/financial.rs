@@ -146,7 +146,9 @@ pub async fn pay(pool: &PgPool, env: &EventEnvelope, replica: Option<&str>, arbi
         .fetch_optional(pool)
         .await?;
     let daily = daily.ok_or_else(|| ConsumeError::Payload(format!("envelope {}: no per-diem rate for care level {:?}", env.id, f.care_level)))?;
-    let amount = daily * i64::from(f.days);
+    let amount = daily
+        .checked_mul(i64::from(f.days))
+        .ok_or_else(|| ConsumeError::Payload(format!("envelope {}: {daily} cents x {} days overflows", env.id, f.days)))?;
     let payment_id = Uuid::now_v7();
     let created = EventEnvelope::new(
         PAYMENT_CREATED,

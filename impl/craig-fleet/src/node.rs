@@ -208,13 +208,12 @@ fn idempotency_layer(opts: &NodeOptions, service: Service, pool: &PgPool) -> any
     };
     let mut cfg = Config::new(JwtKey::new(&opts.jwt_secret), service.audience());
     cfg.claim_ttl = Duration::from_secs(claim_secs);
-    // CRAIG_IDEMPOTENCY_TTL_HOURS decides a row's life (issue 21.6); 0 disables its prune, so
-    // the row lives the longest window a setting may name.
-    let hours = match opts.settings.retention.idempotency_hours {
-        0 => craig_mq::settings::MAX_RETENTION_DAYS * 24,
-        h => h,
+    // CRAIG_IDEMPOTENCY_TTL_HOURS decides a row's life (issue 21.6); 0 only switches its
+    // prune off (§ Retention policy), the life staying the default 24 h.
+    cfg.response_ttl = match opts.settings.retention.idempotency_hours {
+        0 => craig_api::idempotency::RESPONSE_TTL,
+        h => Duration::from_secs(u64::from(h) * 3600),
     };
-    cfg.response_ttl = Duration::from_secs(u64::from(hours) * 3600);
     cfg.pre_1183 = opts.compat.has(Compat::Pre1183);
     cfg.pre_1184 = opts.compat.has(Compat::Pre1184);
     let store = if opts.compat.has(Compat::PreD5) { Store::memory() } else { Store::postgres(pool.clone()) };
@@ -400,10 +399,10 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
                         _ = stop.cancelled() => return,
                         _ = tokio::time::sleep(every) => {}
                     }
-                    match craig_mq::dlq::redrive_capture(&url, hb, &handler).await {
+                    match craig_mq::dlq::redrive_capture(&url, hb, &handler, &stop).await {
                         Ok(r) if r.redriven + r.kept > 0 => tracing::info!(event = "security.dlq.redrive_pass", redriven = r.redriven, kept = r.kept, unreachable = r.unreachable),
                         Ok(_) => {}
-                        Err(e) => tracing::warn!(event = "security.dlq.redrive_failed", error = %e),
+                        Err(e) => tracing::warn!(event = "security.dlq.redrive_failed", error = %craig_mq::settings::redact_text(&e.to_string(), &url)),
                     }
                 }
             });

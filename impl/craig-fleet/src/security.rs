@@ -333,23 +333,31 @@ pub async fn on_dead_letter(
             match record_row(pool, &d, Row::raw_only(&d, why), mode).await {
                 Ok(r) => r,
                 Err(e) if refused_as_data(&e) => return Err(DlqError::Permanent(e)),
-                Err(e) => return Err(transient(e)),
+                Err(e) => return Err(transient(pool, e).await),
             }
         }
-        Err(e) => return Err(transient(e)),
+        Err(e) => return Err(transient(pool, e).await),
     };
     craig_mq::metrics::dlq_outcome(outcome.recorded.outcome());
     Ok(())
 }
 
 /// A connection that is gone parks the session; anything else is retried in the session
-/// first.
-fn transient(e: sqlx::Error) -> craig_mq::dlq::DlqError<sqlx::Error> {
+/// first, and counts toward the park cap only while the database ANSWERS: a failure the
+/// classification cannot place is checked with a `SELECT 1` on the pool, and one that
+/// finds the database unreachable is an outage, never this delivery's fault (issue 21.1).
+async fn transient(pool: &PgPool, e: sqlx::Error) -> craig_mq::dlq::DlqError<sqlx::Error> {
     use crate::db_error::{DbFailure, classify};
     use craig_mq::dlq::DlqError;
     match classify(&e) {
         DbFailure::Unreachable => DlqError::TransientPark(e),
-        DbFailure::Data | DbFailure::Other => DlqError::TransientRetry(e),
+        DbFailure::Data | DbFailure::Other => {
+            let probe = tokio::time::timeout(std::time::Duration::from_secs(5), sqlx::query("SELECT 1").execute(pool)).await;
+            match probe {
+                Ok(Ok(_)) => DlqError::TransientRetry(e),
+                _ => DlqError::TransientPark(e),
+            }
+        }
     }
 }
 

@@ -268,7 +268,7 @@ impl DeadLetterDelivery {
             reason: None,
             quarantine: None,
             token_note: None,
-            routed_event_type: headers.and_then(|h| h.inner().get("x-death")).and_then(first_routing_key),
+            routed_event_type: None,
         };
         let mut notes: Vec<String> = Vec::new();
 
@@ -318,7 +318,7 @@ impl DeadLetterDelivery {
         // A VALID x-death outranks the wrapper (#1181); an unusable one is no history at all,
         // so the wrapper's token (if any) still names the occurrence.
         let death = headers.and_then(|h| h.inner().get("x-death")).map(latest_death);
-        match death {
+        match &death {
             None | Some(Err(_)) => {
                 if let Some(Err(why)) = &death {
                     notes.push(format!("x-death unusable: {why}"));
@@ -354,6 +354,13 @@ impl DeadLetterDelivery {
                 }
             }
         }
+        // The routed event type (issue 21.2), only from a valid x-death history of the very
+        // queue the delivery was dead-lettered from (#1181: never another queue's history).
+        if let Some(Ok(death)) = &death {
+            if routed_from.as_deref() == Some(death.queue.as_str()) {
+                d.routed_event_type = headers.and_then(|h| h.inner().get("x-death")).and_then(first_routing_key);
+            }
+        }
         if !notes.is_empty() {
             d.token_note = Some(notes.join("; "));
         }
@@ -372,19 +379,27 @@ impl DeadLetterDelivery {
 }
 
 /// The first routing key of the OLDEST `x-death` entry (the publish that started the
-/// history), when it is a plausible event type: 1..=255 ASCII graphic bytes and not a
-/// `dlq.` key of `craig.dlx`. Anything else is no event type at all.
+/// history), when that publish went through `craig.events` and the key is a valid event
+/// type by the envelope's own rule ([`crate::envelope::is_event_type`]). Anything else is no
+/// event type at all.
 fn first_routing_key(xdeath: &AMQPValue) -> Option<String> {
     let AMQPValue::FieldArray(entries) = xdeath else { return None };
     let AMQPValue::FieldTable(oldest) = entries.as_slice().last()? else { return None };
+    let via_events = match oldest.inner().get("exchange")? {
+        AMQPValue::LongString(s) => s.as_bytes() == crate::topology::EVENTS_EXCHANGE.as_bytes(),
+        AMQPValue::ShortString(s) => s.as_str() == crate::topology::EVENTS_EXCHANGE,
+        _ => false,
+    };
+    if !via_events {
+        return None;
+    }
     let AMQPValue::FieldArray(keys) = oldest.inner().get("routing-keys")? else { return None };
     let key = match keys.as_slice().first()? {
         AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok()?,
         AMQPValue::ShortString(s) => s.as_str().to_owned(),
         _ => return None,
     };
-    let plausible = (1..=255).contains(&key.len()) && key.bytes().all(|b| b.is_ascii_graphic()) && !key.starts_with(DLQ_ROUTING_PREFIX);
-    plausible.then_some(key)
+    crate::envelope::is_event_type(&key).then_some(key)
 }
 
 /// A wrapper's token must name the envelope and queue it travels with; a token that names
@@ -862,21 +877,31 @@ fn header_text(h: Option<&FieldTable>, key: &str) -> Option<String> {
 /// under) and handed to `handler`, the DLQ consumer's own. Recorded (or absorbed by its
 /// occurrence token, #1181) → acked and counted `dlq_outcomes_total{outcome="redriven"}`;
 /// refused while the database answers → published again at the tail (confirmed) and the
-/// original acked; the database unreachable → requeued and the pass ends. Run by the
-/// security node every `CRAIG_DLQ_REDRIVE_SECS` and by `craig-node dlq redrive-capture`.
-pub async fn redrive_capture<H, Fut, E>(amqp_url: &str, heartbeat_secs: u16, handler: &H) -> Result<RedriveReport, RedriveError>
+/// original acked (`redrive_kept`); the database unreachable → requeued and the pass ends.
+/// Run by the security node every `CRAIG_DLQ_REDRIVE_SECS` and by `craig-node dlq
+/// redrive-capture`.
+///
+/// Bound (as #1181's for tokenless rows): an ack lost after the handler recorded a
+/// TOKENLESS delivery, or after a refused one was put back, leaves a second copy, recorded
+/// again on a later pass; a tokened occurrence is absorbed by its token.
+pub async fn redrive_capture<H, Fut, E>(
+    amqp_url: &str,
+    heartbeat_secs: u16,
+    handler: &H,
+    stop: &CancellationToken,
+) -> Result<RedriveReport, RedriveError>
 where
     H: Fn(DeadLetterDelivery) -> Fut,
     Fut: Future<Output = Result<(), DlqError<E>>>,
     E: std::error::Error + 'static,
 {
     let conn = crate::publisher::connect(amqp_url, heartbeat_secs, "craig-security.dlq.redrive").await?;
-    let result = redrive_on(&conn, handler).await;
+    let result = redrive_on(&conn, handler, stop).await;
     let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "redriven".into())).await;
     result
 }
 
-async fn redrive_on<H, Fut, E>(conn: &lapin::Connection, handler: &H) -> Result<RedriveReport, RedriveError>
+async fn redrive_on<H, Fut, E>(conn: &lapin::Connection, handler: &H, stop: &CancellationToken) -> Result<RedriveReport, RedriveError>
 where
     H: Fn(DeadLetterDelivery) -> Fut,
     Fut: Future<Output = Result<(), DlqError<E>>>,
@@ -889,6 +914,10 @@ where
     let waiting = ch.queue_declare(CAPTURE_QUEUE.into(), durable, FieldTable::default()).await?.message_count();
     let mut report = RedriveReport::default();
     for _ in 0..waiting {
+        // A stopping node ends the pass between deliveries; the rest wait for the next one.
+        if stop.is_cancelled() {
+            break;
+        }
         let Some(got) = ch.basic_get(CAPTURE_QUEUE.into(), BasicGetOptions { no_ack: false }).await? else { break };
         let delivery = got.delivery;
         let headers = delivery.properties.headers().clone();
@@ -925,6 +954,7 @@ where
                     }
                 }
                 delivery.acker.ack(BasicAckOptions::default()).await?;
+                crate::metrics::dlq_outcome("redrive_kept");
                 report.kept += 1;
                 tracing::warn!(event = "security.dlq.redrive_kept", routing_key = %routing_key, error = %e,
                     "a captured dead letter is still refused; kept in the capture queue");

@@ -147,6 +147,12 @@ fn find_nul(v: &serde_json::Value, path: &mut String) -> Result<(), EnvelopeErro
     }
 }
 
+/// Whether `value` is a valid `event_type` (the envelope's own rule: 1..=128 bytes of
+/// lower-case ASCII, digits, `.`, `_`, `-`).
+pub fn is_event_type(value: &str) -> bool {
+    check_name("event_type", value).is_ok()
+}
+
 fn check_name(field: &'static str, value: &str) -> Result<(), EnvelopeError> {
     if value.is_empty() {
         return Err(EnvelopeError::Empty { field });

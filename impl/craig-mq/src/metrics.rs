@@ -12,7 +12,7 @@
 //! | `inbox_processed_total` | counter | first executions of a handler |
 //! | `inbox_reprocessed_total` | counter | re-executions of an unstamped envelope (the #1180 window) |
 //! | `dlq_queue_depth` | gauge | the DLQ consumer, every second: ready messages on `craig-security.dlq` (#1199) |
-//! | `dlq_outcomes_total{outcome}` | counter | each DLQ delivery's fate (#1199): `recorded` (a new audit row, tokened or tokenless), `duplicate` (a redelivered occurrence absorbed), `quarantined` (malformed bytes or a divergent token, recorded as such), `retried`, `parked`, `captured` (confirmed capture publish), `redriven` (a captured delivery recorded by a capture redrive, beside its `recorded`/`duplicate`/`quarantined`), `acked_unrecorded` (compat `pre-1197` only) |
+//! | `dlq_outcomes_total{outcome}` | counter | each DLQ delivery's fate (#1199): `recorded` (a new audit row, tokened or tokenless), `duplicate` (a redelivered occurrence absorbed), `quarantined` (malformed bytes or a divergent token, recorded as such), `retried`, `parked`, `captured` (confirmed capture publish), `redriven` (a captured delivery recorded by a capture redrive, beside its `recorded`/`duplicate`/`quarantined`), `redrive_kept` (one a redrive found still refused, put back), `acked_unrecorded` (compat `pre-1197` only) |
 //!
 //! ADR-022's LISTEN/NOTIFY abandonment criterion reads the first two (depth p95 > 500, lag
 //! p95 > 5 s over 24 h).
@@ -33,7 +33,7 @@ pub const DLQ_OUTCOMES: &str = "dlq_outcomes_total";
 
 /// Every `outcome` label `dlq_outcomes_total` can carry.
 pub const DLQ_OUTCOMES_LABELS: &[&str] =
-    &["recorded", "duplicate", "quarantined", "retried", "parked", "captured", "redriven", "acked_unrecorded"];
+    &["recorded", "duplicate", "quarantined", "retried", "parked", "captured", "redriven", "redrive_kept", "acked_unrecorded"];
 
 /// Every `kind` label `outbox_publish_errors_total` can carry.
 pub const PUBLISH_ERROR_KINDS: &[&str] = &["nacked", "confirm_timeout", "connection", "unroutable", "malformed"];

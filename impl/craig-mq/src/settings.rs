@@ -46,8 +46,27 @@ pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 /// replay horizon (`chrono`) and the idempotency row's `expires_at` never overflow.
 pub const MAX_RETENTION_DAYS: u32 = 36_500;
 
+/// The ceiling of every numeric setting but the retention windows (those have
+/// [`MAX_RETENTION_DAYS`]): name, largest value, what it means.
+pub const SETTING_CEILINGS: &[(&str, u64, &str)] = &[
+    ("CRAIG_OUTBOX_POLL_MS", 3_600_000, "one hour"),
+    ("CRAIG_OUTBOX_BATCH", 10_000, "rows a claim takes"),
+    ("CRAIG_OUTBOX_CLAIM_LEASE_SECS", 86_400, "one day"),
+    ("CRAIG_OUTBOX_BACKOFF_BASE_MS", 86_400_000, "one day"),
+    ("CRAIG_OUTBOX_BACKOFF_MAX_MS", 86_400_000, "one day"),
+    ("CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS", 600_000, "ten minutes"),
+    ("CRAIG_AMQP_CONNECT_TIMEOUT_MS", 600_000, "ten minutes"),
+    ("CRAIG_INBOX_RETRY_CAP", 1_000_000, "failures of one envelope"),
+    ("CRAIG_RETENTION_INTERVAL_SECS", 2_592_000, "thirty days"),
+    ("CRAIG_RETENTION_BATCH", 1_000_000, "rows a DELETE takes"),
+    ("CRAIG_RETENTION_MAX_BATCHES", 1_000_000, "DELETEs a cycle"),
+    ("CRAIG_OUTBOX_UNPUBLISHED_GRACE_SECS", MAX_RETENTION_DAYS as u64 * 86_400, "the longest retention window"),
+    ("CRAIG_DLQ_PARK_MS", 600_000, "ten minutes"),
+    ("CRAIG_DLQ_MAX_PARKS", 10_000, "parks of one delivery"),
+];
+
 /// Retention windows (ADR-022 § Retention policy). Days / hours; 0 disables the prune
-/// (for `idempotency_hours`: rows live [`MAX_RETENTION_DAYS`] and are never pruned early).
+/// (for `idempotency_hours`: the rows keep the default 24 h life and are never pruned).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Retention {
     pub outbox_days: u32,
@@ -116,13 +135,23 @@ impl ServiceSettings {
     /// Read settings through `lookup` (the environment in production, a map in tests).
     pub fn load_from(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, SettingsError> {
         let num = |name: &'static str, default: u64| -> Result<u64, SettingsError> {
-            match lookup(name) {
-                None => Ok(default),
+            let v: u64 = match lookup(name) {
+                None => default,
                 Some(v) => v.trim().parse().map_err(|_| SettingsError::Invalid {
                     name,
                     value: v,
-                    expected: "non-negative integer",
+                    expected: "non-negative integer below 2^64",
+                })?,
+            };
+            // Issue 21.4 (audit): every numeric knob has a ceiling, so nothing downstream
+            // (an interval, a LIMIT, a sleep) overflows or wraps.
+            match SETTING_CEILINGS.iter().find(|(n, ..)| *n == name) {
+                Some((_, max, why)) if v > *max => Err(SettingsError::Unsafe {
+                    name,
+                    value: v.to_string(),
+                    rule: format!("at most {max} ({why}); a larger value overflows what it is bound into"),
                 }),
+                _ => Ok(v),
             }
         };
         let small = |name: &'static str, default: u64| -> Result<u32, SettingsError> {
@@ -239,14 +268,27 @@ impl ServiceSettings {
             return Err(SettingsError::Invalid { name: "CRAIG_DLQ_REDRIVE_SECS", value: redrive.to_string(), expected: "interval of 0 (off) up to 86400 s" });
         }
         let dlq_redrive = (redrive > 0).then(|| Duration::from_secs(redrive));
+        let database_url = lookup("DATABASE_URL").unwrap_or_else(|| DEFAULT_DATABASE_URL.into());
+        let amqp_url = lookup("AMQP_URL").unwrap_or_else(|| DEFAULT_AMQP_URL.into());
+        // Refused here, redacted, rather than by a driver that would print them whole.
+        if misspelled_password_key(&database_url).is_some() {
+            return Err(SettingsError::Invalid {
+                name: "DATABASE_URL",
+                value: redact(&database_url),
+                expected: "URL whose password parameter is spelled `password` (libpq's key; any other spelling would be logged with its value)",
+            });
+        }
+        if amqp_url.parse::<lapin::uri::AMQPUri>().is_err() {
+            return Err(SettingsError::Invalid { name: "AMQP_URL", value: redact(&amqp_url), expected: "amqp:// or amqps:// URL" });
+        }
         Ok(Self {
             dlq_retry,
             dlq_redrive,
             outbox_notify,
             consumer_concurrency: consumer_concurrency as u16,
             prune,
-            database_url: lookup("DATABASE_URL").unwrap_or_else(|| DEFAULT_DATABASE_URL.into()),
-            amqp_url: lookup("AMQP_URL").unwrap_or_else(|| DEFAULT_AMQP_URL.into()),
+            database_url,
+            amqp_url,
             retention,
             outbox,
             publisher,
@@ -257,57 +299,92 @@ impl ServiceSettings {
 
 /// `url` with any password replaced by `***`, for every log and error line that names a
 /// DATABASE_URL or AMQP_URL: the userinfo form (`postgres://u:***@host/db`) and the query
-/// parameter form (`?password=***`, libpq's; any case).
+/// parameter form (`?password=***`, libpq's; the key matched in any case and
+/// percent-decoded). The query is redacted first, so an `@` inside a password value cannot
+/// move the userinfo split; a URL without `//` (`amqp:u:pw@h`) is read the same way.
 pub fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else { return redact_query(url) };
+    let url = redact_query(url);
+    let (scheme, sep, rest) = match url.split_once("://") {
+        Some((s, r)) => (s, "://", r),
+        None => match url.split_once(':') {
+            Some((s, r)) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b)) => (s, ":", r),
+            _ => return url,
+        },
+    };
     // Up to the LAST '@': a password may hold '/', '?', '#' or '@' (unencoded, in a URL that
     // is malformed for exactly that reason); hiding too much beats printing a secret.
-    let out = match rest.rsplit_once('@') {
+    match rest.rsplit_once('@') {
         Some((userinfo, host)) if userinfo.contains(':') => {
             let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-            format!("{scheme}://{user}:***@{host}")
+            format!("{scheme}{sep}{user}:***@{host}")
         }
-        _ => url.to_owned(),
-    };
-    redact_query(&out)
+        _ => url,
+    }
 }
 
-/// Every `password=` parameter's value (after `?` or `&`, up to `&` or `#`) as `***`.
+/// Whether a query key names the password: `password` in any case, percent-decoded.
+fn is_password_key(key: &str) -> bool {
+    percent_decode(key).eq_ignore_ascii_case("password")
+}
+
+/// Every password parameter's value (after `?` or `&`, up to `&` or `#`) as `***`.
 fn redact_query(s: &str) -> String {
-    const KEY: &str = "password=";
     let mut out = String::with_capacity(s.len());
     let mut rest = s;
-    while let Some(at) = rest.to_ascii_lowercase().find(KEY) {
-        let starts_param = at > 0 && matches!(rest.as_bytes()[at - 1], b'?' | b'&');
-        let value_at = at + KEY.len();
-        out.push_str(&rest[..value_at]);
-        rest = &rest[value_at..];
-        if starts_param {
-            let end = rest.find(['&', '#']).unwrap_or(rest.len());
-            out.push_str("***");
-            rest = &rest[end..];
+    let mut in_param = false;
+    loop {
+        let end = rest.find(['?', '&']).unwrap_or(rest.len());
+        let segment = &rest[..end];
+        match segment.split_once('=') {
+            Some((key, value)) if in_param && is_password_key(key) => {
+                let tail = value.find('#').map_or("", |i| &value[i..]);
+                out.push_str(key);
+                out.push_str("=***");
+                out.push_str(tail);
+            }
+            _ => out.push_str(segment),
         }
+        if end == rest.len() {
+            return out;
+        }
+        out.push_str(&rest[end..end + 1]);
+        rest = &rest[end + 1..];
+        in_param = true;
     }
-    out.push_str(rest);
-    out
 }
 
-/// The secrets `url` carries: the userinfo password and every `password=` query value, each
+/// A password-like query key that is not libpq's own spelling (`Password`, `pass%77ord`):
+/// the driver would log it as an unrecognised parameter WITH its value, so it is refused
+/// before the URL reaches the driver.
+pub fn misspelled_password_key(url: &str) -> Option<String> {
+    let (_, query) = url.split_once('?')?;
+    query.split(['&', '#']).filter_map(|p| p.split_once('=')).map(|(k, _)| k).find(|k| is_password_key(k) && *k != "password").map(str::to_owned)
+}
+
+/// The secrets `url` carries: the userinfo password and every password query value, each
 /// as written and percent-decoded.
 fn secrets(url: &str) -> Vec<String> {
     let mut found = Vec::new();
-    if let Some(pass) = url.split_once("://").and_then(|(_, r)| r.rsplit_once('@')).and_then(|(ui, _)| ui.split_once(':')).map(|(_, p)| p) {
-        found.push(pass.to_owned());
-    }
-    let lower = url.to_ascii_lowercase();
-    let mut from = 0;
-    while let Some(at) = lower[from..].find("password=").map(|i| i + from) {
-        let value_at = at + "password=".len();
-        if at > 0 && matches!(url.as_bytes()[at - 1], b'?' | b'&') {
-            let end = url[value_at..].find(['&', '#']).map_or(url.len(), |i| i + value_at);
-            found.push(url[value_at..end].to_owned());
+    let mut in_param = false;
+    let mut userinfo_part = url;
+    for (i, segment) in url.split(['?', '&']).enumerate() {
+        if i == 0 {
+            userinfo_part = segment;
         }
-        from = value_at;
+        if let Some((key, value)) = segment.split_once('=').filter(|_| in_param) {
+            if is_password_key(key) {
+                found.push(value.split('#').next().unwrap_or(value).to_owned());
+            }
+        }
+        in_param = true;
+    }
+    // The userinfo password: before the last '@' of the whole URL, and of the part before the
+    // query (either split may be the real one in a malformed URL; both are hidden).
+    for candidate in [url, userinfo_part] {
+        let rest = candidate.split_once("://").map(|(_, r)| r).or_else(|| candidate.split_once(':').map(|(_, r)| r)).unwrap_or(candidate);
+        if let Some(pass) = rest.rsplit_once('@').and_then(|(ui, _)| ui.split_once(':')).map(|(_, p)| p) {
+            found.push(pass.to_owned());
+        }
     }
     let decoded: Vec<String> = found.iter().map(|s| percent_decode(s)).collect();
     found.extend(decoded);
@@ -389,6 +466,15 @@ impl Retention {
     /// keeps dedup records forever and is always safe; a disabled outbox prune (0) with a
     /// finite inbox window is not, and is rejected like any too-short inbox window.
     pub fn check(&self) -> Result<(), SettingsError> {
+        for (name, v, max) in [
+            ("CRAIG_OUTBOX_RETENTION_DAYS", self.outbox_days, MAX_RETENTION_DAYS),
+            ("CRAIG_INBOX_RETENTION_DAYS", self.inbox_days, MAX_RETENTION_DAYS),
+            ("CRAIG_IDEMPOTENCY_TTL_HOURS", self.idempotency_hours, MAX_RETENTION_DAYS * 24),
+        ] {
+            if v > max {
+                return Err(SettingsError::Unsafe { name, value: v.to_string(), rule: format!("a retention window may be at most {max} ({MAX_RETENTION_DAYS} days)") });
+            }
+        }
         let inbox_forever = self.inbox_days == 0;
         let outbox_forever = self.outbox_days == 0;
         let ok = inbox_forever
@@ -522,6 +608,34 @@ mod tests {
         assert!(crate::retention::replay_allowed(now - chrono::Duration::days(1), now, now, &r).is_ok());
     }
 
+    /// Issue 21.4 (audit): every other numeric knob has a ceiling, tested on both sides.
+    #[test]
+    fn every_numeric_setting_has_a_ceiling() {
+        for (name, max, _) in SETTING_CEILINGS {
+            let over = (max + 1).to_string();
+            let err = load(&[(name, over.as_str())]).unwrap_err().to_string();
+            assert!(err.contains(name) && err.contains(&over), "{name}={over}: {err}");
+        }
+        for name in ["CRAIG_RETENTION_INTERVAL_SECS", "CRAIG_RETENTION_BATCH", "CRAIG_RETENTION_MAX_BATCHES", "CRAIG_OUTBOX_UNPUBLISHED_GRACE_SECS"] {
+            let max = SETTING_CEILINGS.iter().find(|(n, ..)| *n == name).unwrap().1.to_string();
+            assert!(load(&[(name, max.as_str())]).is_ok(), "{name}={max}");
+        }
+        let err = load(&[("CRAIG_RETENTION_BATCH", "99999999999999999999")]).unwrap_err().to_string();
+        assert!(err.contains("CRAIG_RETENTION_BATCH"), "{err}");
+        assert!(Retention { outbox_days: MAX_RETENTION_DAYS + 1, inbox_days: 0, idempotency_hours: 1 }.check().is_err());
+    }
+
+    /// Issue 21.7 (audit): a misspelled password key, and an AMQP URL the client cannot
+    /// read, are refused at load with the URL redacted (a driver would print them whole).
+    #[test]
+    fn urls_a_driver_would_print_whole_are_refused_redacted() {
+        let err = load(&[("DATABASE_URL", "postgres://app@h/x?Password=s3cr3t")]).unwrap_err().to_string();
+        assert!(err.contains("DATABASE_URL") && !err.contains("s3cr3t"), "{err}");
+        let err = load(&[("AMQP_URL", "amqp:guest:s3cr3t@h")]).unwrap_err().to_string();
+        assert!(err.contains("AMQP_URL") && !err.contains("s3cr3t"), "{err}");
+        assert!(load(&[("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f?heartbeat=5")]).is_ok());
+    }
+
     /// Issue 21.7, measured: a password given as a query parameter was printed.
     #[test]
     fn passwords_in_the_query_are_redacted_too() {
@@ -532,6 +646,16 @@ mod tests {
         assert_eq!(redact("postgres://app@h/x?sslmode=disable&PassWord=s3cr3t"), "postgres://app@h/x?sslmode=disable&PassWord=***");
         assert_eq!(redact("postgres://app:u@h/x?password=q#frag"), "postgres://app:***@h/x?password=***#frag");
         assert_eq!(redact("amqp://guest@h/%2f?password=s3cr3t&heartbeat=5"), "amqp://guest@h/%2f?password=***&heartbeat=5");
+        // Audit findings: an '@' in the query value, an encoded key, a URL without '//'.
+        assert!(!redact("postgres://app@h:5432/x?password=abc@def").contains("def"), "{}", redact("postgres://app@h:5432/x?password=abc@def"));
+        assert!(!redact("postgres://app@h:5432/x?password=abc@def").contains("abc"));
+        assert_eq!(redact("postgres://app@h/x?pass%77ord=s3cr3t"), "postgres://app@h/x?pass%77ord=***");
+        assert_eq!(redact("amqp:guest:s3cr3t@h"), "amqp:guest:***@h");
+        assert_eq!(misspelled_password_key("postgres://app@h/x?Password=s3cr3t"), Some("Password".to_owned()));
+        assert_eq!(misspelled_password_key("postgres://app@h/x?pass%77ord=s3cr3t"), Some("pass%77ord".to_owned()));
+        assert_eq!(misspelled_password_key("postgres://app@h/x?password=s3cr3t&sslmode=require"), None);
+        let at = redact_text("error for postgres://app@h:5432/x?password=abc@def: abc@def", "postgres://app@h:5432/x?password=abc@def");
+        assert!(!at.contains("abc") && !at.contains("def"), "{at}");
         let text = "invalid sslmode in postgres://app@h/x?password=s3cr3t&sslmode=bogus (password s3cr3t, s3cr%33t)";
         let out = redact_text(text, "postgres://app@h/x?password=s3cr%33t&sslmode=bogus");
         assert!(!out.contains("s3cr"), "{out}");

@@ -179,6 +179,16 @@ async fn passwords_in_either_form_on_either_url_are_never_printed() {
     futures_util::future::join_all(checks).await;
 }
 
+/// The headers a generated request carries: each one valid, hostile or missing.
+#[derive(Debug, Clone)]
+struct Headers {
+    /// `None`: no Idempotency-Key; else its raw bytes (visible ASCII or obs-text).
+    key: Option<Vec<u8>>,
+    /// `None`: the route's valid token; else the raw Authorization value.
+    authorization: Option<Vec<u8>>,
+    content_type: Option<Vec<u8>>,
+}
+
 /// One generated request to one of the node's routes.
 #[derive(Debug, Clone)]
 enum Hostile {
@@ -322,7 +332,7 @@ mod strategies {
             prop_oneof![query_value().prop_map(|v| format!("size={v}")), (0u64..5000).prop_map(|n| format!("size={n}")), Just(String::new())]
                 .prop_map(|query| Hostile::Export { query }),
             (
-                prop::sample::select(&["cases"][..]),
+                prop::sample::select(&["cases", "rules"][..]),
                 timestamp(),
                 timestamp(),
                 prop::option::of(query_value()),
@@ -341,27 +351,70 @@ mod strategies {
             prop::collection::vec(any::<u8>(), 0..64).prop_map(Hostile::RawReferral),
         ]
     }
+
+    /// Header bytes a client can send: visible ASCII, spaces, obs-text.
+    fn header_bytes(max: usize) -> impl Strategy<Value = Vec<u8>> {
+        prop::collection::vec(prop_oneof![4 => 0x21u8..0x7f, 1 => Just(b' '), 1 => 0x80u8..=0xff], 0..max)
+            .prop_map(|mut v| {
+                // A header value may not start or end with a space.
+                while v.first() == Some(&b' ') {
+                    v.remove(0);
+                }
+                while v.last() == Some(&b' ') {
+                    v.pop();
+                }
+                v
+            })
+    }
+
+    pub fn headers() -> impl Strategy<Value = super::Headers> {
+        (
+            prop_oneof![
+                6 => Just(Some(uuid::Uuid::now_v7().to_string().into_bytes())),
+                1 => Just(None),
+                2 => header_bytes(300).prop_map(Some),
+                1 => Just(Some(vec![b'k'; 256])),
+                1 => Just(Some(b"a:b".to_vec())),
+            ],
+            prop_oneof![
+                6 => Just(None),
+                1 => header_bytes(80).prop_map(Some),
+                1 => header_bytes(80).prop_map(|t| Some([b"Bearer ".as_slice(), &t].concat())),
+                1 => Just(Some(format!("Bearer {}.{}.{}", "e".repeat(500), "x", "y").into_bytes())),
+            ],
+            prop_oneof![
+                4 => Just(Some(b"application/json".to_vec())),
+                1 => Just(None),
+                1 => header_bytes(40).prop_map(Some),
+            ],
+        )
+            .prop_map(|(key, authorization, content_type)| super::Headers { key, authorization, content_type })
+    }
 }
 
 /// Issue 21.3: generated bodies (extreme dates, huge and negative numbers, long and
-/// non-ASCII strings, wrong JSON types, NUL) to every route of a cases node. Each gets an
-/// HTTP answer, never a dropped connection, and never a 5xx while the database is up.
+/// non-ASCII strings, wrong JSON types, NUL) and headers (keys, tokens and content types
+/// valid, hostile or missing) to every route of a cases node and a rules node's replay.
+/// Each gets an HTTP answer, never a dropped connection, and never a 5xx while the
+/// database is up.
 /// `PROPTEST_CASES` raises the count (default 128).
 #[test]
 fn hostile_bodies_get_an_answer_and_never_a_5xx() {
     use proptest::test_runner::{Config, TestCaseError, TestRunner};
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let (fleet, cases) = rt.block_on(async {
-        let fleet = Fleet::new("hardening_hostile", &[Service::Cases]).await;
+    let (fleet, cases, rules) = rt.block_on(async {
+        let fleet = Fleet::new("hardening_hostile", &[Service::Cases, Service::Rules]).await;
         let cases = fleet.start(Service::Cases, &[("RUST_LOG", "error")], &[]).await;
-        (fleet, cases)
+        let rules = fleet.start(Service::Rules, &[("RUST_LOG", "error")], &[]).await;
+        (fleet, cases, rules)
     });
     let http = reqwest::Client::builder().timeout(Duration::from_secs(20)).build().unwrap();
-    let user = token("craig-cases", "cases.admin");
+    let (cases_user, rules_admin) = (token("craig-cases", "cases.admin"), token("craig-rules", "rules.admin"));
     let cases_n = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(128);
     let mut runner = TestRunner::new(Config { cases: cases_n, failure_persistence: None, ..Config::default() });
-    let result = runner.run(&strategies::hostile(), |req| {
+    let result = runner.run(&(strategies::hostile(), strategies::headers()), |(req, headers)| {
         let base = &cases.base;
+        let mut user = &cases_user;
         let builder = match &req {
             Hostile::Referral(v) => http.post(format!("{base}/v1/cases/referrals")).json(v),
             Hostile::RawReferral(b) => {
@@ -369,23 +422,38 @@ fn hostile_bodies_get_an_answer_and_never_a_5xx() {
             }
             Hostile::Activate { id, body } => http.post(format!("{base}/v1/cases/placements/{id}/activate")).json(body),
             Hostile::Export { query } => http.post(format!("{base}/v1/cases/exports?{query}")),
+            Hostile::Replay { service: "rules", query } => {
+                user = &rules_admin;
+                http.post(format!("{}/v1/rules/admin/events/replay?{query}", rules.base))
+            }
             Hostile::Replay { service, query } => http.post(format!("{base}/v1/{service}/admin/events/replay?{query}")),
         };
-        let builder = builder.header("idempotency-key", uuid::Uuid::now_v7().to_string()).bearer_auth(&user);
+        let value = |b: &[u8]| reqwest::header::HeaderValue::from_bytes(b).expect("generated header bytes are valid");
+        let mut builder = match &headers.authorization {
+            None => builder.bearer_auth(user),
+            Some(raw) => builder.header("authorization", value(raw)),
+        };
+        if let Some(k) = &headers.key {
+            builder = builder.header("idempotency-key", value(k));
+        }
+        if let Some(ct) = &headers.content_type {
+            builder = builder.header("content-type", value(ct));
+        }
         let answered = rt.block_on(async { builder.send().await.map(|r| r.status()) });
         match answered {
-            Err(e) => Err(TestCaseError::fail(format!("no HTTP answer to {req:?}: {e}"))),
-            Ok(status) if status.is_server_error() => Err(TestCaseError::fail(format!("{status} to {req:?}"))),
+            Err(e) => Err(TestCaseError::fail(format!("no HTTP answer to {req:?} with {headers:?}: {e}"))),
+            Ok(status) if status.is_server_error() => Err(TestCaseError::fail(format!("{status} to {req:?} with {headers:?}"))),
             Ok(_) => Ok(()),
         }
     });
     // The node is still there and well after all of it.
     let healthy = rt.block_on(async { http.get(format!("{}/healthz", cases.base)).send().await.map(|r| r.status().is_success()) });
     let stopped = rt.block_on(cases.stop());
+    let rules_stopped = rt.block_on(rules.stop());
     rt.block_on(fleet.finish());
     if let Err(e) = result {
         panic!("{e}");
     }
     assert!(matches!(healthy, Ok(true)), "the node stopped answering: {healthy:?}");
-    assert_eq!(stopped.code(), Some(0), "the node did not exit cleanly");
+    assert_eq!((stopped.code(), rules_stopped.code()), (Some(0), Some(0)), "a node did not exit cleanly");
 }

@@ -630,14 +630,14 @@ async fn captured_dead_letters_are_redriven_into_the_audit_once() {
             security::on_dead_letter(&pool, d, mode).await
         }
     };
-    let report = redrive_capture(fleet.sandbox.amqp_url(), 10, &handler).await.unwrap();
+    let report = redrive_capture(fleet.sandbox.amqp_url(), 10, &handler, &tokio_util::sync::CancellationToken::new()).await.unwrap();
     assert_eq!((report.redriven, report.kept), (5, 1), "{report:?}");
     let tokens: Vec<Option<String>> = sqlx::query_scalar("SELECT occurrence_token FROM dead_letter_audit").fetch_all(&pool).await.unwrap();
     assert_eq!(tokens.len(), 4, "one row per occurrence: {tokens:?}");
     assert!(tokens.iter().all(|t| t.as_deref().is_some_and(|t| t.starts_with("xdeath:"))), "{tokens:?}");
     assert_eq!(fleet.depth(CAPTURE_QUEUE).await, 1, "the refused one is kept");
     // A second pass finds only the refused one, and keeps it again.
-    let report = redrive_capture(fleet.sandbox.amqp_url(), 10, &handler).await.unwrap();
+    let report = redrive_capture(fleet.sandbox.amqp_url(), 10, &handler, &tokio_util::sync::CancellationToken::new()).await.unwrap();
     assert_eq!((report.redriven, report.kept), (0, 1), "{report:?}");
     let m = ch.basic_get(CAPTURE_QUEUE.into(), lapin::options::BasicGetOptions { no_ack: true }).await.unwrap().expect("kept");
     assert_eq!(m.delivery.data, refused.to_vec(), "kept with its raw bytes");
@@ -684,6 +684,64 @@ async fn a_burst_of_unparseable_dead_letters_crosses_the_threshold_once() {
     assert_eq!(events[0]["event_type"], "case.referral_created");
     let types: Vec<Option<String>> = sqlx::query_scalar("SELECT DISTINCT event_type FROM dead_letter_audit").fetch_all(&pool).await.unwrap();
     assert_eq!(types, vec![Some("case.referral_created".to_owned())]);
+    pool.close().await;
+    fleet.finish().await;
+}
+
+/// Issue 21.1 (audit): the way back runs where operators find it. A security node re-reads
+/// its capture queue every `CRAIG_DLQ_REDRIVE_SECS` and counts what it recorded as
+/// `dlq_outcomes_total{outcome="redriven"}`; `craig-node dlq redrive-capture` does one pass
+/// by hand and says what it did.
+#[tokio::test]
+async fn the_node_and_the_command_redrive_the_capture_queue() {
+    use craig_mq::dlq::CAPTURE_QUEUE;
+
+    let fleet = Fleet::new("dlq-redrive-node", &[Service::Security]).await;
+    let pool = fleet.pool(Service::Security).await;
+    let (conn, ch) = fleet.channel().await;
+    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
+    ch.queue_declare(CAPTURE_QUEUE.into(), lapin::options::QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
+        .await
+        .unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    let capture = |env: &EventEnvelope| {
+        let mut h = x_death(Q, 1, Utc::now().timestamp() as u64);
+        h.insert("x-craig-dlq-routing-key".into(), AMQPValue::LongString(RK.into()));
+        let props = lapin::BasicProperties::default().with_delivery_mode(2).with_headers(h);
+        let (ch, body) = (ch.clone(), env.to_vec());
+        async move {
+            let c = ch.basic_publish("".into(), CAPTURE_QUEUE.into(), BasicPublishOptions::default(), &body, props).await.unwrap().await.unwrap();
+            assert!(c.is_ack());
+        }
+    };
+    let first = envelope("case.referral_created");
+    capture(&first).await;
+    let node = fleet.start(Service::Security, &[("CRAIG_DLQ_REDRIVE_SECS", "1")], &[]).await;
+    eventually(Duration::from_secs(20), "the node redrove the captured dead letter", || {
+        let pool = pool.clone();
+        async move { count(&pool, "SELECT count(*) FROM dead_letter_audit").await == 1 }
+    })
+    .await;
+    let metrics = reqwest::get(format!("{}/metrics", node.base)).await.unwrap().text().await.unwrap();
+    assert!(metrics.lines().any(|l| l == "dlq_outcomes_total{outcome=\"redriven\"} 1"), "{metrics}");
+    assert_eq!(node.stop().await.code(), Some(0));
+
+    let second = envelope("case.referral_created");
+    capture(&second).await;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_craig-node"))
+        .args(["dlq", "redrive-capture"])
+        .env("DATABASE_URL", fleet.sandbox.database_url("security"))
+        .env("AMQP_URL", fleet.sandbox.amqp_url())
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("1 recorded, 0 still refused"), "{stdout}");
+    let ids: Vec<Uuid> = sqlx::query_scalar("SELECT envelope_id FROM dead_letter_audit ORDER BY dlq_received_at").fetch_all(&pool).await.unwrap();
+    assert_eq!(ids, vec![first.id, second.id]);
+    assert_eq!(fleet.depth(CAPTURE_QUEUE).await, 0);
+    let _ = conn.close(200, "bye".into()).await;
     pool.close().await;
     fleet.finish().await;
 }
