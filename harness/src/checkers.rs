@@ -811,6 +811,28 @@ fn dead_letter_tags(h: &History, kind: &str, service: &str, through: Through) ->
     tags
 }
 
+/// The causes of a lost dead letter that no replica said it acked unrecorded (issue 22.8):
+/// no compat mode (nothing corroborates one), and only the faults on the recorder's
+/// database path (the database, a security replica, its link to the database) whose
+/// window reaches past `since`, when the delivery reached `craig.dlx`.
+fn uncorroborated_loss(windows: &[(String, u64, u64)], since: u64) -> Vec<String> {
+    let mut tags = vec!["kind:lost".to_owned(), "replica:unknown".to_owned(), "compat:unknown".to_owned()];
+    tags.extend(
+        windows
+            .iter()
+            .filter(|(tag, _, to)| {
+                let target = tag.split_once(' ').map_or("", |(_, t)| t);
+                let on_path = match fault_replica(tag) {
+                    None => target == "database",
+                    Some(r) => service_of(r) == "security" && (target == r || target.ends_with("->database")),
+                };
+                on_path && to.saturating_add(WINDOW_SLACK_MS) >= since
+            })
+            .map(|(tag, ..)| tag.clone()),
+    );
+    tags
+}
+
 /// Every dead-lettered occurrence has exactly one audit row (§D3 with #1181): none lost,
 /// none doubled. The truth is the harness's tap on `craig.dlx` (`Event::DeadLettered`):
 /// - a tokened occurrence (one token, however many deliveries carried it: a retried
@@ -854,9 +876,11 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
         .filter_map(|e| if let Event::DeadLetterStaged { envelope, service } = &e.event { Some((*envelope, service.as_str())) } else { None })
         .collect();
     let mut misattributed = 0;
+    // When the tap first saw each delivery's bytes.
+    let mut tapped_at: HashMap<&str, u64> = HashMap::new();
     for e in h.iter() {
         match &e.event {
-            Event::DeadLettered { key, token, envelope, queue } => {
+            Event::DeadLettered { key, token, envelope, queue, .. } => {
                 // #1196: a dead letter names the CONSUMER queue that failed it, on either
                 // path (x-death's queue, the wrapper's original_queue).
                 if let (Some(env), Some(q)) = (envelope, queue.as_deref()) {
@@ -892,6 +916,7 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
                 }
                 taps += 1;
                 tapped_keys.insert(key.clone());
+                tapped_at.entry(key.as_str()).or_insert(e.t_ms);
                 match token {
                     Some(t) => {
                         taps_by_token.entry(t.clone()).or_default().insert(key.clone());
@@ -924,8 +949,12 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
                 // or servers at that moment. Otherwise every security replica and fault.
                 let by: Vec<&(u64, &str, &str, &[String])> = acked_unrecorded.iter().filter(|(_, k, ..)| keys.contains(*k)).collect();
                 if by.is_empty() {
-                    v.blame(dead_letter_tags(h, "lost", "security", Through::Database));
-                    v.witness(format!("occurrence {token} reached craig.dlx and has no audit row (lost)"));
+                    // Issue 22.8: no replica's word on acking it unrecorded, so no compat mode is
+                    // corroborated; only the faults on the recorder's database path in force
+                    // from the moment it reached craig.dlx.
+                    let since = keys.iter().filter_map(|k| tapped_at.get(k.as_str()).copied()).min().unwrap_or(0);
+                    v.blame(uncorroborated_loss(&windows, since));
+                    v.witness(format!("occurrence {token} reached craig.dlx and has no audit row (lost); no replica logged acking it unrecorded"));
                 } else {
                     let mut tags = vec!["kind:lost".to_owned()];
                     let mut who = Vec::new();
@@ -957,7 +986,17 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
         }
         if mine.len() < *n {
             lost += 1;
-            v.blame(dead_letter_tags(h, "lost", "security", Through::Database));
+            let acked: Vec<&(u64, &str, &str, &[String])> = acked_unrecorded.iter().filter(|(_, k, ..)| *k == key.as_str()).collect();
+            if acked.is_empty() {
+                v.blame(uncorroborated_loss(&windows, tapped_at.get(key.as_str()).copied().unwrap_or(0)));
+            } else {
+                let mut tags = vec!["kind:lost".to_owned()];
+                for (t, _, r, c) in &acked {
+                    tags.extend(culprit_tags(r, Some(c)));
+                    tags.extend(faults_on(&windows, r, *t));
+                }
+                v.blame(tags);
+            }
             v.witness(format!("tokenless dead letter {key} reached craig.dlx {n} time(s) and has {} audit row(s) (lost)", mine.len()));
         } else {
             tokenless_extra += mine.len() - n;
@@ -1030,25 +1069,34 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
 }
 
 /// Exactly one `security.dlq.threshold_exceeded` per crossing per event type (§D3 #1156,
-/// re-keyed by #1181 R5/R8). The crossings are re-derived from the audit rows, one per
-/// occurrence (the first row of the token the tap saw its bytes carry, else of its own
-/// token; a duplicate row is `dlq_occurrence_once`'s finding, and must not make a crossing
-/// here): taken in order of receipt, a row in the
-/// window (its key `LEAST(COALESCE(occurred_at, received), received)` within the hour
-/// before its receipt) that brings its type's in-window count to exactly 11 is a crossing —
-/// unless it is a divergent quarantine row, alert-inert on its own turn (R7). The events
-/// staged must match per type, no more and no fewer (a missed crossing). One more is a
-/// spurious crossing when counting every row (a redelivery recorded twice, #1181) would
-/// reach it, else a re-emit.
+/// re-keyed by #1181 R5/R8), judged on the harness's own count (issue 22.4):
+/// - each row's event type is the one the harness's tap read from its own copy of the dead
+///   letter (the envelope's, else the routing key it was first published with), the row's
+///   column only where the tap saw nothing of it;
+/// - the crossings are re-derived from the audit rows, one per occurrence (the first row of
+///   the token the tap saw its bytes carry, else of its own token; a duplicate row is
+///   `dlq_occurrence_once`'s finding, and must not make a crossing here): taken in order of
+///   receipt, a row in the window (its key `LEAST(COALESCE(occurred_at, received),
+///   received)` within the hour before its receipt) that brings its type's in-window count
+///   to exactly 11 is a crossing — unless it is a divergent quarantine row, alert-inert on
+///   its own turn (R7);
+/// - each event is matched to the audit row written in the SAME transaction (the harness
+///   records the staging transaction with a trigger; audit rows are append-only, so their
+///   `xmin` is theirs), never to the count it reports: an event whose row is not a crossing
+///   of the event's type was emitted at the wrong arrival (kind:re_emitted), or, where
+///   counting every row (a redelivery recorded twice, #1181) would make that row a
+///   crossing, is a spurious crossing; a crossing with no event is missed. An event
+///   without a known transaction (an old history) is taken by its reported count.
 pub fn threshold_crossing_once(h: &History) -> Verdict {
     const HOUR_MS: i64 = 3_600_000;
     const CROSSING: usize = 11;
+    type Row<'a> = (i64, i64, &'a str, &'a str, Option<&'a str>);
     let mut v = Verdict::new("threshold_crossing_once");
     let mut seen_tokens: HashSet<&str> = HashSet::new();
-    // (received, window key, event type, disposition) of every row, and of the first row
-    // of each occurrence.
-    let mut rows: Vec<(i64, i64, &str, &str)> = Vec::new();
-    let mut every_row: Vec<(i64, i64, &str, &str)> = Vec::new();
+    // (received, window key, event type, disposition, transaction) of every row, and of the
+    // first row of each occurrence.
+    let mut rows: Vec<Row> = Vec::new();
+    let mut every_row: Vec<Row> = Vec::new();
     // The occurrence a row records is the one the harness's tap saw its bytes carry (a
     // recorder that mints its own token per delivery, pre-1181, cannot hide a redelivery
     // behind a fresh token); without the tap's word, the row's own token.
@@ -1059,20 +1107,32 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
             _ => None,
         })
         .collect();
+    let tapped_type: HashMap<&str, &str> = h
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::DeadLettered { key, event_type: Some(t), .. } => Some((key.as_str(), t.as_str())),
+            _ => None,
+        })
+        .collect();
     // When each occurrence was first recorded, and per type the spans (first row → a further
     // row of the same occurrence) in which something recorded twice.
     let mut first_row: HashMap<&str, u64> = HashMap::new();
     let mut doubled_spans: BTreeMap<&str, Vec<(u64, u64)>> = BTreeMap::new();
+    let mut relabelled = 0;
     for e in h.iter() {
-        if let Event::Audited { key, token, disposition, event_type: Some(et), received_epoch_ms, window_epoch_ms, .. } = &e.event {
-            let row = (*received_epoch_ms, *window_epoch_ms, et.as_str(), disposition.as_str());
+        if let Event::Audited { key, token, disposition, event_type, received_epoch_ms, window_epoch_ms, tx, .. } = &e.event {
+            let Some(et) = tapped_type.get(key.as_str()).copied().or(event_type.as_deref()) else { continue };
+            if event_type.as_deref().is_some_and(|col| col != et) {
+                relabelled += 1;
+            }
+            let row = (*received_epoch_ms, *window_epoch_ms, et, disposition.as_str(), tx.as_deref());
             every_row.push(row);
             // A divergent quarantine row (R7) is a row of its own in the window whatever
             // token its bytes carry.
             let occurrence = tapped.get(key.as_str()).copied().or(token.as_deref()).filter(|_| disposition != "divergent");
             if let Some(t) = occurrence {
                 if !seen_tokens.insert(t) {
-                    doubled_spans.entry(et.as_str()).or_default().push((first_row.get(t).copied().unwrap_or(0), e.t_ms));
+                    doubled_spans.entry(et).or_default().push((first_row.get(t).copied().unwrap_or(0), e.t_ms));
                     continue;
                 }
                 first_row.insert(t, e.t_ms);
@@ -1081,87 +1141,131 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
         }
     }
     let all_rows = every_row.len();
-    // The crossings of a row sequence, per type, taken in order of receipt.
-    let crossings = |rows: &mut Vec<(i64, i64, &'_ str, &'_ str)>| {
+    // The crossings of a row sequence, per type, taken in order of receipt: the transaction
+    // of each crossing row; and the in-window count at every row's arrival.
+    let crossings = |rows: &mut Vec<Row<'_>>| {
         rows.sort_by_key(|r| r.0);
-        let mut found: BTreeMap<String, usize> = BTreeMap::new();
+        let mut found: BTreeMap<String, Vec<Option<String>>> = BTreeMap::new();
+        let mut count_at: HashMap<String, usize> = HashMap::new();
         let mut keys_of: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
-        for (received, window, et, disposition) in rows.iter() {
+        for (received, window, et, disposition, tx) in rows.iter() {
             let keys = keys_of.entry(*et).or_default();
             keys.push(*window);
             let n = found.entry(et.to_string()).or_default();
             if *window > received - HOUR_MS {
                 let count = keys.iter().filter(|k| **k > received - HOUR_MS).count();
+                if let Some(tx) = tx {
+                    count_at.insert(tx.to_string(), count);
+                }
                 if count == CROSSING && *disposition != "divergent" {
-                    *n += 1;
+                    n.push(tx.map(str::to_owned));
                 }
             }
         }
-        found
+        (found, count_at)
     };
-    let expected = crossings(&mut rows);
+    let (expected, count_at) = crossings(&mut rows);
     // What a recorder counting every row (a redelivery recorded twice included) would see
-    // cross: an announcement beyond `expected` but within this was made by an inflated
-    // count — a spurious crossing, not a re-emit.
-    let inflated = crossings(&mut every_row);
+    // cross: an announcement at such a row is a spurious crossing, not a re-emit.
+    let (inflated, _) = crossings(&mut every_row);
     let mut per_type: BTreeMap<&str, usize> = BTreeMap::new();
-    for (.., et, _) in &rows {
+    for (.., et, _, _) in &rows {
         *per_type.entry(*et).or_default() += 1;
     }
-    // Emitted exactly AT the crossing: the event's own in-window count is 11 (10 -> 11).
-    // One emitted at any other count announces no crossing: re-emitted.
-    let mut observed: BTreeMap<String, usize> = BTreeMap::new();
-    let mut off_crossing = 0;
+    let row_type: HashMap<&str, &str> = every_row.iter().filter_map(|r| Some((r.4?, r.2))).collect();
+    let spurious_tags = |et: &str| {
+        let spans = doubled_spans.get(et).map(Vec::as_slice).unwrap_or(&[]);
+        let windows = h.fault_windows();
+        let mut tags = dead_letter_tags(h, "spurious_crossing", "security", Through::Broker);
+        tags.retain(|tag| {
+            !tag.starts_with("fault:")
+                || windows.iter().any(|(w, from, to)| {
+                    w == tag && spans.iter().any(|(a, b)| from.saturating_sub(WINDOW_SLACK_MS) <= *b && to.saturating_add(WINDOW_SLACK_MS) >= *a)
+                })
+        });
+        tags
+    };
+    // Events matched to their transaction's row; events without a known transaction, by
+    // their reported count.
+    let mut matched: BTreeMap<String, usize> = BTreeMap::new();
+    let mut by_count: BTreeMap<String, usize> = BTreeMap::new();
+    let (mut wrong_arrival, mut spurious, mut events) = (0, 0, 0);
     for e in h.iter() {
-        if let Event::ThresholdExceeded { event_type, count } = &e.event {
+        let Event::ThresholdExceeded { event_type, count, tx } = &e.event else { continue };
+        events += 1;
+        let Some(tx) = tx.as_deref() else {
             if *count == CROSSING as i64 {
-                *observed.entry(event_type.clone()).or_default() += 1;
+                *by_count.entry(event_type.clone()).or_default() += 1;
             } else {
-                off_crossing += 1;
+                wrong_arrival += 1;
                 v.blame(dead_letter_tags(h, "re_emitted", "security", Through::Nothing));
                 v.witness(format!("{event_type}: a threshold event was emitted at in-window count {count}, not at the crossing from 10 to 11"));
             }
+            continue;
+        };
+        let crossed = |of: &BTreeMap<String, Vec<Option<String>>>| of.get(event_type).is_some_and(|txs| txs.iter().any(|t| t.as_deref() == Some(tx)));
+        let ours = count_at.get(tx).copied();
+        if crossed(&expected) {
+            *matched.entry(event_type.clone()).or_default() += 1;
+        } else if crossed(&inflated) {
+            spurious += 1;
+            v.blame(spurious_tags(event_type));
+            v.witness(format!(
+                "{event_type}: a threshold event announces an arrival that crosses only when {} row(s) that are no occurrence of their own are counted",
+                all_rows_of(&every_row, event_type) - per_type.get(event_type.as_str()).copied().unwrap_or(0)
+            ));
+        } else {
+            wrong_arrival += 1;
+            v.blame(dead_letter_tags(h, "re_emitted", "security", Through::Nothing));
+            let at = match (row_type.get(tx), ours) {
+                (Some(et), Some(n)) => format!("the arrival of a {et} dead letter at in-window count {n} by the harness's own count"),
+                (Some(et), None) => format!("the arrival of a {et} dead letter outside the window"),
+                (None, _) => "no audit row at all".to_owned(),
+            };
+            v.witness(format!("{event_type}: a threshold event (reporting count {count}) was staged with {at}, not at a crossing from 10 to 11"));
         }
     }
-    let types: std::collections::BTreeSet<String> = expected.keys().cloned().chain(observed.keys().cloned()).collect();
+    let types: std::collections::BTreeSet<String> = expected.keys().cloned().chain(matched.keys().cloned()).chain(by_count.keys().cloned()).collect();
+    let mut missed = 0;
     for et in &types {
-        let want = expected.get(et).copied().unwrap_or(0);
-        let got = observed.get(et).copied().unwrap_or(0);
-        let could = inflated.get(et).copied().unwrap_or(0);
+        let want = expected.get(et).map_or(0, Vec::len);
+        let got = matched.get(et).copied().unwrap_or(0) + by_count.get(et).copied().unwrap_or(0);
+        let could = inflated.get(et).map_or(0, Vec::len);
         let occurrences = per_type.get(et.as_str()).copied().unwrap_or(0);
         if got > want && got <= could {
-            // Announced at a count of 11 that only rows which are no occurrence of their own
-            // (a redelivery recorded twice, #1181) could reach: the cause is what records
-            // twice — and of the faults, only one in force between an occurrence's first row
-            // and its further one.
-            let spans = doubled_spans.get(et.as_str()).map(Vec::as_slice).unwrap_or(&[]);
-            let windows = h.fault_windows();
-            let mut tags = dead_letter_tags(h, "spurious_crossing", "security", Through::Broker);
-            tags.retain(|tag| {
-                !tag.starts_with("fault:")
-                    || windows.iter().any(|(w, from, to)| {
-                        w == tag && spans.iter().any(|(a, b)| from.saturating_sub(WINDOW_SLACK_MS) <= *b && to.saturating_add(WINDOW_SLACK_MS) >= *a)
-                    })
-            });
-            v.blame(tags);
+            // Announced (by count) at a crossing only rows that are no occurrence of their own
+            // (a redelivery recorded twice, #1181) could reach.
+            spurious += got - want;
+            v.blame(spurious_tags(et));
             v.witness(format!(
                 "{et}: {occurrences} recorded occurrence(s) cross the threshold {want} time(s), but {got} threshold event(s) were emitted: a crossing the occurrences never made, reached only by counting {} row(s) that are no occurrence of their own",
                 all_rows_of(&every_row, et) - occurrences
             ));
         } else if got != want {
+            if got < want {
+                missed += want - got;
+            }
             v.blame(dead_letter_tags(h, if got > want { "re_emitted" } else { "missed_crossing" }, "security", Through::Nothing));
             v.witness(format!(
-                "{et}: {occurrences} recorded occurrence(s) cross the threshold {want} time(s), but {got} threshold event(s) were emitted{}",
+                "{et}: {occurrences} recorded occurrence(s) cross the threshold {want} time(s), but {got} threshold event(s) were emitted at a crossing{}",
                 if got > want { " (re-emitted during a sustained breach)" } else { " (a crossing went unannounced)" }
             ));
         }
     }
     v.count("audit_rows", all_rows);
     v.count("occurrences", rows.len());
-    v.count("crossings", expected.values().sum());
-    v.count("threshold_events", observed.values().sum::<usize>() + off_crossing);
-    v.count("off_crossing_events", off_crossing);
+    v.count("crossings", expected.values().map(Vec::len).sum());
+    v.count("threshold_events", events);
+    v.count("off_crossing_events", wrong_arrival);
+    v.count("spurious_events", spurious);
+    v.count("missed_crossings", missed);
+    v.count("rows_typed_otherwise_by_the_tap", relabelled);
     v.settle(rows.is_empty(), "nothing to check: no dead letter was audited")
+}
+
+/// How many of `rows` are of event type `et`.
+fn all_rows_of(rows: &[(i64, i64, &str, &str, Option<&str>)], et: &str) -> usize {
+    rows.iter().filter(|r| r.2 == et).count()
 }
 
 /// The send-jobs claim lease (#1185): a second POST of one transmission sooner than this
@@ -1572,11 +1676,6 @@ fn service_culprits(h: &History, service: &str) -> Vec<String> {
     tags
 }
 
-/// How many of `rows` are of event type `et`.
-fn all_rows_of(rows: &[(i64, i64, &str, &str)], et: &str) -> usize {
-    rows.iter().filter(|r| r.2 == et).count()
-}
-
 /// Everything drains within the bound after faults heal; no row stays claimed past its lease.
 ///
 /// The only rows excused from draining are the poison rows the harness itself wrote
@@ -1680,7 +1779,7 @@ mod tests {
     }
 
     fn tapped(h: &mut History, key: &str, token: Option<&str>) {
-        h.push(10, Event::DeadLettered { key: key.into(), token: token.map(str::to_owned), envelope: None, queue: None });
+        h.push(10, Event::DeadLettered { key: key.into(), token: token.map(str::to_owned), envelope: None, queue: None, event_type: None });
     }
 
     fn audited(h: &mut History, key: &str, token: Option<&str>, disposition: &str, event_type: &str, received: i64) {
@@ -1694,6 +1793,7 @@ mod tests {
                 event_type: Some(event_type.into()),
                 received_epoch_ms: received,
                 window_epoch_ms: received,
+                tx: None,
             },
         );
     }
@@ -1768,7 +1868,10 @@ mod tests {
         lost.sort();
         let v = dlq_occurrence_once(&lost);
         assert_eq!((v.counts["lost"], v.counts["unexplained_rows"]), (1, 1), "{v:?}");
-        assert!(v.all_point_at("compat:pre-1197"), "{:?}", v.culprits);
+        // Issue 22.8: nothing corroborates pre-1197 for this loss (no replica logged acking it
+        // unrecorded): the loss names no compat mode, only the unknown recorder.
+        assert_eq!(v.culprits.get("compat:pre-1197"), Some(&1), "only the unexplained row: {:?}", v.culprits);
+        assert_eq!(v.culprits["replica:unknown"], 1, "{:?}", v.culprits);
         // Each violation carries its own kind; a twin naming `kind:lost` is not met by the
         // unexplained row, and the link cut is blamed for the loss only.
         assert_eq!((v.culprits["kind:lost"], v.culprits["kind:unexplained"]), (1, 1), "{:?}", v.culprits);
@@ -1777,6 +1880,23 @@ mod tests {
         assert!(!v.culprits.contains_key("fault:kill rules-1"), "another service's fault is no cause: {:?}", v.culprits);
 
         assert_eq!(dlq_occurrence_once(&History::default()).validity, Validity::Unknown);
+
+        // Issue 22.8: a fault that ended before the dead letter reached craig.dlx is no
+        // cause of its loss; the replica that logged acking it unrecorded, with its compat,
+        // is (corroborated).
+        let mut late = History::default();
+        started(&mut late, 0, "security-1", &["pre-1197"]);
+        late.push(1, Event::Fault { kind: "down".into(), target: "security-1->database".into(), phase: Phase::Start });
+        late.push(2, Event::Fault { kind: "down".into(), target: "security-1->database".into(), phase: Phase::End });
+        late.push(5000, Event::DeadLettered { key: "k1".into(), token: Some("xdeath:1".into()), envelope: None, queue: None, event_type: None });
+        late.sort();
+        let v = dlq_occurrence_once(&late);
+        assert!(v.all_point_at("kind:lost") && v.all_point_at("replica:unknown"), "{:?}", v.culprits);
+        assert!(!v.culprits.contains_key("fault:down security-1->database") && !v.culprits.contains_key("compat:pre-1197"), "{:?}", v.culprits);
+        late.push(5100, Event::AckedUnrecorded { key: "k1".into(), replica: "security-1".into(), compat: vec!["pre-1197".into()] });
+        late.sort();
+        let v = dlq_occurrence_once(&late);
+        assert!(v.all_point_at("compat:pre-1197") && v.all_point_at("kind:lost"), "{:?}", v.culprits);
     }
 
     /// Completed XOR dead-lettered: an envelope that took effect and was also dead-lettered
@@ -1786,7 +1906,7 @@ mod tests {
         let mut h = History::default();
         started(&mut h, 0, "security-1", &[]);
         h.push(1, Event::Effect { envelope: id(1), referral: None, service: "rules".into(), replica: Some("rules-1".into()) });
-        h.push(2, Event::DeadLettered { key: "k1".into(), token: Some("xdeath:1".into()), envelope: Some(id(1)), queue: Some("craig-rules.events".into()) });
+        h.push(2, Event::DeadLettered { key: "k1".into(), token: Some("xdeath:1".into()), envelope: Some(id(1)), queue: Some("craig-rules.events".into()), event_type: None });
         audited(&mut h, "k1", Some("xdeath:1"), "recorded", "a", 1);
         h.sort();
         let v = dlq_occurrence_once(&h);
@@ -1813,7 +1933,7 @@ mod tests {
             // A duplicate row of an occurrence already counted: not a crossing of its own.
             audited(&mut h, "k0", Some("xdeath:0"), "recorded", "case.referral_created", 2_000);
             for _ in 0..events {
-                h.push(30, Event::ThresholdExceeded { event_type: "case.referral_created".into(), count: 11 });
+                h.push(30, Event::ThresholdExceeded { event_type: "case.referral_created".into(), count: 11, tx: None });
             }
             h.sort();
             h
@@ -1829,7 +1949,7 @@ mod tests {
         assert_eq!((v.validity, v.counts["crossings"]), (Validity::Valid, 0), "the divergent 11th is alert-inert: {v:?}");
         // One event, but at the 12th arrival: not the crossing (the audit's word on that).
         let mut late = build(0, &[], false);
-        late.push(40, Event::ThresholdExceeded { event_type: "case.referral_created".into(), count: 12 });
+        late.push(40, Event::ThresholdExceeded { event_type: "case.referral_created".into(), count: 12, tx: None });
         late.sort();
         let v = threshold_crossing_once(&late);
         assert_eq!((v.validity, v.counts["off_crossing_events"]), (Validity::Invalid, 1), "{v:?}");
@@ -1842,9 +1962,57 @@ mod tests {
             let at = if i < 11 { i } else { 2 * hour + i };
             audited(&mut h, &format!("k{i}"), Some(&format!("xdeath:{i}")), "recorded", "t", at);
         }
-        h.push(30, Event::ThresholdExceeded { event_type: "t".into(), count: 11 });
+        h.push(30, Event::ThresholdExceeded { event_type: "t".into(), count: 11, tx: None });
         let v = threshold_crossing_once(&h);
         assert_eq!((v.counts["crossings"], v.validity), (2, Validity::Invalid), "{v:?}");
+    }
+
+    /// Issue 22.4: the threshold checker keeps its own count. A recorder whose count leaves
+    /// out the arriving row fires at the 12th dead letter while reporting `count = 11`:
+    /// matched to its transaction's row (the 12th), it is an event at the wrong arrival and
+    /// the 11th's crossing is missed. Rows typed by the tap, not by the recorder's column:
+    /// unparseable dead letters the recorder left untyped still cross.
+    #[test]
+    fn threshold_crossing_once_matches_each_event_to_its_transactions_row() {
+        let build = |fired_at: usize, column: Option<&str>| {
+            let mut h = History::default();
+            started(&mut h, 0, "security-1", &[]);
+            for i in 0..13usize {
+                h.push(10, Event::DeadLettered {
+                    key: format!("k{i}"),
+                    token: Some(format!("xdeath:{i}")),
+                    envelope: None,
+                    queue: None,
+                    event_type: Some("case.referral_created".into()),
+                });
+                h.push(20, Event::Audited {
+                    key: format!("k{i}"),
+                    disposition: "recorded".into(),
+                    token: Some(format!("xdeath:{i}")),
+                    envelope: None,
+                    event_type: column.map(str::to_owned),
+                    received_epoch_ms: 1_000 + i as i64,
+                    window_epoch_ms: 1_000 + i as i64,
+                    tx: Some(format!("{}", 500 + i)),
+                });
+            }
+            // The event reports 11 whatever arrival staged it.
+            h.push(30, Event::ThresholdExceeded { event_type: "case.referral_created".into(), count: 11, tx: Some(format!("{}", 500 + fired_at - 1)) });
+            h.sort();
+            h
+        };
+        let v = threshold_crossing_once(&build(11, Some("case.referral_created")));
+        assert_eq!((v.validity, v.counts["crossings"]), (Validity::Valid, 1), "{v:?}");
+        let v = threshold_crossing_once(&build(12, Some("case.referral_created")));
+        assert_eq!(v.validity, Validity::Invalid, "fired at the 12th, reporting 11: {v:?}");
+        assert!(v.culprits.contains_key("kind:re_emitted") && v.culprits.contains_key("kind:missed_crossing"), "{:?}", v.culprits);
+        assert!(v.witnesses.iter().any(|w| w.contains("at in-window count 12 by the harness's own count")), "{:?}", v.witnesses);
+        // Untyped by the recorder (an unparseable body), typed by the tap: still its crossing.
+        let v = threshold_crossing_once(&build(11, None));
+        assert_eq!((v.validity, v.counts["crossings"]), (Validity::Valid, 1), "{v:?}");
+        // Typed otherwise by the recorder: the tap's type wins, and the relabelling is counted.
+        let v = threshold_crossing_once(&build(11, Some("rule.evaluated")));
+        assert_eq!((v.validity, v.counts["rows_typed_otherwise_by_the_tap"]), (Validity::Valid, 13), "{v:?}");
     }
 
     fn staged(h: &mut History, env: u128, referral: u128) {
@@ -1871,7 +2039,7 @@ mod tests {
             h.push(0, Event::Staged { envelope: id(env), referral: None, service: "cases".into(), published, attempts: 1, last_error: None });
         };
         dead(&mut h, 21, true); // reached craig.dlx
-        h.push(40, Event::DeadLettered { key: "k21".into(), token: None, envelope: Some(id(21)), queue: Some("craig-rules.events".into()) });
+        h.push(40, Event::DeadLettered { key: "k21".into(), token: None, envelope: Some(id(21)), queue: Some("craig-rules.events".into()), event_type: None });
         dead(&mut h, 22, true); // rejected by rules (pre-d3), then vanished
         stamped(&mut h, 30, 22, "cases-1", &[]);
         h.push(35, Event::Rejected { envelope: id(22), replica: "rules-1".into(), compat: vec!["pre-d3".into()] });
@@ -1900,7 +2068,7 @@ mod tests {
         staged(&mut ok, 11, 1);
         effect(&mut ok, 50, 11, 1);
         dead(&mut ok, 22, true);
-        ok.push(40, Event::DeadLettered { key: "k22".into(), token: None, envelope: Some(id(22)), queue: Some("craig-rules.events".into()) });
+        ok.push(40, Event::DeadLettered { key: "k22".into(), token: None, envelope: Some(id(22)), queue: Some("craig-rules.events".into()), event_type: None });
         ok.sort();
         assert_eq!(no_loss(&ok).validity, Validity::Valid);
     }
@@ -1935,7 +2103,7 @@ mod tests {
             let mut h = History::default();
             started(&mut h, 0, "rules-1", &["pre-1196"]);
             h.push(20, Event::Rejected { envelope: id(5), replica: "rules-1".into(), compat: vec!["pre-1196".into()] });
-            h.push(30, Event::DeadLettered { key: "k5".into(), token: Some("t5".into()), envelope: Some(id(5)), queue: Some(queue.into()) });
+            h.push(30, Event::DeadLettered { key: "k5".into(), token: Some("t5".into()), envelope: Some(id(5)), queue: Some(queue.into()), event_type: None });
             audited(&mut h, "k5", Some("t5"), "recorded", "case.referral_created", 1);
             h.sort();
             dlq_occurrence_once(&h)
@@ -1951,7 +2119,7 @@ mod tests {
         let mut h = History::default();
         started(&mut h, 0, "rules-1", &["pre-1196"]);
         h.push(1, Event::DeadLetterStaged { envelope: id(6), service: "rules".into() });
-        h.push(30, Event::DeadLettered { key: "k6".into(), token: Some("t6".into()), envelope: Some(id(6)), queue: Some("craig-cases".into()) });
+        h.push(30, Event::DeadLettered { key: "k6".into(), token: Some("t6".into()), envelope: Some(id(6)), queue: Some("craig-cases".into()), event_type: None });
         audited(&mut h, "k6", Some("t6"), "recorded", "case.referral_created", 1);
         h.sort();
         let v = dlq_occurrence_once(&h);
@@ -2277,7 +2445,7 @@ mod tests {
                 audited(&mut h, "k3", Some("minted:redelivery"), "recorded", "case.referral_created", 2_000);
             }
             for _ in 0..events {
-                h.push(30, Event::ThresholdExceeded { event_type: "case.referral_created".into(), count: 11 });
+                h.push(30, Event::ThresholdExceeded { event_type: "case.referral_created".into(), count: 11, tx: None });
             }
             h.sort();
             h
@@ -2314,8 +2482,8 @@ mod tests {
         started(&mut h, 0, "financial-1", &[]);
         started(&mut h, 0, "security-1", &[]);
         h.push(1, Event::DeadLetterStaged { envelope: id(6), service: "financial".into() });
-        h.push(10, Event::DeadLettered { key: "k6".into(), token: Some("xdeath:6".into()), envelope: Some(id(6)), queue: Some("craig-rules.events".into()) });
-        h.push(10, Event::DeadLettered { key: "k7".into(), token: Some("xdeath:7".into()), envelope: Some(id(7)), queue: Some("craig-financial.events".into()) });
+        h.push(10, Event::DeadLettered { key: "k6".into(), token: Some("xdeath:6".into()), envelope: Some(id(6)), queue: Some("craig-rules.events".into()), event_type: None });
+        h.push(10, Event::DeadLettered { key: "k7".into(), token: Some("xdeath:7".into()), envelope: Some(id(7)), queue: Some("craig-financial.events".into()), event_type: None });
         audited(&mut h, "k6", Some("xdeath:6"), "recorded", "placement.activated", 1);
         audited(&mut h, "k7", Some("xdeath:7"), "recorded", "placement.activated", 2);
         h.push(30, Event::Effect { envelope: id(7), referral: Some(id(70)), service: "financial".into(), replica: Some("financial-1".into()) });

@@ -86,6 +86,10 @@ pub enum Event {
         envelope: Option<Uuid>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         queue: Option<String>,
+        /// The event type by the tap's own copy: the envelope's, else the routing key it was
+        /// first published with (the oldest `x-death` entry's `routing-keys`), read here.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event_type: Option<String>,
     },
     /// A `dead_letter_audit` row (§D3), read at the end: `key` as for
     /// [`Event::DeadLettered`]; times in epoch ms on the database's clock (the window's).
@@ -101,9 +105,19 @@ pub enum Event {
         received_epoch_ms: i64,
         /// `LEAST(COALESCE(occurred_at, dlq_received_at), dlq_received_at)` (#1181 R5/R8).
         window_epoch_ms: i64,
+        /// The transaction that wrote the row (`xmin`), read from the database.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tx: Option<String>,
     },
-    /// A `security.dlq.threshold_exceeded` event the security service staged (#1156).
-    ThresholdExceeded { event_type: String, count: i64 },
+    /// A `security.dlq.threshold_exceeded` event the security service staged (#1156), with
+    /// the transaction that staged it (`xmin`): the row whose arrival it announces is the
+    /// one written in the same transaction.
+    ThresholdExceeded {
+        event_type: String,
+        count: i64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tx: Option<String>,
+    },
     /// A fault began or ended.
     Fault { kind: String, target: String, phase: Phase },
     /// A replica process died (crash point, kill). `consumer` is true for consuming services.

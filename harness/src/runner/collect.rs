@@ -149,20 +149,21 @@ async fn collect_exchanges(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
 /// The security service's record (§D3): every `dead_letter_audit` row, keyed by its bytes
 /// as the tap keys a delivery, and every staged `security.dlq.threshold_exceeded`.
 async fn collect_dead_letters(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
-    type Row = (String, Vec<u8>, String, Option<String>, Option<Uuid>, Option<String>, i64, i64);
+    type Row = (String, Vec<u8>, String, Option<String>, Option<Uuid>, Option<String>, i64, i64, String);
     let rows: Vec<Row> = bounded(
         COLLECT,
         "reading dead_letter_audit",
         sqlx::query_as(
             "SELECT routing_key, raw_body, disposition, occurrence_token, envelope_id, event_type, \
                     (EXTRACT(EPOCH FROM dlq_received_at) * 1000)::int8, \
-                    (EXTRACT(EPOCH FROM LEAST(COALESCE(occurred_at, dlq_received_at), dlq_received_at)) * 1000)::int8 \
+                    (EXTRACT(EPOCH FROM LEAST(COALESCE(occurred_at, dlq_received_at), dlq_received_at)) * 1000)::int8, \
+                    xmin::text \
              FROM dead_letter_audit ORDER BY dlq_received_at, id",
         )
         .fetch_all(pool),
     )
     .await?;
-    for (routing_key, raw, disposition, token, envelope, event_type, received, window) in rows {
+    for (routing_key, raw, disposition, token, envelope, event_type, received, window, tx) in rows {
         log.push_at(
             log.rel_db(received),
             Event::Audited {
@@ -173,24 +174,26 @@ async fn collect_dead_letters(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
                 event_type,
                 received_epoch_ms: received,
                 window_epoch_ms: window,
+                tx: Some(tx),
             },
         );
     }
-    let events: Vec<(Option<String>, Option<i64>, i64)> = bounded(
+    let events: Vec<(Option<String>, Option<i64>, i64, String)> = bounded(
         COLLECT,
         "reading threshold events",
         sqlx::query_as(
             "SELECT envelope->'payload'->>'event_type', (envelope->'payload'->>'count')::int8, \
-                    (EXTRACT(EPOCH FROM created_at) * 1000)::int8 \
-             FROM event_outbox WHERE event_type = 'security.dlq.threshold_exceeded'",
+                    (EXTRACT(EPOCH FROM created_at) * 1000)::int8, \
+                    COALESCE((SELECT t.tx FROM chaos_outbox_tx t WHERE t.envelope_id = o.id), '') \
+             FROM event_outbox o WHERE event_type = 'security.dlq.threshold_exceeded'",
         )
         .fetch_all(pool),
     )
     .await?;
-    for (event_type, count, at) in events {
+    for (event_type, count, at, tx) in events {
         log.push_at(
             log.rel_db(at),
-            Event::ThresholdExceeded { event_type: event_type.unwrap_or_default(), count: count.unwrap_or(-1) },
+            Event::ThresholdExceeded { event_type: event_type.unwrap_or_default(), count: count.unwrap_or(-1), tx: Some(tx).filter(|t| !t.is_empty()) },
         );
     }
     Ok(())

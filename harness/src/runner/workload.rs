@@ -36,6 +36,9 @@ impl Staged {
         for pool in pools.values() {
             record_pending_deletes(pool).await?;
         }
+        if let Some(security) = pools.get("security") {
+            record_staging_transactions(security).await?;
+        }
         if let Some(financial) = pools.get("financial") {
             record_transaction_transitions(financial).await?;
             stage_send_jobs(financial, s.workload.send_jobs, s.workload.send_overdue_ms).await?;
@@ -535,6 +538,22 @@ async fn stage_send_jobs(financial: &PgPool, n: u32, overdue_ms: u64) -> anyhow:
     .await?;
     bounded(COLLECT, "staging send jobs", tx.commit()).await?;
     Ok(())
+}
+
+/// A trigger on security's `event_outbox` that records which transaction staged each row
+/// (`chaos_outbox_tx`, as `xmin` spells it): the stamp rewrites the row's own `xmin`, and
+/// `threshold_crossing_once` matches a threshold event to the `dead_letter_audit` row
+/// written in the same transaction (issue 22.4), never to the count the event reports.
+async fn record_staging_transactions(security: &PgPool) -> anyhow::Result<()> {
+    execute_all(security, "installing the staging-transaction recorder in security's database", &[
+        "CREATE TABLE IF NOT EXISTS chaos_outbox_tx (envelope_id uuid PRIMARY KEY, tx text NOT NULL)",
+        "CREATE OR REPLACE FUNCTION chaos_record_outbox_tx() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           INSERT INTO chaos_outbox_tx (envelope_id, tx) VALUES (NEW.id, (pg_current_xact_id()::text::bigint % 4294967296)::text) \
+           ON CONFLICT DO NOTHING; RETURN NEW; END $$",
+        "DROP TRIGGER IF EXISTS chaos_outbox_tx ON event_outbox",
+        "CREATE TRIGGER chaos_outbox_tx AFTER INSERT ON event_outbox FOR EACH ROW EXECUTE FUNCTION chaos_record_outbox_tx()",
+    ])
+    .await
 }
 
 /// A trigger on `event_outbox` that records every DELETE of a PENDING row into
