@@ -718,6 +718,26 @@ pub fn effect_once(h: &History) -> Verdict {
             }
         }
     }
+    // Issue 22.3: every side effect, not only the one the arbiter guards. Per placement
+    // period, financial's payment.created rows and partner transmissions are staged iff a
+    // payment was inserted: exactly as many of each as payments. (A doubled PAYMENT is the
+    // arbiter's finding above; this is what an absorb path staging again leaves.)
+    let mut ledger_mismatches = 0;
+    for e in h.iter() {
+        if let Event::PaymentLedger { placement, period, payments, created_events, transmissions } = &e.event {
+            for (what, n) in [("payment.created event(s)", created_events), ("partner transmission(s)", transmissions)] {
+                if n != payments {
+                    ledger_mismatches += 1;
+                    unattributed += 1;
+                    let mut tags = vec!["kind:unmatched_side_effect".to_owned()];
+                    tags.extend(service_culprits(h, "financial"));
+                    v.blame(tags);
+                    v.witness(format!("placement {placement} period {period}: {payments} payment(s) but {n} {what} staged (each is staged iff its payment was inserted)"));
+                }
+            }
+        }
+    }
+    v.count("ledger_mismatches", ledger_mismatches);
     v.count("envelopes", fx.by_envelope.len());
     v.count("effects", fx.total);
     v.count("duplicated", duplicated);
@@ -775,7 +795,7 @@ fn fault_replica(tag: &str) -> Option<&str> {
 /// twin is red for its documented cause and not for any violation of the same checker.
 pub const VIOLATION_KINDS: &[&str] =
     &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed", "double_post", "conflicting_events", "terminal_flip", "pruned_pending", "replay_past_window",
-      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status", "captured"];
+      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status", "captured", "pruned_dedup", "never_answered", "unmatched_side_effect"];
 
 /// Which faults can cause a dead-letter violation of a kind, by the fault tag.
 #[derive(Clone, Copy)]
@@ -1100,13 +1120,14 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
     // The occurrence a row records is the one the harness's tap saw its bytes carry (a
     // recorder that mints its own token per delivery, pre-1181, cannot hide a redelivery
     // behind a fresh token); without the tap's word, the row's own token.
-    let tapped: HashMap<&str, &str> = h
-        .iter()
-        .filter_map(|e| match &e.event {
-            Event::DeadLettered { key, token: Some(t), .. } => Some((key.as_str(), t.as_str())),
-            _ => None,
-        })
-        .collect();
+    // One key (the bytes' digest) can carry several occurrences: an envelope replayed and
+    // dead-lettered again has the same bytes and a new x-death (issue 22.5).
+    let mut tapped: HashMap<&str, Vec<&str>> = HashMap::new();
+    for e in h.iter() {
+        if let Event::DeadLettered { key, token: Some(t), .. } = &e.event {
+            tapped.entry(key.as_str()).or_default().push(t.as_str());
+        }
+    }
     let tapped_type: HashMap<&str, &str> = h
         .iter()
         .filter_map(|e| match &e.event {
@@ -1129,7 +1150,17 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
             every_row.push(row);
             // A divergent quarantine row (R7) is a row of its own in the window whatever
             // token its bytes carry.
-            let occurrence = tapped.get(key.as_str()).copied().or(token.as_deref()).filter(|_| disposition != "divergent");
+            // The row's own token where the tap saw it on these bytes; else the first of the
+            // tap's tokens for these bytes not yet counted (a recorder minting its own
+            // tokens, pre-1181, cannot hide a redelivery behind them); else its own.
+            let taps = tapped.get(key.as_str()).map(Vec::as_slice).unwrap_or(&[]);
+            let occurrence = token
+                .as_deref()
+                .filter(|t| taps.contains(t))
+                .or_else(|| taps.iter().copied().find(|t| !seen_tokens.contains(t)))
+                .or_else(|| taps.first().copied())
+                .or(token.as_deref())
+                .filter(|_| disposition != "divergent");
             if let Some(t) = occurrence {
                 if !seen_tokens.insert(t) {
                     doubled_spans.entry(et).or_default().push((first_row.get(t).copied().unwrap_or(0), e.t_ms));
@@ -1443,6 +1474,9 @@ pub fn fencing(h: &History) -> Verdict {
 pub fn retention_safety(h: &History) -> Verdict {
     let mut v = Verdict::new("retention_safety");
     let (mut cycles, mut kept, mut pruned) = (0, 0i64, 0);
+    let edges: HashSet<Uuid> =
+        h.iter().filter_map(|e| if let Event::InboxEdge { envelope, .. } = &e.event { Some(*envelope) } else { None }).collect();
+    let (mut inbox_deletes, mut edge_deletes) = (0, 0);
     let (mut accepted, mut refused, mut past_accepted) = (0, 0, 0);
     for e in h.iter() {
         match &e.event {
@@ -1456,6 +1490,42 @@ pub fn retention_safety(h: &History) -> Verdict {
                 tags.extend(service_culprits(h, service));
                 v.blame(tags);
                 v.witness(format!("pending outbox row {envelope} of {service} was deleted @{}ms: the only evidence of an undelivered event", e.t_ms));
+            }
+            Event::InboxPruned { envelope, service, age_ms, window_ms } => {
+                inbox_deletes += 1;
+                if edges.contains(envelope) {
+                    edge_deletes += 1;
+                }
+                if age_ms < window_ms {
+                    let mut tags = vec!["kind:pruned_dedup".to_owned()];
+                    tags.extend(service_culprits(h, service));
+                    v.blame(tags);
+                    v.witness(format!(
+                        "{service} deleted the dedup record of {envelope} at {:.1} d, inside its {} d inbox window @{}ms: a redelivery would re-execute",
+                        *age_ms as f64 / 86_400_000.0,
+                        window_ms / 86_400_000,
+                        e.t_ms
+                    ));
+                }
+            }
+            Event::Replay { replica, from_age_ms, window_ms, status, .. } if from_age_ms > window_ms && *status != Some(422) => {
+                // Issue 22.6: past the window the only right answer is 422 (nothing re-staged);
+                // anything else, no answer included, is a violation.
+                if *status == Some(200) {
+                    accepted += 1;
+                }
+                past_accepted += 1;
+                let mut tags = vec!["kind:replay_past_window".to_owned()];
+                tags.extend(culprit_tags(replica, h.compat_at(replica, e.t_ms)));
+                v.blame(tags);
+                v.witness(format!(
+                    "{} answered {} to a replay starting {} h back, past the {} h outbox window @{}ms (only 422 refuses it)",
+                    running(replica, h.compat_at(replica, e.t_ms)),
+                    status.map_or_else(|| "nothing".to_owned(), |s| s.to_string()),
+                    from_age_ms / 3_600_000,
+                    window_ms / 3_600_000,
+                    e.t_ms
+                ));
             }
             Event::Replay { replica, from_age_ms, window_ms, status, .. } => {
                 let ok = *status == Some(200);
@@ -1488,6 +1558,9 @@ pub fn retention_safety(h: &History) -> Verdict {
     v.count("replays_accepted", accepted);
     v.count("replays_refused", refused);
     v.count("replays_past_window_accepted", past_accepted);
+    v.count("inbox_deletes", inbox_deletes);
+    v.count("inbox_edge_records", edges.len());
+    v.count("inbox_edge_records_deleted", edge_deletes);
     // Each half proves itself: staged pending rows need a cycle that saw them (kept or
     // deleted them); without them, a cycle or a replay is something to check.
     let proven = if staged_pending { cycles > 0 && (kept > 0 || pruned > 0) } else { cycles > 0 || accepted + refused > 0 };
@@ -1647,6 +1720,30 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
             }
         }
     }
+    // Issue 22.6: no answer is not "held". Every (key, size) the clients asked for must end
+    // with a 200 read whole after the faults healed (the workload retries each one then);
+    // a key kept at 409 (a claim that never expires, a row stuck `processing`) or never
+    // answered is a violation.
+    let healed = h.iter().find(|e| matches!(e.event, Event::Healed)).map_or(0, |e| e.t_ms);
+    let mut asked: BTreeMap<(&str, u64), bool> = BTreeMap::new();
+    for e in h.iter() {
+        let Event::HttpExchange { key, size, replica, status, body_sha256, cancelled: gone, .. } = &e.event else { continue };
+        let answered = asked.entry((key.as_str(), *size)).or_default();
+        if replica != "none" && e.t_ms >= healed && *status == Some(200) && body_sha256.is_some() && !*gone {
+            *answered = true;
+        }
+    }
+    let mut never = 0;
+    for ((key, size), answered) in &asked {
+        if !answered {
+            never += 1;
+            let mut tags = vec!["kind:never_answered".to_owned()];
+            tags.extend(service_culprits(h, "cases"));
+            v.blame(tags);
+            v.witness(format!("key {key} (size={size}) never got a 200 read whole after every fault healed"));
+        }
+    }
+    v.count("never_answered", never);
     v.count("answers_judged", judged);
     v.count("live", live);
     v.count("replays", replays);
@@ -1741,7 +1838,12 @@ pub fn liveness(h: &History) -> Verdict {
             if after.is_none() {
                 v.witness(format!("{pending} outbox rows still pending {bound} ms after the faults healed"));
             }
-            v.validity = if after.is_none() || stuck > 0 || poison_published > 0 {
+            v.validity = if after.is_none() && pending == 0 && stuck == 0 && poison_published == 0 && unacked_unknown_seen {
+                // Quiet by every sign the harness could read, but the unacked deliveries never
+                // could be counted within the bound: unknown, not a violation.
+                v.error = Some("the broker never reported its unacked deliveries within the bound: the drain is not proven".into());
+                Validity::Unknown
+            } else if after.is_none() || stuck > 0 || poison_published > 0 {
                 Validity::Invalid
             } else if poison_untouched > 0 {
                 v.error = Some("a poison row was never claimed: the fault did not fire".into());
@@ -2691,6 +2793,53 @@ mod tests {
         assert_eq!(sentinel_integrity(&History::default()).validity, Validity::Unknown);
     }
 
+    /// Issue 22.3: an absorb path that stages `payment.created` again (one payment, two
+    /// events) was green while only payments were counted; the ledger makes it a violation.
+    #[test]
+    fn effect_once_holds_each_payment_to_one_event_and_one_transmission() {
+        let ledger = |payments, created_events, transmissions| {
+            let mut h = History::default();
+            started(&mut h, 0, "financial-1", &[]);
+            h.push(10, Event::Effect { envelope: id(1), referral: None, service: "financial".into(), replica: Some("financial-1".into()) });
+            h.push(20, Event::PaymentLedger { placement: id(9), period: "2026-12-01".into(), payments, created_events, transmissions });
+            h.sort();
+            effect_once(&h)
+        };
+        assert_eq!(ledger(1, 1, 1).validity, Validity::Valid);
+        let v = ledger(1, 2, 1);
+        assert_eq!((v.validity, v.counts["ledger_mismatches"]), (Validity::Invalid, 1), "{v:?}");
+        assert!(v.all_point_at("kind:unmatched_side_effect") && v.all_point_at("replica:financial-1"), "{:?}", v.culprits);
+        assert_eq!(ledger(1, 1, 0).validity, Validity::Invalid, "a payment without its transmission");
+    }
+
+    /// Issue 22.6: no answer is not "held". A key answered only before the faults healed
+    /// and kept at 409 after (a claim that never expires) never got its judged 200.
+    #[test]
+    fn sentinel_integrity_needs_a_judged_200_for_every_key_after_the_heal() {
+        let body = |n: u64| craig_fleet::cases::export_body(n as usize);
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", &[]);
+        run(&mut h, 10, "a", 10, 1);
+        answer(&mut h, 11, "cases-1", "a", 10, false, false, &body(10));
+        run(&mut h, 12, "b", 10, 1);
+        answer(&mut h, 13, "cases-1", "b", 10, false, false, &body(10));
+        h.push(100, Event::Healed);
+        answer(&mut h, 110, "cases-1", "a", 10, true, false, &body(10));
+        let stuck = |h: &mut History, t| {
+            h.push(t, Event::HttpExchange { key: "b".into(), size: 10, replica: "cases-1".into(), status: Some(409), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after: Some(30) });
+        };
+        stuck(&mut h, 120);
+        stuck(&mut h, 1_120);
+        h.sort();
+        let v = sentinel_integrity(&h);
+        assert_eq!((v.validity, v.counts["never_answered"]), (Validity::Invalid, 1), "{v:?}");
+        assert!(v.all_point_at("kind:never_answered"), "{:?}", v.culprits);
+        assert!(v.witnesses.iter().any(|w| w.contains("key b (size=10) never got a 200")), "{:?}", v.witnesses);
+        answer(&mut h, 2_000, "cases-1", "b", 10, true, false, &body(10));
+        h.sort();
+        assert_eq!(sentinel_integrity(&h).validity, Validity::Valid);
+    }
+
     /// #965/#1129: a prune that kept the pending rows and a replay rule that refused the
     /// window past retention hold; a pending row deleted, or a past-window replay accepted,
     /// is a violation of its own kind; a run where nothing pruned or replayed proves nothing.
@@ -2720,7 +2869,30 @@ mod tests {
         assert_eq!((v.validity, v.counts["pending_pruned"], v.counts["replays_past_window_accepted"]), (Validity::Invalid, 1, 1), "{v:?}");
         assert!(v.all_point_at("compat:pre-965"), "{:?}", v.culprits);
         assert_eq!((v.culprits.get("kind:pruned_pending"), v.culprits.get("kind:replay_past_window")), (Some(&1), Some(&1)));
-        assert!(v.witnesses[1].contains("accepted a replay starting 721 h back, past the 720 h outbox window"), "{:?}", v.witnesses);
+        assert!(v.witnesses[1].contains("answered 200 to a replay starting 721 h back, past the 720 h outbox window"), "{:?}", v.witnesses);
+
+        // Issue 22.6: past the window only a 422 refuses; a 503 (or no answer) is no refusal.
+        let mut unavailable = h.clone();
+        replay(&mut unavailable, 5_200, 30 * day + 3_600_000, 503);
+        unavailable.push(5_300, Event::Replay { replica: "cases-1".into(), from_age_ms: 30 * day + 3_600_000, window_ms: 30 * day, status: None, restaged: None });
+        unavailable.sort();
+        let v = retention_safety(&unavailable);
+        assert_eq!((v.validity, v.culprits.get("kind:replay_past_window")), (Validity::Invalid, Some(&2)), "{v:?}");
+        // ... and a dedup record deleted inside the 31 d inbox window is a violation; the one
+        // past it is the prune's to take.
+        let mut inbox = h.clone();
+        started(&mut inbox, 0, "rules-1", &[]);
+        inbox.push(0, Event::InboxEdge { envelope: id(7), service: "rules".into(), age_ms: 31 * day - day / 2 });
+        inbox.push(0, Event::InboxEdge { envelope: id(8), service: "rules".into(), age_ms: 31 * day + day / 2 });
+        inbox.push(950, Event::InboxPruned { envelope: id(8), service: "rules".into(), age_ms: 31 * day + day / 2, window_ms: 31 * day });
+        inbox.sort();
+        let v = retention_safety(&inbox);
+        assert_eq!((v.validity, v.counts["inbox_edge_records_deleted"]), (Validity::Valid, 1), "{v:?}");
+        inbox.push(960, Event::InboxPruned { envelope: id(7), service: "rules".into(), age_ms: 31 * day - day / 2, window_ms: 31 * day });
+        inbox.sort();
+        let v = retention_safety(&inbox);
+        assert_eq!(v.validity, Validity::Invalid, "{v:?}");
+        assert!(v.all_point_at("kind:pruned_dedup") && v.culprits.contains_key("replica:rules-1"), "{:?}", v.culprits);
 
         // Backdated rows staged, a cycle that never saw them: the fault never met the prune.
         let mut blind = History::default();
@@ -2871,6 +3043,10 @@ mod tests {
         let mut unproven = History::default();
         unproven.push(100, Event::Drained { after_ms: Some(1200), bound_ms: 60_000, pending: 0, unacked_unknown: true });
         assert_eq!(liveness(&unproven).validity, Validity::Unknown);
+        // Issue 22.7: quiet but the count never came within the bound: unknown, not held.
+        let mut never_counted = History::default();
+        never_counted.push(100, Event::Drained { after_ms: None, bound_ms: 60_000, pending: 0, unacked_unknown: true });
+        assert_eq!(liveness(&never_counted).validity, Validity::Unknown);
         h.push(101, Event::Stuck { envelope: id(7), service: "cases".into(), claimed_ms_ago: 90_000 });
         let v = liveness(&h);
         assert_eq!((v.validity, v.counts["stuck_claims"]), (Validity::Invalid, 1));

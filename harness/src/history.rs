@@ -193,6 +193,16 @@ pub enum Event {
     /// A pending outbox row was deleted (a trigger the harness installs in every service
     /// database records each DELETE of a row with `published_at IS NULL`).
     PrunedPending { envelope: Uuid, service: String },
+    /// What financial's database holds per placement period (issue 22.3), read at the end:
+    /// payments, `payment.created` outbox rows and partner transmissions. Each side effect
+    /// is staged iff its payment was inserted: one of each per payment.
+    PaymentLedger { placement: Uuid, period: String, payments: u32, created_events: u32, transmissions: u32 },
+    /// A dedup record the harness staged at the edge of the inbox window (issue 22.6), its
+    /// age when staged.
+    InboxEdge { envelope: Uuid, service: String, age_ms: u64 },
+    /// A DELETE of an `event_inbox` row, recorded by a harness trigger with the row's age
+    /// then, and the inbox window the service runs with.
+    InboxPruned { envelope: Uuid, service: String, age_ms: u64, window_ms: u64 },
     /// A replica's retention prune ran a cycle (`retention.cycle`) and how many pending rows
     /// older than the grace it saw and kept (`retention.outbox_unpublished_beyond_grace`).
     PruneCycle {

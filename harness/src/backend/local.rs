@@ -335,7 +335,7 @@ impl LocalBackend {
     /// timeout, and the child dies with a caller's timeout that drops it).
     pub async fn unacked(&self, queues: &[String]) -> Result<u64, BackendError> {
         let out = self.rabbitmqctl(&["list_queues", "--timeout", "5", "-s", "name", "messages_unacknowledged"]).await?;
-        Ok(craig_sandbox::sum_listed(&out, queues))
+        craig_sandbox::sum_listed(&out, queues).map_err(|e| BackendError::failed("counting unacked deliveries", e))
     }
 
     /// How long one `rabbitmqctl` call may take (the CLI itself starts an Erlang VM: ~1 s).

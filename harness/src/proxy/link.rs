@@ -199,7 +199,7 @@ impl Pump {
         let now = Instant::now();
         for (name, (_, applies)) in &self.drawn {
             if *applies {
-                self.stats.charge(name, chunk.len() as u64, 0);
+                self.stats.charge_chunk(name, chunk);
             }
         }
         if let Some(ms) = self.active.iter().find_map(|k| match k {

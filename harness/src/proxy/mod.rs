@@ -48,11 +48,23 @@ pub struct ProxyInfo {
     pub cut_connections: Option<u64>,
 }
 
-/// Bytes a toxic took in (dropped, delayed, sliced…) and connections it applied to.
+/// Bytes a toxic took in (dropped, delayed, sliced…) and connections it applied to;
+/// `payload_bytes` leaves out chunks that are nothing but AMQP heartbeat frames (issue
+/// 22.9: heartbeats alone would otherwise prove a toxic "acted").
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Affected {
     pub bytes: u64,
     pub connections: u64,
+    #[serde(default)]
+    pub payload_bytes: u64,
+}
+
+/// An AMQP 0-9-1 heartbeat frame: type 8, channel 0, size 0, frame end 0xCE.
+const HEARTBEAT_FRAME: [u8; 8] = [8, 0, 0, 0, 0, 0, 0, 0xCE];
+
+/// Whether `chunk` is one or more AMQP heartbeat frames and nothing else.
+pub(crate) fn only_heartbeats(chunk: &[u8]) -> bool {
+    !chunk.is_empty() && chunk.len() % 8 == 0 && chunk.chunks(8).all(|f| f == HEARTBEAT_FRAME)
 }
 
 /// Per-toxic counters of one proxy, shared with its connections' pumps, and its live and
@@ -70,6 +82,15 @@ impl Stats {
         let a = m.entry(toxic.to_owned()).or_default();
         a.bytes += bytes;
         a.connections += connections;
+    }
+    /// A chunk the toxic took in: counted as payload unless it is only heartbeats.
+    pub(crate) fn charge_chunk(&self, toxic: &str, chunk: &[u8]) {
+        let mut m = self.by_toxic.lock().unwrap();
+        let a = m.entry(toxic.to_owned()).or_default();
+        a.bytes += chunk.len() as u64;
+        if !only_heartbeats(chunk) {
+            a.payload_bytes += chunk.len() as u64;
+        }
     }
     fn reset(&self, toxic: &str) {
         self.by_toxic.lock().unwrap().remove(toxic);
@@ -324,4 +345,25 @@ async fn bind(listen: &str) -> Result<TcpListener, ProxyError> {
     sock.set_reuseaddr(true).map_err(err)?;
     sock.bind(addr).map_err(err)?;
     sock.listen(1024).map_err(err)
+}
+
+#[cfg(test)]
+mod heartbeat_tests {
+    use super::{HEARTBEAT_FRAME, Stats, only_heartbeats};
+
+    /// Issue 22.9: a toxic that only ever saw heartbeats acted on no payload.
+    #[test]
+    fn heartbeats_are_not_payload() {
+        assert!(only_heartbeats(&HEARTBEAT_FRAME));
+        assert!(only_heartbeats(&[HEARTBEAT_FRAME, HEARTBEAT_FRAME].concat()));
+        assert!(!only_heartbeats(b""));
+        assert!(!only_heartbeats(&[HEARTBEAT_FRAME.as_slice(), b"\x01\x00\x01"].concat()));
+        let stats = Stats::default();
+        stats.charge_chunk("t", &HEARTBEAT_FRAME);
+        stats.charge_chunk("t", &HEARTBEAT_FRAME);
+        let a = stats.by_toxic.lock().unwrap()["t"];
+        assert_eq!((a.bytes, a.payload_bytes), (16, 0));
+        stats.charge_chunk("t", b"\x01\x00\x01\x00\x00\x00\x05hello\xce");
+        assert_eq!(stats.by_toxic.lock().unwrap()["t"].payload_bytes, 13);
+    }
 }

@@ -53,6 +53,22 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
         for (envelope, at) in pruned {
             log.push_at(log.rel_db(at), Event::PrunedPending { envelope, service: svc.clone() });
         }
+        // Inbox deletes, where the run recorded them (issue 22.6).
+        let recorded: bool = bounded(COLLECT, "looking for the inbox-delete recorder", sqlx::query_scalar("SELECT to_regclass('chaos_inbox_deletes') IS NOT NULL").fetch_one(pool)).await?;
+        if recorded {
+            let deletes: Vec<(Uuid, i64, i64)> = bounded(
+                COLLECT,
+                "reading inbox deletes",
+                sqlx::query_as("SELECT envelope_id, age_ms, (EXTRACT(EPOCH FROM at) * 1000)::int8 FROM chaos_inbox_deletes").fetch_all(pool),
+            )
+            .await?;
+            for (envelope, age, at) in deletes {
+                log.push_at(
+                    log.rel_db(at),
+                    Event::InboxPruned { envelope, service: svc.clone(), age_ms: age.max(0) as u64, window_ms: super::workload::INBOX_WINDOW_MS },
+                );
+            }
+        }
         for (envelope, referral, published, attempts, at, last_error) in rows {
             log.push_at(log.rel_db(at), Event::Staged { envelope, referral, service: svc.clone(), published, attempts, last_error });
         }
@@ -61,6 +77,7 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
         }
         if svc == "financial" {
             collect_exchanges(log, pool).await?;
+            collect_ledger(log, pool).await?;
         }
         if svc == "cases" {
             collect_idempotency(log, pool).await?;
@@ -110,6 +127,32 @@ async fn collect_idempotency(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
     .await?;
     for (cache_key, status, status_code, body_len, body_too_large, generation) in rows {
         log.push(Event::IdempotencyRow { cache_key, status, status_code, body_len, body_too_large, generation });
+    }
+    Ok(())
+}
+
+/// Financial's side effects per placement period (issue 22.3): the payments the arbiter
+/// guards, and what must be staged with each (its `payment.created`, its transmission).
+async fn collect_ledger(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
+    let rows: Vec<(Uuid, String, i64, i64, i64)> = bounded(
+        COLLECT,
+        "reading financial's ledger",
+        sqlx::query_as(
+            "WITH p AS (SELECT placement_id, period_start::text AS period, count(*) AS n FROM payments GROUP BY 1, 2), \
+                  e AS (SELECT (envelope->'payload'->>'placement_id')::uuid AS placement_id, envelope->'payload'->>'period_start' AS period, \
+                               count(*) AS n FROM event_outbox WHERE event_type = 'payment.created' GROUP BY 1, 2), \
+                  t AS (SELECT pay.placement_id, pay.period_start::text AS period, count(*) AS n \
+                        FROM exchange_transactions x JOIN payments pay ON pay.id = x.payment_id GROUP BY 1, 2) \
+             SELECT k.placement_id, k.period, COALESCE(p.n, 0), COALESCE(e.n, 0), COALESCE(t.n, 0) \
+             FROM (SELECT placement_id, period FROM p UNION SELECT placement_id, period FROM e WHERE placement_id IS NOT NULL) k \
+             LEFT JOIN p USING (placement_id, period) LEFT JOIN e USING (placement_id, period) LEFT JOIN t USING (placement_id, period)",
+        )
+        .fetch_all(pool),
+    )
+    .await?;
+    let n = |x: i64| u32::try_from(x).unwrap_or(u32::MAX);
+    for (placement, period, payments, created, transmissions) in rows {
+        log.push(Event::PaymentLedger { placement, period, payments: n(payments), created_events: n(created), transmissions: n(transmissions) });
     }
     Ok(())
 }

@@ -378,10 +378,11 @@ async fn inject(
             log.evidence(
                 kind,
                 &label,
+                // Issue 22.9: payload, not heartbeats (an idle AMQP link still beats).
                 affected
                     .get(&toxic.name)
-                    .filter(|a| a.bytes > 0)
-                    .map(|a| format!("{} bytes over {} connections", a.bytes, a.connections)),
+                    .filter(|a| a.payload_bytes > 0)
+                    .map(|a| format!("{} bytes ({} of payload) over {} connections", a.bytes, a.payload_bytes, a.connections)),
             );
             toxi.remove_toxic(&proxy, &toxic.name).await?;
         }

@@ -165,6 +165,15 @@ pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> Scenari
     if !findings.is_empty() {
         inconclusive(&mut result, findings.join("; "));
     }
+    // Issue 22.7: a drain that ran out of time leaves work in flight that no checker has
+    // seen finish; where liveness is not the scenario's own question, nothing is proven.
+    let timed_out = history.iter().find_map(|e| match &e.event {
+        Event::Drained { after_ms: None, bound_ms, .. } => Some(*bound_ms),
+        _ => None,
+    });
+    if let (Some(bound), false) = (timed_out, s.expect.contains_key("liveness")) {
+        inconclusive(&mut result, format!("the drain did not end within {bound} ms after the heal: work still in flight was never judged"));
+    }
     // A queue limit that made the broker Nack nothing proves nothing either: the evidence is
     // the producers' own `outbox_publish_errors_total{kind="nacked"}`.
     if s.faults.iter().any(|f| f.get_ref().kind == FaultKind::QueueLimit) {
@@ -268,8 +277,13 @@ fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<St
     if crossings < f.crossings {
         why.push(format!("{crossings} threshold events staged (security.dlq.threshold_exceeded), below min_crossings = {}", f.crossings));
     }
+    // Issue 22.9: distinct occurrences by the harness's own tap on craig.dlx, not the
+    // messages still queued or the rows the recorder wrote (a doubled row is no more
+    // activity); where no tap ran, the DLQ and the audit as before.
+    let occurrences = h.iter().any(|e| matches!(e.event, Event::DeadLettered { .. })).then(|| crate::checkers::dlq_occurrence_once(h).counts.get("occurrences").copied().unwrap_or(0));
+    let dead = occurrences.or(dead);
     if f.dead_letters > 0 && dead.unwrap_or(0) < f.dead_letters {
-        why.push(format!("{} dead letters (in {} or dead_letter_audit), below min_dead_letters = {}", dead.map_or("unknown".into(), |d| d.to_string()), craig_mq::topology::DLQ_QUEUE, f.dead_letters));
+        why.push(format!("{} distinct dead-lettered occurrences (the harness's tap on craig.dlx), below min_dead_letters = {}", dead.map_or("unknown".into(), |d| d.to_string()), f.dead_letters));
     }
     (!why.is_empty()).then(|| format!("below the activity floor: {}", why.join("; ")))
 }
@@ -540,10 +554,16 @@ async fn drive(
             metrics.insert(name.clone(), collect::scrape_metrics(&addr).await);
         }
     }
-    for r in replicas.values() {
+    for (name, r) in replicas.iter() {
         let mut r = r.lock().await;
         if r.pid().is_some() {
-            let _ = r.stop(Duration::from_secs(15)).await;
+            // Issue 22.9: SIGTERM drains and exits 0 (CONTRACT); anything else at the final
+            // stop is a finding, never discarded.
+            match r.stop(Duration::from_secs(15)).await {
+                Ok(status) if status.success() => {}
+                Ok(status) => log.finding(format!("{name} ended {} at the final SIGTERM, not exit 0", crate::process::describe(status))),
+                Err(e) => log.finding(format!("{name} could not be stopped at the end: {e}")),
+            }
         }
     }
     collect::collect(log, &pools).await?;

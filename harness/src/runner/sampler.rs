@@ -111,6 +111,11 @@ pub(super) async fn drain(
         let mut effects = 0;
         for (svc, pool) in pools {
             effects += bounded(PROBE, "effect count", super::collect::effect_count(svc, pool)).await.unwrap_or(-1);
+            // Issue 22.7: the dead-letter audit still growing is not quiet either.
+            if svc == "security" {
+                let audit = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM dead_letter_audit").fetch_one(pool);
+                effects += bounded(PROBE, "dead-letter audit count", audit).await.unwrap_or(-1_000_000);
+            }
         }
         if pending_total == 0 && depth == 0 {
             match quiet_since {
@@ -118,18 +123,34 @@ pub(super) async fn drain(
                     if since.elapsed() >= Duration::from_secs(1) {
                         // Quiet also means nothing delivered and still unacked (a delivery
                         // in flight is not ready); the broker says, where it can.
-                        let queues: Vec<String> =
+                        let mut queues: Vec<String> =
                             s.fleet.keys().filter(|svc| consumes(svc)).map(|svc| craig_mq::topology::consumer_queue(svc)).collect();
+                        // Issue 22.7: the DLQ's session holds deliveries while it parks.
+                        if s.fleet.contains_key("security") {
+                            queues.push(craig_mq::topology::DLQ_QUEUE.to_owned());
+                        }
                         let unacked = {
                             let b = backend.lock().await;
                             tokio::time::timeout(Duration::from_secs(10), b.unacked(&queues)).await
                         };
                         match unacked {
                             Ok(Ok(Some(n))) if n > 0 => quiet_since = None,
-                            other => {
-                                unacked_unknown = !matches!(other, Ok(Ok(Some(_))));
+                            Ok(Ok(Some(_))) => {
+                                unacked_unknown = false;
                                 drained_after = Some(since.duration_since(healed).as_millis() as u64);
                                 break;
+                            }
+                            // A backend that cannot count them: the drain is not proven.
+                            Ok(Ok(None)) => {
+                                unacked_unknown = true;
+                                drained_after = Some(since.duration_since(healed).as_millis() as u64);
+                                break;
+                            }
+                            // Issue 22.7: a count that failed, or a statistic not reported yet
+                            // (a new queue's), is unknown, never 0: ask again until the bound.
+                            _ => {
+                                unacked_unknown = true;
+                                quiet_since = None;
                             }
                         }
                     }
@@ -232,7 +253,13 @@ impl DepthProbe<'_> {
         // dead letter off (and recorded it, or the audit checkers say otherwise).
         if s.fleet.contains_key("security") {
             let ch = conn.create_channel().await?;
-            total += craig_mq::topology::queue_depth(&ch, craig_mq::topology::DLQ_QUEUE).await.unwrap_or(0);
+            // Issue 22.7: a failed read is unknown, never 0 (only a DLQ nobody declared yet is
+            // empty).
+            total += match craig_mq::topology::queue_depth(&ch, craig_mq::topology::DLQ_QUEUE).await {
+                Ok(n) => n,
+                Err(e) if format!("{e} {e:?}").contains("NOT_FOUND") => 0,
+                Err(e) => return Err(e.into()),
+            };
             let _ = ch.close(200, "probe".into()).await;
         }
         Ok(total)

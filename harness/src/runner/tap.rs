@@ -71,7 +71,8 @@ pub(super) async fn read(amqp_url: &str, log: &Log) -> anyhow::Result<usize> {
                 craig_mq::dlq::DeadLetterDelivery::read(&d.data, d.routing_key.as_str(), d.properties.headers().as_ref());
             let event = Event::DeadLettered {
                 key: dead_letter_key(d.routing_key.as_str(), &d.data),
-                token: read.token.map(|t| t.into_string()),
+                // The occurrence by the harness's own derivation (issue 22.5).
+                token: occurrence_token(&d.data, d.routing_key.as_str(), d.properties.headers().as_ref()),
                 envelope: read.envelope.map(|e| e.id),
                 queue: read.original_queue,
                 event_type: tapped_event_type(&d.data, d.properties.headers().as_ref()),
@@ -111,6 +112,77 @@ fn died_epoch_ms(body: &[u8], headers: Option<&lapin::types::FieldTable>) -> Opt
     Some(chrono::DateTime::parse_from_rfc3339(at).ok()?.timestamp_millis())
 }
 
+/// The occurrence a dead letter names, derived by the harness itself from the raw bytes
+/// and headers (issue 22.5: never through the DLQ consumer's own parser, so a bug in its
+/// token derivation is not shared by the checker), by ADR-022 #1181 as written:
+/// - broker path: the LATEST `x-death` entry (`queue`, `reason`, `count`, `time`), when it
+///   is well formed and names the queue the delivery was dead-lettered from (`dlq.<queue>`),
+///   is `xdeath:{envelope_id}:{queue}:{reason}:{count}:{time}`;
+/// - app path (no usable `x-death`): a `_dlx` v1 wrapper's `token`, when it is
+///   `dlxcap:{envelope_id}:{original_queue}:{micros}` of the envelope it carries;
+/// - a token is at most 256 bytes of ASCII graphic characters; anything else is no token.
+pub(crate) fn occurrence_token(body: &[u8], routing_key: &str, headers: Option<&lapin::types::FieldTable>) -> Option<String> {
+    use lapin::types::AMQPValue;
+    const REASONS: [&str; 4] = ["rejected", "expired", "maxlen", "delivery_limit"];
+    let bounded = |t: String| (t.len() <= 256 && t.bytes().all(|b| b.is_ascii_graphic())).then_some(t);
+    let text = |v: Option<&AMQPValue>| match v? {
+        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok(),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    };
+    let value: Option<serde_json::Value> = serde_json::from_slice(body).ok();
+    let wrapper = value.as_ref().and_then(|v| v.get("_dlx"));
+    // The envelope carried: the wrapper's (version 1 only) or the body itself, valid as an
+    // envelope; its id.
+    let envelope = match wrapper {
+        Some(w) if w.get("v").and_then(|v| v.as_u64()) == Some(1) => w.get("envelope").cloned(),
+        Some(_) => None,
+        None => value.clone(),
+    }
+    .and_then(|e| craig_mq::EventEnvelope::from_value(e).ok());
+    let routed_from = routing_key.strip_prefix("dlq.").filter(|q| !q.is_empty());
+    let death = headers.and_then(|h| h.inner().get("x-death")).and_then(|x| {
+        let AMQPValue::FieldArray(entries) = x else { return None };
+        let AMQPValue::FieldTable(latest) = entries.as_slice().first()? else { return None };
+        let f = |k: &str| latest.inner().get(k);
+        let count: i64 = match f("count")? {
+            AMQPValue::LongLongInt(n) => *n,
+            AMQPValue::LongInt(n) => i64::from(*n),
+            AMQPValue::LongUInt(n) => i64::from(*n),
+            AMQPValue::ShortInt(n) => i64::from(*n),
+            AMQPValue::ShortUInt(n) => i64::from(*n),
+            AMQPValue::ShortShortInt(n) => i64::from(*n),
+            AMQPValue::ShortShortUInt(n) => i64::from(*n),
+            _ => return None,
+        };
+        let AMQPValue::Timestamp(time) = f("time")? else { return None };
+        let ok = (1..=1_000_000_000).contains(&count) && *time <= i64::MAX as u64 / 1_000_000;
+        ok.then_some((text(f("queue"))?, text(f("reason"))?, count, *time))
+    });
+    if let Some((queue, reason, count, time)) = death {
+        // A usable history outranks any wrapper; one of another queue names no occurrence.
+        if routed_from != Some(queue.as_str()) || !REASONS.contains(&reason.as_str()) || queue.is_empty() {
+            return None;
+        }
+        let env = envelope?;
+        return bounded(format!("xdeath:{}:{queue}:{reason}:{count}:{time}", env.id));
+    }
+    let w = wrapper?;
+    let keys: std::collections::BTreeSet<&str> = w.as_object()?.keys().map(String::as_str).collect();
+    let expected: std::collections::BTreeSet<&str> =
+        ["v", "token", "original_queue", "source_service", "surfaced_at", "reason", "envelope"].into_iter().collect();
+    if keys != expected || chrono::DateTime::parse_from_rfc3339(w.get("surfaced_at")?.as_str()?).is_err() {
+        return None;
+    }
+    let (env, queue, token) = (envelope?, w.get("original_queue")?.as_str()?, w.get("token")?.as_str()?);
+    for field in ["source_service", "reason"] {
+        w.get(field)?.as_str()?;
+    }
+    let micros = token.strip_prefix(&format!("dlxcap:{}:{queue}:", env.id))?;
+    let canonical = micros.parse::<i64>().is_ok_and(|n| n >= 0 && n.to_string() == micros);
+    (canonical && !queue.is_empty()).then(|| bounded(token.to_owned())).flatten()
+}
+
 /// The event type of a dead letter by the harness's own reading (issue 22.4): the
 /// envelope's `event_type` (inside an app-path `_dlx` wrapper or bare), else the routing key
 /// it was first published with (the oldest `x-death` entry's first `routing-keys`; CONTRACT:
@@ -135,7 +207,102 @@ fn tapped_event_type(body: &[u8], headers: Option<&lapin::types::FieldTable>) ->
 
 #[cfg(test)]
 mod tests {
-    use super::{died_epoch_ms, tapped_event_type};
+    use super::{died_epoch_ms, occurrence_token, tapped_event_type};
+    use serde_json::Value;
+
+    /// A typed AMQP value from the fixture notation (`{"S": "text"}`, `{"l": 1}`, …).
+    fn amqp(v: &Value) -> AMQPValue {
+        let (kind, inner) = v.as_object().and_then(|o| o.iter().next()).expect("typed value");
+        match kind.as_str() {
+            "S" => AMQPValue::LongString(inner.as_str().unwrap().into()),
+            "Sx" => AMQPValue::LongString(lapin::types::LongString::from(hex(inner.as_str().unwrap()))),
+            "l" => AMQPValue::LongLongInt(inner.as_i64().unwrap()),
+            "T" => AMQPValue::Timestamp(inner.as_u64().unwrap()),
+            "t" => AMQPValue::Boolean(inner.as_bool().unwrap()),
+            "A" => AMQPValue::FieldArray(inner.as_array().unwrap().iter().map(amqp).collect::<Vec<_>>().into()),
+            "F" => {
+                let mut t = FieldTable::default();
+                for (k, v) in inner.as_object().unwrap() {
+                    t.insert(k.as_str().into(), amqp(v));
+                }
+                AMQPValue::FieldTable(t)
+            }
+            other => panic!("unknown AMQP type tag {other}"),
+        }
+    }
+
+    fn hex(s: &str) -> Vec<u8> {
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    }
+
+    const Q: &str = "craig-rules.events";
+    const RK: &str = "dlq.craig-rules.events";
+
+    fn fixture_body(spec: &Value, env: &craig_mq::EventEnvelope) -> Vec<u8> {
+        if let Some(t) = spec.get("text") {
+            return t.as_str().unwrap().as_bytes().to_vec();
+        }
+        if let Some(h) = spec.get("hex") {
+            return hex(h.as_str().unwrap());
+        }
+        let mut env = env.clone();
+        if let Some(over) = spec.get("envelope") {
+            if let Some(p) = over.get("payload") {
+                env.payload = p.clone();
+            }
+            return serde_json::to_vec(&env).unwrap();
+        }
+        let over = spec.get("wrapper").expect("text, hex, envelope or wrapper");
+        let token = craig_mq::dlq::OccurrenceToken::dlxcap(env.id, Q, chrono::Utc::now()).unwrap();
+        let mut w = serde_json::to_value(craig_mq::dlq::DlxWrapper::new(&token, Q, "retry cap", env.clone())).unwrap();
+        for (k, v) in over.as_object().unwrap() {
+            let v = match v.as_str() {
+                Some(s) => Value::String(s.replace("{id}", &env.id.to_string()).replace("{q}", Q)),
+                None => v.clone(),
+            };
+            w["_dlx"][k] = v;
+        }
+        serde_json::to_vec(&w).unwrap()
+    }
+
+    /// Issue 22.5: the harness derives each occurrence itself, and agrees with the DLQ
+    /// consumer's library over every fixture under `fixtures/dead-letters/` (and on a repeat
+    /// death, which is another occurrence).
+    #[test]
+    fn the_harness_derives_occurrences_as_the_library_does_over_the_fixtures() {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/dead-letters/hostile.json")).unwrap();
+        let cases: Value = serde_json::from_str(&text).unwrap();
+        let mut checked = 0;
+        for case in cases["cases"].as_array().unwrap() {
+            let env = craig_mq::EventEnvelope::new("case.referral_created", "cases", None, serde_json::json!({ "k": 1 })).unwrap();
+            let body = fixture_body(&case["body"], &env);
+            let headers = (!case["x_death"].is_null()).then(|| {
+                let mut h = FieldTable::default();
+                h.insert("x-death".into(), amqp(&case["x_death"]));
+                h
+            });
+            let library = craig_mq::dlq::DeadLetterDelivery::read(&body, RK, headers.as_ref()).token.map(|t| t.into_string());
+            assert_eq!(occurrence_token(&body, RK, headers.as_ref()), library, "{}", case["name"]);
+            checked += 1;
+        }
+        assert!(checked >= 20, "{checked} fixtures");
+        // A second death of one envelope is a second occurrence.
+        let env = craig_mq::EventEnvelope::new("case.referral_created", "cases", None, serde_json::json!({})).unwrap();
+        let death = |count: i64, time: u64| {
+            let mut e = FieldTable::default();
+            e.insert("queue".into(), AMQPValue::LongString(Q.into()));
+            e.insert("reason".into(), AMQPValue::LongString("rejected".into()));
+            e.insert("count".into(), AMQPValue::LongLongInt(count));
+            e.insert("time".into(), AMQPValue::Timestamp(time));
+            let mut h = FieldTable::default();
+            h.insert("x-death".into(), AMQPValue::FieldArray(vec![AMQPValue::FieldTable(e)].into()));
+            h
+        };
+        let first = occurrence_token(&env.to_vec(), RK, Some(&death(1, 1_700_000_000)));
+        let again = occurrence_token(&env.to_vec(), RK, Some(&death(1, 1_700_000_100)));
+        assert_eq!(first, Some(format!("xdeath:{}:{Q}:rejected:1:1700000000", env.id)));
+        assert_ne!(first, again, "a replayed envelope that dies again is a new occurrence");
+    }
 
     #[test]
     fn a_dead_letter_is_typed_by_its_envelope_else_its_first_routing_key() {

@@ -25,6 +25,8 @@ pub(super) struct Staged {
     pub poison: Vec<Uuid>,
     /// Referrals written "long ago" (`[workload] backdated`), recorded once the clock runs.
     pub backdated: Vec<Uuid>,
+    /// Dedup records at the edge of an inbox window: (service, envelope, age ms).
+    pub edges: Vec<(String, Uuid, u64)>,
 }
 
 impl Staged {
@@ -44,7 +46,17 @@ impl Staged {
             stage_send_jobs(financial, s.workload.send_jobs, s.workload.send_overdue_ms).await?;
         }
         let backdated = stage_backdated(cases, s.workload.backdated).await?;
-        Ok(Self { poison: stage_poison_rows(cases, s.workload.poison_rows).await?, backdated })
+        // Issue 22.6: where the run prunes (backdated rows ask for it), every consumer's
+        // inbox gets dedup records half a day inside and half a day past its window, and a
+        // recorder of every inbox DELETE with the row's age.
+        let mut edges = Vec::new();
+        if s.workload.backdated > 0 {
+            let consumes = |svc: &str| svc.parse::<craig_fleet::Service>().is_ok_and(|x| !x.consumes().is_empty());
+            for (svc, pool) in pools.iter().filter(|(svc, _)| consumes(svc)) {
+                edges.extend(stage_inbox_edges(svc, pool).await?);
+            }
+        }
+        Ok(Self { poison: stage_poison_rows(cases, s.workload.poison_rows).await?, backdated, edges })
     }
 
     /// Once the run's clock started (and the dead-letter tap is bound): record the poison
@@ -54,6 +66,9 @@ impl Staged {
         let cases = pools.get("cases").context("fleet has no cases")?;
         for envelope in &self.poison {
             log.push(Event::Poison { envelope: *envelope, service: "cases".into() });
+        }
+        for (service, envelope, age_ms) in &self.edges {
+            log.push_at(0, Event::InboxEdge { envelope: *envelope, service: service.clone(), age_ms: *age_ms });
         }
         for referral in &self.backdated {
             // Acknowledged long ago by a cases replica of this fleet.
@@ -183,7 +198,7 @@ fn up_replicas(replicas: &Replicas, i: usize) -> Vec<(String, String)> {
 /// `Idempotency-Key`. In the first phase each request is a new key (or, `requery_share`, the
 /// previous key with another size), sent to one replica or, `race`, to two at once; a
 /// `cancel_share` of them go away after the first chunk. In the after-heal phase request i
-/// retries the first phase's request i. A 409 is retried every second (sooner than its
+/// retries the first phase's request i, and every request of the first phase is retried. A 409 is retried every second (sooner than its
 /// `Retry-After`, the claim's whole remaining life) until the claim must have expired. Every exchange is recorded ([`Event::HttpExchange`]).
 async fn export_requests(w: &Writer<'_>, seed: u64, (first, count): (u32, u32), done: watch::Sender<u32>) {
     let s = w.s;
@@ -207,6 +222,9 @@ async fn export_requests(w: &Writer<'_>, seed: u64, (first, count): (u32, u32), 
     let completed = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let mut tasks = tokio::task::JoinSet::new();
     let sizes = &s.workload.export_sizes;
+    // After the faults every key asked for is retried (issue 22.6: each must end with a
+    // judged 200), however few after-heal writes the scenario names.
+    let count = if retrying { count.max(w.exports.lock().expect("export plan").len() as u32) } else { count };
     for k in 0..count {
         let i = first + k;
         tokio::time::sleep_until(began + gap * k).await;
@@ -554,6 +572,46 @@ async fn record_staging_transactions(security: &PgPool) -> anyhow::Result<()> {
         "CREATE TRIGGER chaos_outbox_tx AFTER INSERT ON event_outbox FOR EACH ROW EXECUTE FUNCTION chaos_record_outbox_tx()",
     ])
     .await
+}
+
+/// The inbox window every node of a run prunes with (the harness leaves
+/// `CRAIG_INBOX_RETENTION_DAYS` at its default).
+pub(super) const INBOX_WINDOW_MS: u64 = 31 * 86_400_000;
+
+/// Two processed dedup records in `svc`'s inbox, half a day inside and half a day past the
+/// inbox window, and a trigger recording every inbox DELETE with the row's age then
+/// (`chaos_inbox_deletes`): the prune may take only the second (issue 22.6).
+async fn stage_inbox_edges(svc: &str, pool: &PgPool) -> anyhow::Result<Vec<(String, Uuid, u64)>> {
+    execute_all(pool, "installing the inbox-delete recorder", &[
+        "CREATE TABLE IF NOT EXISTS chaos_inbox_deletes (envelope_id uuid NOT NULL, age_ms int8 NOT NULL, \
+           at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        "CREATE OR REPLACE FUNCTION chaos_record_inbox_delete() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           INSERT INTO chaos_inbox_deletes (envelope_id, age_ms) \
+             VALUES (OLD.envelope_id, (EXTRACT(EPOCH FROM (clock_timestamp() - OLD.received_at)) * 1000)::int8); \
+           RETURN OLD; END $$",
+        "DROP TRIGGER IF EXISTS chaos_inbox_delete ON event_inbox",
+        "CREATE TRIGGER chaos_inbox_delete BEFORE DELETE ON event_inbox FOR EACH ROW EXECUTE FUNCTION chaos_record_inbox_delete()",
+    ])
+    .await?;
+    let half_day = 43_200_000u64;
+    let mut out = Vec::new();
+    for age_ms in [INBOX_WINDOW_MS - half_day, INBOX_WINDOW_MS + half_day] {
+        let envelope = Uuid::now_v7();
+        bounded(
+            COLLECT,
+            "staging an inbox edge record",
+            sqlx::query(
+                "INSERT INTO event_inbox (envelope_id, source_service, event_type, received_at, processed_at) \
+                 VALUES ($1, 'chaos', 'chaos.inbox_edge', now() - make_interval(secs => $2), now() - make_interval(secs => $2))",
+            )
+            .bind(envelope)
+            .bind(age_ms as f64 / 1000.0)
+            .execute(pool),
+        )
+        .await?;
+        out.push((svc.to_owned(), envelope, age_ms));
+    }
+    Ok(out)
 }
 
 /// A trigger on `event_outbox` that records every DELETE of a PENDING row into

@@ -205,16 +205,21 @@ impl Sandbox {
         match client.get(url).basic_auth(&m.user, Some(&m.pass)).send().await {
             Ok(r) if r.status().is_success() => {
                 let rows: Vec<serde_json::Value> = r.json().await.map_err(|e| err(e.to_string()))?;
-                Ok(rows
-                    .iter()
-                    .filter(|q| queues.iter().any(|n| Some(n.as_str()) == q["name"].as_str()))
-                    .filter_map(|q| q["messages_unacknowledged"].as_u64())
-                    .sum())
+                // A queue whose statistic the management plugin has not collected yet is
+                // unknown, never 0 (issue 22.7).
+                let mut total = 0;
+                for q in rows.iter().filter(|q| queues.iter().any(|n| Some(n.as_str()) == q["name"].as_str())) {
+                    match q["messages_unacknowledged"].as_u64() {
+                        Some(n) => total += n,
+                        None => return Err(err(format!("queue {}: messages_unacknowledged not reported yet", q["name"]))),
+                    }
+                }
+                Ok(total)
             }
             Ok(r) => Err(err(format!("management API answered HTTP {} to GET /api/queues", r.status()))),
             Err(e) if e.is_connect() => {
                 rabbitmqctl_output(&["list_queues", "-p", &self.vhost, "-s", "name", "messages_unacknowledged"])
-                    .map(|out| sum_listed(&out, queues))
+                    .and_then(|out| sum_listed(&out, queues))
                     .map_err(err)
             }
             Err(e) => Err(err(e.to_string())),
@@ -517,16 +522,23 @@ fn rabbitmqctl_output(args: &[&str]) -> Result<String, String> {
 }
 
 /// Sum of the second column over `rabbitmqctl list_queues -s name <counter>` lines whose
-/// first column is one of `queues`.
-pub fn sum_listed(listing: &str, queues: &[String]) -> u64 {
-    listing
-        .lines()
-        .filter_map(|l| {
-            let mut cols = l.split_whitespace();
-            let (name, n) = (cols.next()?, cols.next()?.parse::<u64>().ok()?);
-            queues.iter().any(|q| q == name).then_some(n)
-        })
-        .sum()
+/// first column is one of `queues`. A listed queue whose counter is missing or not a number
+/// (a statistic not collected yet) makes the sum unknown (`Err`), never 0; a queue not
+/// listed at all does not exist and holds nothing.
+pub fn sum_listed(listing: &str, queues: &[String]) -> Result<u64, String> {
+    let mut total = 0;
+    for l in listing.lines() {
+        let mut cols = l.split_whitespace();
+        let Some(name) = cols.next() else { continue };
+        if !queues.iter().any(|q| q == name) {
+            continue;
+        }
+        match cols.next().and_then(|n| n.parse::<u64>().ok()) {
+            Some(n) => total += n,
+            None => return Err(format!("queue {name}: no counter in {l:?}")),
+        }
+    }
+    Ok(total)
 }
 
 #[cfg(test)]
@@ -547,8 +559,10 @@ mod tests {
     #[test]
     fn listed_counts_sum_over_the_named_queues_only() {
         let out = "craig-rules.events\t3\ncraig-security.events\t2\nother\t9\nbad line\n";
-        assert_eq!(sum_listed(out, &["craig-rules.events".into(), "craig-security.events".into()]), 5);
-        assert_eq!(sum_listed("", &["x".into()]), 0);
+        assert_eq!(sum_listed(out, &["craig-rules.events".into(), "craig-security.events".into()]), Ok(5));
+        assert_eq!(sum_listed("", &["x".into()]), Ok(0));
+        // Issue 22.7: a statistic not reported is unknown, never 0.
+        assert!(sum_listed("craig-rules.events\t\ncraig-security.events\t2\n", &["craig-rules.events".into()]).is_err());
     }
 
     #[test]
