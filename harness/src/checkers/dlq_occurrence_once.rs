@@ -1,0 +1,260 @@
+//! `dlq_occurrence_once`, ADR-022 §D3 with #1181/#1197: every occurrence that reached `craig.dlx` (the harness's own tap and derivation) has exactly one audit row, nothing is left captured, completed XOR dead-lettered, the consumer queue named (#1196). Excused: tokenless extra rows (#1181's bound), counted.
+
+use super::*;
+
+/// The causes of a lost dead letter that no replica said it acked unrecorded (issue 22.8):
+/// no compat mode (nothing corroborates one), and only the faults on the recorder's
+/// database path (the database, a security replica, its link to the database) whose
+/// window reaches past `since`, when the delivery reached `craig.dlx`.
+pub(super) fn uncorroborated_loss(windows: &[(String, u64, u64)], since: u64) -> Vec<String> {
+    let mut tags = vec!["kind:lost".to_owned(), "replica:unknown".to_owned(), "compat:unknown".to_owned()];
+    tags.extend(
+        windows
+            .iter()
+            .filter(|(tag, _, to)| {
+                let target = tag.split_once(' ').map_or("", |(_, t)| t);
+                let on_path = match fault_replica(tag) {
+                    None => target == "database",
+                    Some(r) => service_of(r) == "security" && (target == r || target.ends_with("->database")),
+                };
+                on_path && to.saturating_add(WINDOW_SLACK_MS) >= since
+            })
+            .map(|(tag, ..)| tag.clone()),
+    );
+    tags
+}
+
+/// Every dead-lettered occurrence has exactly one audit row (§D3 with #1181): none lost,
+/// none doubled. The truth is the harness's tap on `craig.dlx` (`Event::DeadLettered`):
+/// - a tokened occurrence (one token, however many deliveries carried it: a retried
+///   surface, a DLQ redelivery) needs exactly one row: the row with its token, or one
+///   tokenless/quarantine row of one of its deliveries' bytes;
+/// - a tokenless delivery needs at least one row of its bytes (tokenless publishes keep
+///   pre-C2 duplicate rows by the ADR's own bound: extras are counted, not violations);
+/// - an audit row of bytes that never reached `craig.dlx` is a violation (a record of
+///   nothing);
+/// - completed XOR dead-lettered: an envelope that took effect on a consumer (rules,
+///   financial) must not also be dead-lettered from that consumer's queue, unless the inbox
+///   reported re-running it;
+/// - #1196: a dead letter names the consumer queue of the replica that gave it up (its
+///   reject or app-path surface, from the replica's own log), on either path.
+pub fn dlq_occurrence_once(h: &History) -> Verdict {
+    let mut v = Verdict::new("dlq_occurrence_once");
+    let mut taps_by_token: BTreeMap<String, HashSet<String>> = BTreeMap::new();
+    let mut tokenless_taps: BTreeMap<String, usize> = BTreeMap::new();
+    let mut tapped_keys: HashSet<String> = HashSet::new();
+    // Each dead-lettered envelope and the consumer queues it was dead-lettered from.
+    let mut dead_from: HashMap<Uuid, HashSet<&str>> = HashMap::new();
+    let mut taps = 0;
+    let mut rows: Vec<(&str, Option<&str>, &str)> = Vec::new();
+    // Who handed each envelope to dead-lettering (a reject, an app-path surface).
+    let mut gave_up: HashMap<Uuid, Vec<(u64, &str, &[String])>> = HashMap::new();
+    for e in h.iter() {
+        if let Event::Rejected { envelope, replica, compat } = &e.event {
+            gave_up.entry(*envelope).or_default().push((e.t_ms, replica, compat));
+        }
+    }
+    let windows = h.fault_windows();
+    let acked_unrecorded: Vec<(u64, &str, &str, &[String])> = h
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::AckedUnrecorded { key, replica, compat } => Some((e.t_ms, key.as_str(), replica.as_str(), compat.as_slice())),
+            _ => None,
+        })
+        .collect();
+    let staged_for: HashMap<Uuid, &str> = h
+        .iter()
+        .filter_map(|e| if let Event::DeadLetterStaged { envelope, service } = &e.event { Some((*envelope, service.as_str())) } else { None })
+        .collect();
+    let mut misattributed = 0;
+    // When the tap first saw each delivery's bytes.
+    let mut tapped_at: HashMap<&str, u64> = HashMap::new();
+    for e in h.iter() {
+        match &e.event {
+            Event::DeadLettered { key, token, envelope, queue, .. } => {
+                // #1196: a dead letter names the CONSUMER queue that failed it, on either
+                // path (x-death's queue, the wrapper's original_queue).
+                if let (Some(env), Some(q)) = (envelope, queue.as_deref()) {
+                    // A dead letter the harness staged for a consumer, with no replica's word on
+                    // who gave it up: it still belongs to that consumer's queue.
+                    if let Some(consumer) = staged_for.get(env).filter(|c| !gave_up.contains_key(env) && q != craig_mq::topology::consumer_queue(c)) {
+                        misattributed += 1;
+                        v.blame(dead_letter_tags(h, "misattributed", consumer, Through::Nothing));
+                        v.witness(format!(
+                            "dead letter of envelope {env} names queue {q}, but the harness staged it for {consumer} ({}); no replica logged giving it up",
+                            craig_mq::topology::consumer_queue(consumer)
+                        ));
+                    }
+                    if let Some(by) = gave_up.get(env) {
+                        let wrong: Vec<&(u64, &str, &[String])> =
+                            by.iter().filter(|(_, r, _)| craig_mq::topology::consumer_queue(service_of(r)) != q).collect();
+                        if !wrong.is_empty() {
+                            misattributed += 1;
+                            let mut tags = vec!["kind:misattributed".to_owned()];
+                            let mut who = Vec::new();
+                            for (t, r, c) in &wrong {
+                                tags.extend(culprit_tags(r, Some(c)));
+                                who.push(format!("{} @{t}ms", running(r, Some(c))));
+                            }
+                            v.blame(tags);
+                            v.witness(format!(
+                                "dead letter of envelope {env} names queue {q}, but {} gave it up consuming {}",
+                                who.join(", "),
+                                craig_mq::topology::consumer_queue(service_of(wrong[0].1))
+                            ));
+                        }
+                    }
+                }
+                taps += 1;
+                tapped_keys.insert(key.clone());
+                tapped_at.entry(key.as_str()).or_insert(e.t_ms);
+                match token {
+                    Some(t) => {
+                        taps_by_token.entry(t.clone()).or_default().insert(key.clone());
+                    }
+                    None => *tokenless_taps.entry(key.clone()).or_default() += 1,
+                }
+                if let (Some(env), Some(q)) = (envelope, queue.as_deref()) {
+                    dead_from.entry(*env).or_default().insert(q);
+                }
+            }
+            Event::Audited { key, token, disposition, .. } => rows.push((key.as_str(), token.as_deref(), disposition.as_str())),
+            _ => {}
+        }
+    }
+    let mut used = vec![false; rows.len()];
+    let (mut lost, mut doubled) = (0, 0);
+    for (token, keys) in &taps_by_token {
+        let mine: Vec<usize> = (0..rows.len())
+            .filter(|&i| !used[i] && (rows[i].1 == Some(token.as_str()) || (rows[i].1.is_none() && keys.contains(rows[i].0))))
+            .collect();
+        for &i in &mine {
+            used[i] = true;
+        }
+        match mine.len() {
+            1 => {}
+            0 => {
+                lost += 1;
+                // Corroborated where the system says so: the replica that acked one of its
+                // deliveries unrecorded, with its behaviour and the faults on its own links
+                // or servers at that moment. Otherwise every security replica and fault.
+                let by: Vec<&(u64, &str, &str, &[String])> = acked_unrecorded.iter().filter(|(_, k, ..)| keys.contains(*k)).collect();
+                if by.is_empty() {
+                    // Issue 22.8: no replica's word on acking it unrecorded, so no compat mode is
+                    // corroborated; only the faults on the recorder's database path in force
+                    // from the moment it reached craig.dlx.
+                    let since = keys.iter().filter_map(|k| tapped_at.get(k.as_str()).copied()).min().unwrap_or(0);
+                    v.blame(uncorroborated_loss(&windows, since));
+                    v.witness(format!("occurrence {token} reached craig.dlx and has no audit row (lost); no replica logged acking it unrecorded"));
+                } else {
+                    let mut tags = vec!["kind:lost".to_owned()];
+                    let mut who = Vec::new();
+                    for (t, _, r, c) in &by {
+                        tags.extend(culprit_tags(r, Some(c)));
+                        tags.extend(faults_on(&windows, r, *t));
+                        who.push(format!("{} @{t}ms", running(r, Some(c))));
+                    }
+                    v.blame(tags);
+                    v.witness(format!(
+                        "occurrence {token} reached craig.dlx and has no audit row (lost): acked unrecorded by {}",
+                        who.join(", ")
+                    ));
+                }
+            }
+            n => {
+                doubled += 1;
+                v.blame(dead_letter_tags(h, "doubled", "security", Through::Broker));
+                let dispositions: Vec<&str> = mine.iter().map(|&i| rows[i].2).collect();
+                v.witness(format!("occurrence {token} has {n} audit rows ({}): one occurrence recorded more than once", dispositions.join(", ")));
+            }
+        }
+    }
+    let mut tokenless_extra = 0;
+    for (key, n) in &tokenless_taps {
+        let mine: Vec<usize> = (0..rows.len()).filter(|&i| !used[i] && rows[i].1.is_none() && rows[i].0 == key).collect();
+        for &i in &mine {
+            used[i] = true;
+        }
+        if mine.len() < *n {
+            lost += 1;
+            let acked: Vec<&(u64, &str, &str, &[String])> = acked_unrecorded.iter().filter(|(_, k, ..)| *k == key.as_str()).collect();
+            if acked.is_empty() {
+                v.blame(uncorroborated_loss(&windows, tapped_at.get(key.as_str()).copied().unwrap_or(0)));
+            } else {
+                let mut tags = vec!["kind:lost".to_owned()];
+                for (t, _, r, c) in &acked {
+                    tags.extend(culprit_tags(r, Some(c)));
+                    tags.extend(faults_on(&windows, r, *t));
+                }
+                v.blame(tags);
+            }
+            v.witness(format!("tokenless dead letter {key} reached craig.dlx {n} time(s) and has {} audit row(s) (lost)", mine.len()));
+        } else {
+            tokenless_extra += mine.len() - n;
+        }
+    }
+    let mut unexplained = 0;
+    for (i, (key, token, disposition)) in rows.iter().enumerate() {
+        if !used[i] {
+            unexplained += 1;
+            v.blame(dead_letter_tags(h, "unexplained", "security", Through::Nothing));
+            let what = token.map_or_else(|| format!("bytes {key}"), |t| format!("token {t}"));
+            let why = if tapped_keys.contains(*key) { "a further row of a delivery already recorded" } else { "nothing with these bytes reached craig.dlx" };
+            v.witness(format!("audit row ({disposition}) of {what}: {why}"));
+        }
+    }
+    // Completed XOR dead-lettered.
+    let mut both = 0;
+    let reprocessed: HashSet<Uuid> =
+        h.iter().filter_map(|e| if let Event::Reprocessed { envelope, .. } = &e.event { Some(*envelope) } else { None }).collect();
+    // Which consumer queue each envelope took effect behind.
+    let mut effected: BTreeMap<Uuid, std::collections::BTreeSet<String>> = BTreeMap::new();
+    for e in h.iter() {
+        if let Event::Effect { envelope, service, .. } = &e.event {
+            effected.entry(*envelope).or_default().insert(craig_mq::topology::consumer_queue(service));
+        }
+    }
+    for (env, queues) in &effected {
+        let Some(dead) = dead_from.get(env) else { continue };
+        for q in queues.iter().filter(|q| dead.contains(q.as_str())) {
+            if !reprocessed.contains(env) {
+                both += 1;
+                let service = q.strip_prefix("craig-").and_then(|r| r.strip_suffix(".events")).unwrap_or(q);
+                v.blame(dead_letter_tags(h, "completed_and_dead_lettered", service, Through::Nothing));
+                v.witness(format!("envelope {env} took effect on {service} AND was dead-lettered from {q}, with no redelivery in between"));
+            }
+        }
+    }
+    v.count("dead_lettered", taps);
+    v.count("occurrences", taps_by_token.len() + tokenless_taps.values().sum::<usize>());
+    v.count("audit_rows", rows.len());
+    v.count("lost", lost);
+    v.count("doubled", doubled);
+    v.count("unexplained_rows", unexplained);
+    v.count("tokenless_extra_rows", tokenless_extra);
+    v.count("completed_and_dead_lettered", both);
+    v.count("misattributed", misattributed);
+    // Issue 21.1: a delivery in the capture queue was acked off the DLQ with no audit row;
+    // the harness read the queue itself. One it could not read leaves the verdict open.
+    let captured = h.iter().find_map(|e| if let Event::CaptureLeft { count } = e.event { Some(count) } else { None });
+    let mut unread_capture = false;
+    match captured {
+        Some(u32::MAX) => unread_capture = true,
+        Some(n) if n > 0 => {
+            for _ in 0..n {
+                v.blame(dead_letter_tags(h, "captured", "security", Through::Database));
+            }
+            v.witness(format!(
+                "{n} dead letter(s) left in {}: acked off the DLQ and never recorded in dead_letter_audit",
+                craig_mq::dlq::CAPTURE_QUEUE
+            ));
+            v.count("captured", n as usize);
+        }
+        _ => v.count("captured", 0),
+    }
+    let v = v.settle(taps == 0, "nothing to check: no dead letter reached craig.dlx");
+    if unread_capture && v.validity == Validity::Valid {
+        return Verdict { validity: Validity::Unknown, error: Some(format!("{} could not be read at the end", craig_mq::dlq::CAPTURE_QUEUE)), ..v };
+    }
+    v
+}

@@ -1,0 +1,335 @@
+//! `effect_once`, ADR-022 #1180 effect-once behind the inbox: a re-run is excused only inside the ADR's window (a consumer crash or its database fault between run and stamp, corroborated by `inbox.reprocessed`, at most the session's concurrency per crash); #1179 arbiter-backed consumers are excused nothing, and each payment has exactly one `payment.created` and one transmission.
+
+use super::*;
+
+/// How long after an effect's transaction began its `processed_at` stamp is due: the
+/// handler commits and the inbox stamps within milliseconds, so a fault starting later than
+/// this cannot have come between the two. It narrows the window; it never excuses alone.
+pub const STAMP_DUE_MS: u64 = 2_000;
+
+/// Consumers whose side effect carries its own arbiter (ADR-022 #1179: financial's
+/// `payments_one_perdiem_per_placement_period`): the #1180 window excuses nothing for them —
+/// a re-run must be absorbed by the arbiter, so any second effect is a violation.
+pub const ARBITER_BACKED: &[&str] = &["financial"];
+
+/// Re-executions one fault can excuse per consumer replica: as many envelopes as the
+/// replica's consume session handled at once (`CRAIG_CONSUMER_CONCURRENCY`, at most the
+/// prefetch), in the replica's own word: the `concurrency` of its last `subscriber.started`
+/// before the first run ([`Event::ConsumerStarted`]); 1 when it said nothing.
+pub(super) fn handler_concurrency(h: &History, replica: Option<&str>, t: u64) -> usize {
+    let Some(replica) = replica else { return 1 };
+    h.iter()
+        .take_while(|e| e.t_ms <= t)
+        .filter_map(|e| match &e.event {
+            Event::ConsumerStarted { replica: r, concurrency } if r == replica => Some(*concurrency),
+            _ => None,
+        })
+        .last()
+        .unwrap_or(1)
+        .max(1)
+}
+
+/// What can open the #1180 window of an execution on replica R: R crashing, the database
+/// killed or paused, or R's own database link cut — while the stamp was due.
+#[derive(Debug)]
+pub(super) enum Opener {
+    Crash { replica: String },
+    Database,
+    Link { replica: String },
+}
+
+pub(super) struct WindowFault {
+    opener: Opener,
+    from: u64,
+    to: u64,
+    label: String,
+}
+
+impl WindowFault {
+    /// Whether this fault could have stopped the stamp of an execution at `t1` on `replica`.
+    fn opens(&self, t1: u64, replica: Option<&str>) -> bool {
+        let applies = match &self.opener {
+            Opener::Database => true,
+            Opener::Crash { replica: r } | Opener::Link { replica: r } => replica == Some(r.as_str()),
+        };
+        applies && self.from <= t1 + STAMP_DUE_MS && self.to >= t1
+    }
+}
+
+pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
+    let mut out: Vec<WindowFault> = Vec::new();
+    let mut open: HashMap<(String, String), usize> = HashMap::new();
+    for e in h.iter() {
+        match &e.event {
+            Event::Crash { replica, how, .. } => out.push(WindowFault {
+                opener: Opener::Crash { replica: replica.clone() },
+                from: e.t_ms,
+                to: e.t_ms,
+                label: format!("crash {replica} ({how}) @{}ms", e.t_ms),
+            }),
+            Event::Fault { kind, target, phase } => {
+                // A toxic's label is "<replica>->database (<type> <stream>)".
+                let link = target.split(" (").next().unwrap_or(target);
+                // Only a toxic that can break the stamp's statement opens the window: one that
+                // drops, stalls or cuts the link (a latency, bandwidth or slicer toxic delays
+                // the stamp but it still lands).
+                let toxic_type = target.split_once(" (").and_then(|(_, t)| t.split_whitespace().next()).unwrap_or("");
+                let breaks = kind == "down" || matches!(toxic_type, "timeout" | "reset_peer" | "limit_data");
+                let opener = match (kind.as_str(), link) {
+                    ("kill" | "pause", "database") => Opener::Database,
+                    ("down" | "toxic", l) if breaks => match l.strip_suffix("->database") {
+                        Some(r) => Opener::Link { replica: r.to_owned() },
+                        None => continue,
+                    },
+                    _ => continue,
+                };
+                let key = (kind.clone(), target.clone());
+                match phase {
+                    Phase::Start => {
+                        open.insert(key, out.len());
+                        out.push(WindowFault { opener, from: e.t_ms, to: u64::MAX, label: format!("{kind} {target} @{}ms", e.t_ms) });
+                    }
+                    Phase::End => {
+                        if let Some(i) = open.remove(&key) {
+                            out[i].to = e.t_ms;
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Each envelope's effect at most once — except a re-execution inside exactly the documented
+/// #1180 window, counted as `crash_window_reexecutions` and attributed, never silently
+/// allowed. A re-execution is excused only when ALL hold:
+/// - a fault could have stopped the FIRST execution's stamp: a crash of the replica that ran
+///   it, a kill/pause of the database, or a cut of that replica's own database link, in force
+///   within [`STAMP_DUE_MS`] after the first execution (and before the second);
+/// - that fault has not already excused as many re-executions of that replica as its consume
+///   session ran handlers at once (its own `subscriber.started concurrency=N`, else 1);
+/// - the system corroborates it: the inbox reported reprocessing that envelope
+///   (`Event::Reprocessed`, from `inbox.reprocessed`) — logged by the replica that ran the
+///   re-execution, within [`STAMP_DUE_MS`] after it, each report excusing one re-run.
+///   Timing alone never excuses;
+/// - the consumer is not arbiter-backed ([`ARBITER_BACKED`]): one that is must absorb the
+///   re-run itself (#1179), so its second effect is never excused.
+pub fn effect_once(h: &History) -> Verdict {
+    let mut v = Verdict::new("effect_once");
+    let fx = effects(h);
+    let faults = window_faults(h);
+    let windows = h.fault_windows();
+    // The inbox's own word, per envelope: (time, replica, already used for an excuse).
+    let mut reprocessed: HashMap<Uuid, Vec<(u64, String, bool)>> = HashMap::new();
+    for e in h.iter() {
+        if let Event::Reprocessed { envelope, replica } = &e.event {
+            reprocessed.entry(*envelope).or_default().push((e.t_ms, replica.clone(), false));
+        }
+    }
+    // For blaming a duplicate on the producer side: when each referral was written, and
+    // which replica stamped each envelope.
+    let mut written: HashMap<Uuid, u64> = HashMap::new();
+    let mut referral_of: HashMap<Uuid, Uuid> = HashMap::new();
+    let mut stampers: HashMap<Uuid, Vec<(u64, String)>> = HashMap::new();
+    for e in h.iter() {
+        match &e.event {
+            Event::Write { referral, .. } => {
+                written.entry(*referral).or_insert(e.t_ms);
+            }
+            Event::Effect { envelope, referral: Some(r), .. } => {
+                referral_of.insert(*envelope, *r);
+            }
+            Event::Stamped { envelope, replica, .. } => stampers.entry(*envelope).or_default().push((e.t_ms, replica.clone())),
+            _ => {}
+        }
+    }
+    let arbitered: HashSet<Uuid> = h
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::Effect { envelope, service, .. } if ARBITER_BACKED.contains(&service.as_str()) => Some(*envelope),
+            _ => None,
+        })
+        .collect();
+    let republish = republishers(h);
+    let mut republished: HashSet<(Uuid, usize)> = HashSet::new();
+    let mut used: HashMap<(usize, Option<String>), usize> = HashMap::new();
+    let (mut duplicated, mut attributed, mut unattributed) = (0, 0, 0);
+    for (envelope, runs) in &fx.by_envelope {
+        if runs.len() < 2 {
+            continue;
+        }
+        duplicated += 1;
+        for pair in runs.windows(2) {
+            let ((t1, r1), (t2, _)) = (&pair[0], &pair[1]);
+            let on = r1.as_deref().unwrap_or("an unnamed replica");
+            let candidates: Vec<usize> =
+                (0..faults.len()).filter(|&i| faults[i].opens(*t1, r1.as_deref()) && faults[i].from <= *t2).collect();
+            let arbiter = arbitered.contains(envelope);
+            let bound = handler_concurrency(h, r1.as_deref(), *t1);
+            let free = candidates
+                .iter()
+                .copied()
+                .filter(|_| !arbiter)
+                .find(|&i| used.get(&(i, r1.clone())).copied().unwrap_or(0) < bound);
+            // Corroboration of THIS re-run: the replica that ran it logged `inbox.reprocessed`
+            // for the envelope right after it (the line follows the stamp), once per re-run.
+            let r2 = pair[1].1.as_deref();
+            let report = reprocessed.get(envelope).and_then(|reports| {
+                reports.iter().position(|(t, r, spent)| {
+                    !spent && r2.is_none_or(|r2| r2 == r) && (t2.saturating_sub(WINDOW_SLACK_MS)..=t2 + STAMP_DUE_MS).contains(t)
+                })
+            });
+            let corroborated = report.is_some();
+            match (free, corroborated) {
+                (Some(i), true) => {
+                    *used.entry((i, r1.clone())).or_default() += 1;
+                    reprocessed.get_mut(envelope).expect("found above")[report.expect("corroborated")].2 = true;
+                    attributed += 1;
+                    v.witness(format!(
+                        "envelope {envelope} ran on {on} @{t1}ms and again @{t2}ms after {}; the inbox reported the reprocess (#1180 window)",
+                        faults[i].label
+                    ));
+                }
+                (free, corroborated) => {
+                    unattributed += 1;
+                    let second = &pair[1];
+                    // Whose duplicate: the second run's replica alone when it keeps an inbox
+                    // and an earlier run of this envelope went through an inbox too (its own
+                    // dedup failed); otherwise both runs' replicas (one skipped the inbox).
+                    let with_inbox = |r: &Option<String>, t: u64| {
+                        r.as_deref().and_then(|r| h.compat_at(r, t)).is_some_and(|c| !c.iter().any(|m| m == "pre-d2"))
+                    };
+                    let earlier_inbox = runs.iter().take_while(|(t, _)| t < &second.0).any(|(t, r)| with_inbox(r, *t));
+                    let runs_blamed: Vec<(&Option<String>, u64)> = if with_inbox(&second.1, second.0) && earlier_inbox {
+                        vec![(&second.1, second.0)]
+                    } else {
+                        vec![(r1, *t1), (&second.1, second.0)]
+                    };
+                    let mut tags = Vec::new();
+                    for (r, t) in runs_blamed {
+                        if let Some(r) = r.as_deref() {
+                            tags.extend(culprit_tags(r, h.compat_at(r, t)));
+                        }
+                    }
+                    // And every fault in force at some point between the two runs that can
+                    // make the broker redeliver to the first run's replica: one of that
+                    // replica (a crash or cut before its ack) or of a server. Another
+                    // replica's fault is not a cause.
+                    tags.extend(
+                        windows
+                            .iter()
+                            .filter(|(tag, from, to)| {
+                                *from <= second.0
+                                    && to.saturating_add(WINDOW_SLACK_MS) >= *t1
+                                    && fault_replica(tag).is_none_or(|f| Some(f) == r1.as_deref())
+                            })
+                            .map(|(tag, ..)| tag.clone()),
+                    );
+                    // And a fault of the PRODUCING service's replicas (the crash between
+                    // publish and stamp that re-published it) that began after the write and
+                    // before the second run: when the consumer lags, the first run comes after
+                    // that fault has healed.
+                    // Only a fault that can re-publish (see `republishers`), and only one
+                    // that began before the envelope's first stamp: once stamped, the outbox
+                    // never publishes it again.
+                    let first_stamp = stampers.get(envelope).and_then(|s| s.first());
+                    let since = referral_of.get(envelope).and_then(|r| written.get(r)).copied();
+                    if let (Some((stamped, by)), Some(since)) = (first_stamp, since) {
+                        let producer = service_of(by);
+                        let until = second.0.min(stamped.saturating_add(WINDOW_SLACK_MS));
+                        // One re-publish is one extra delivery: a fault explains at most one
+                        // duplicate of an envelope.
+                        for (i, (tag, from)) in republish.iter().enumerate() {
+                            if (since..=until).contains(from)
+                                && fault_replica(tag).is_some_and(|r| service_of(r) == producer)
+                                && republished.insert((*envelope, i))
+                            {
+                                tags.push(tag.clone());
+                            }
+                        }
+                    }
+                    v.blame(tags);
+                    let why = if arbiter {
+                        "an arbiter-backed consumer (#1179) must absorb every re-run itself: the #1180 window excuses nothing here".to_owned()
+                    } else if candidates.is_empty() {
+                        format!("no crash of {on}, database kill/pause or cut of its database link within {STAMP_DUE_MS} ms after the first run")
+                    } else if free.is_none() {
+                        format!("the only fault in its window ({}) already excused {bound} re-execution(s) of {on}, its consume session's concurrency", faults[candidates[0]].label)
+                    } else {
+                        debug_assert!(!corroborated);
+                        "the inbox reported no reprocess of it (not a re-run of an unstamped envelope)".to_owned()
+                    };
+                    let again = match second.1.as_deref() {
+                        Some(r) => format!("again on {} @{t2}ms", running(r, h.compat_at(r, *t2))),
+                        None => format!("again @{t2}ms"),
+                    };
+                    let first = match r1.as_deref() {
+                        Some(r) => running(r, h.compat_at(r, *t1)),
+                        None => on.to_owned(),
+                    };
+                    v.witness(format!("envelope {envelope} took effect on {first} @{t1}ms and {again}: {why}; {}", h.fault_near(*t2)));
+                }
+            }
+        }
+    }
+    // Issue 22.3: every side effect, not only the one the arbiter guards. Per placement
+    // period, financial's payment.created rows and partner transmissions are staged iff a
+    // payment was inserted: exactly as many of each as payments. (A doubled PAYMENT is the
+    // arbiter's finding above; this is what an absorb path staging again leaves.)
+    let mut ledger_mismatches = 0;
+    for e in h.iter() {
+        if let Event::PaymentLedger { placement, period, payments, created_events, transmissions } = &e.event {
+            for (what, n) in [("payment.created event(s)", created_events), ("partner transmission(s)", transmissions)] {
+                if n != payments {
+                    ledger_mismatches += 1;
+                    unattributed += 1;
+                    let mut tags = vec!["kind:unmatched_side_effect".to_owned()];
+                    tags.extend(service_culprits(h, "financial"));
+                    v.blame(tags);
+                    v.witness(format!("placement {placement} period {period}: {payments} payment(s) but {n} {what} staged (each is staged iff its payment was inserted)"));
+                }
+            }
+        }
+    }
+    v.count("ledger_mismatches", ledger_mismatches);
+    v.count("envelopes", fx.by_envelope.len());
+    v.count("effects", fx.total);
+    v.count("duplicated", duplicated);
+    v.count("crash_window_reexecutions", attributed);
+    v.count("unattributed", unattributed);
+    v.validity = if unattributed > 0 {
+        Validity::Invalid
+    } else if fx.total == 0 {
+        v.error = Some("nothing to check: no effects".into());
+        Validity::Unknown
+    } else {
+        Validity::Valid
+    };
+    v
+}
+
+/// Faults of a producer replica that can make its outbox publish an envelope a second time
+/// (ADR #1128: published, not stamped, re-claimed after the lease): a crash at
+/// `outbox::after_publish_before_stamp` (a crash at another point cannot: before the publish
+/// nothing went out, the inbox points are the consumer's), a kill or pause at any point, a
+/// cut or toxic on its links (a lost confirm, a failed stamp). As `(culprit tag, start)`.
+pub(super) fn republishers(h: &History) -> Vec<(String, u64)> {
+    h.iter()
+        .filter_map(|e| match &e.event {
+            Event::Fault { kind, target, phase: Phase::Start } => {
+                let can = match kind.as_str() {
+                    "crash" => target.split_once(" at ").is_none_or(|(_, p)| p == "outbox::after_publish_before_stamp"),
+                    "kill" | "pause" | "toxic" | "down" => true,
+                    _ => false,
+                };
+                let base = target.split(" (").next().unwrap_or(target);
+                let base = base.split(" at ").next().unwrap_or(base);
+                let tag = format!("fault:{kind} {base}");
+                (can && fault_replica(&tag).is_some()).then_some((tag, e.t_ms))
+            }
+            _ => None,
+        })
+        .collect()
+}

@@ -1,0 +1,164 @@
+//! `fencing`, ADR-022 #1185 send-queue fencing: no transmission POSTed twice while a lease was live, no job with both outcomes, no terminal flip but `failed -> pending`. Excused: a fenced retry after a 500 and a re-send after the lease (at-least-once).
+
+use super::*;
+
+/// The send-jobs claim lease (#1185): a second POST of one transmission sooner than this
+/// after an accepted one was made while the first claim's lease was live. (A run that
+/// shortened it says so with `Event::SendQueue`.)
+pub const SEND_LEASE_MS: u64 = craig_fleet::send_jobs::CLAIM_LEASE_SECS * 1000;
+/// The per-send transport cap: a POST the partner never answered ends for its sender then.
+pub const SEND_CAP_MS: u64 = craig_fleet::send_jobs::SEND_TIMEOUT_SECS * 1000;
+
+/// The send queue's fencing (§ Amendment #1185), from the partner's record, financial's
+/// staged events and the transaction status changes:
+/// - no transmission POSTed twice while a lease was live (unless the first POST's sender
+///   logged its fenced retry in between, `send_jobs.finalized` failed + applied: its claim was
+///   over, whenever the partner recorded the POST): a POST answered 409 (it arrived
+///   while the partner was still processing the same `craig_correlation_id`), or one sooner
+///   than [`SEND_LEASE_MS`] after the same transmission was accepted (or sooner than
+///   [`SEND_CAP_MS`] after a POST the partner never answered), each POST held against the
+///   last one not refused as a duplicate. A POST after one answered
+///   500 is the sender's fenced retry, never a violation; a re-send after the lease expired
+///   is the ADR's at-least-once, never a violation;
+/// - no send job with both `exchange.sent` and `exchange.failed`;
+/// - no transaction leaving a terminal status (`sent`, `failed`) other than
+///   `failed → pending`.
+///
+/// Double POSTs are blamed on both senders (the `craig-replica` header) with the behaviour
+/// each ran then and the faults on the re-sender; conflicting events on the replicas that
+/// staged them; a flip (the trigger cannot say who wrote it) on every financial replica.
+pub fn fencing(h: &History) -> Verdict {
+    let mut v = Verdict::new("fencing");
+    let windows = h.fault_windows();
+    let mut posts: BTreeMap<Uuid, Vec<(u64, Option<&str>, u16)>> = BTreeMap::new();
+    // POSTs the partner took whose sender never got the answer (status 0 below): like a hung
+    // one, their sender's next POST is its retry once its cap ran out.
+    let mut unanswered: HashMap<Uuid, Vec<u64>> = HashMap::new();
+    // The senders' own word: a failed send whose fenced retry applied ended that claim.
+    let mut retried: HashMap<Uuid, Vec<(u64, &str)>> = HashMap::new();
+    for e in h.iter() {
+        match &e.event {
+            Event::PartnerUnanswered { correlation } => unanswered.entry(*correlation).or_default().push(e.t_ms),
+            Event::SendFinalized { correlation, replica, result, applied: true } if result == "failed" => {
+                retried.entry(*correlation).or_default().push((e.t_ms, replica.as_str()))
+            }
+            _ => {}
+        }
+    }
+    let mut all_posts = 0;
+    let mut outcomes: BTreeMap<Uuid, Vec<(&str, Option<&str>, u64)>> = BTreeMap::new();
+    let mut flips = 0;
+    for e in h.iter() {
+        match &e.event {
+            Event::PartnerPost { correlation, replica, status } => {
+                all_posts += 1;
+                if let Some(c) = correlation {
+                    posts.entry(*c).or_default().push((e.t_ms, replica.as_deref(), *status));
+                }
+            }
+            Event::Exchanged { job, outcome, replica, .. } => outcomes.entry(*job).or_default().push((outcome.as_str(), replica.as_deref(), e.t_ms)),
+            Event::TransactionStatus { transaction, from, to } => {
+                let terminal = |s: &str| s == "sent" || s == "failed";
+                if terminal(from) && !(from == "failed" && to == "pending") {
+                    flips += 1;
+                    let mut tags = vec!["kind:terminal_flip".to_owned()];
+                    tags.extend(service_culprits(h, "financial"));
+                    v.blame(tags);
+                    v.witness(format!("transaction {transaction} went {from} -> {to} @{}ms: a terminal status left other than failed -> pending", e.t_ms));
+                }
+            }
+            _ => {}
+        }
+    }
+    // The send queue's timing in this run (production's unless the scenario shortened it).
+    let (lease_ms, cap_ms) = h
+        .iter()
+        .find_map(|e| if let Event::SendQueue { lease_ms, cap_ms } = e.event { Some((lease_ms, cap_ms)) } else { None })
+        .unwrap_or((SEND_LEASE_MS, SEND_CAP_MS));
+    let (mut double, mut resent_after_lease) = (0, 0);
+    for (correlation, ps) in &posts {
+        // Each POST against the last one that was not itself refused as a duplicate.
+        let mut last: Option<(u64, Option<&str>, u16)> = None;
+        // When the POST before `last` was made: a retry logged after it belongs to `last`'s
+        // claim (a partner starved in a loaded harness may record a POST after its sender's
+        // cap already ended it).
+        let mut since = 0;
+        for &(t2, r2, s2) in ps {
+            let Some((t1, r1, mut s1)) = last else {
+                last = Some((t2, r2, s2));
+                continue;
+            };
+            if s1 == 200 && unanswered.get(correlation).is_some_and(|ts| ts.iter().any(|t| (t1..=t2).contains(t))) {
+                s1 = 0;
+            }
+            // 409: the partner was still processing an earlier POST, whose sender (the
+            // partner answers well inside the send cap) was still waiting on its claim. The
+            // lease runs from the claim, a little before the partner saw the POST: slack.
+            // The first claim ended for its sender when it logged its fenced retry (a send that
+            // timed out or failed) between the two POSTs: the second is its retry, on its own
+            // word — however late the partner (in a loaded harness) recorded the first.
+            let released = r1.is_some_and(|r1| {
+                retried.get(correlation).is_some_and(|fs| {
+                    fs.iter().any(|(t, r)| *r == r1 && *t > since && *t <= t2.saturating_add(WINDOW_SLACK_MS))
+                })
+            });
+            let live = !released
+                && (s2 == 409 || (s1 == 200 && t2 + WINDOW_SLACK_MS < t1 + lease_ms) || (s1 == 0 && t2 + WINDOW_SLACK_MS < t1 + cap_ms));
+            if s2 != 409 {
+                since = t1;
+                last = Some((t2, r2, s2));
+            }
+            if !live {
+                if s1 != 500 {
+                    // The ADR's at-least-once: accepted (or unanswered), re-sent once the
+                    // claim's lease (or the sender's cap) was over.
+                    resent_after_lease += 1;
+                }
+                continue;
+            }
+            double += 1;
+            let mut tags = vec!["kind:double_post".to_owned()];
+            for (r, t) in [(r1, t1), (r2, t2)] {
+                match r {
+                    Some(r) => tags.extend(culprit_tags(r, h.compat_at(r, t))),
+                    None => tags.extend(["replica:unknown".to_owned(), "compat:unknown".to_owned()]),
+                }
+            }
+            if let Some(r) = r2 {
+                tags.extend(faults_on(&windows, r, t2));
+            }
+            v.blame(tags);
+            let who = |r: Option<&str>, t: u64| r.map_or_else(|| "an unnamed sender".to_owned(), |r| running(r, h.compat_at(r, t)));
+            v.witness(format!(
+                "transmission {correlation} POSTed by {} @{t1}ms (answered {s1}) and again by {} @{t2}ms (answered {s2}) while the first claim's lease was live; {}",
+                who(r1, t1),
+                who(r2, t2),
+                h.fault_near(t2)
+            ));
+        }
+    }
+    let mut conflicting = 0;
+    for (job, os) in &outcomes {
+        if os.iter().any(|o| o.0 == "sent") && os.iter().any(|o| o.0 == "failed") {
+            conflicting += 1;
+            let mut tags = vec!["kind:conflicting_events".to_owned()];
+            for (_, r, t) in os {
+                match r {
+                    Some(r) => tags.extend(culprit_tags(r, h.compat_at(r, *t))),
+                    None => tags.extend(service_culprits(h, "financial")),
+                }
+            }
+            v.blame(tags);
+            let staged: Vec<String> = os.iter().map(|(o, r, t)| format!("exchange.{o} by {} @{t}ms", r.unwrap_or("?"))).collect();
+            v.witness(format!("send job {job} staged both outcomes: {}", staged.join(", ")));
+        }
+    }
+    v.count("posts", all_posts);
+    v.count("transmissions", posts.len());
+    v.count("double_posts", double);
+    v.count("resent_after_lease", resent_after_lease);
+    v.count("jobs_finalized", outcomes.len());
+    v.count("conflicting_events", conflicting);
+    v.count("terminal_flips", flips);
+    v.settle(all_posts == 0 && outcomes.is_empty(), "nothing to check: the partner got no POST and no send job was finalized")
+}

@@ -1,0 +1,314 @@
+//! Invariant checkers: pure functions of a [`History`], in the shape of Jepsen's
+//! `total-queue` — each returns a [`Verdict`] with a validity, counts and at most ten
+//! witnesses. No I/O, no clock, no runtime. [`check_all`] runs them; a checker that panics
+//! yields `unknown` with the panic message instead of taking the run down.
+//!
+//! | checker | violated when |
+//! |---|---|
+//! | `no_loss` | an acknowledged write's event never produced its effect |
+//! | `no_phantom` | an effect exists for a write that failed, was rolled back, or was never attempted |
+//! | `effect_once` | an envelope's effect ran twice and no consumer crash or consumer-database fault sits between the two runs (#1180 attribution); for an arbiter-backed consumer (#1179), any second effect; a payment without exactly one `payment.created` and one transmission |
+//! | `liveness` | the outbox did not drain within the bound after faults healed, or a row stayed claimed past its lease |
+//! | `dlq_occurrence_once` | a dead letter that reached `craig.dlx` (occurrence by the harness's own derivation) has no audit row, or one occurrence has two, or deliveries are left in the capture queue; or an envelope both took effect and was dead-lettered |
+//! | `fencing` | the partner got two POSTs of one transmission while a send lease was live, a send job has both `exchange.sent` and `exchange.failed`, or a transaction left a terminal status other than `failed → pending` (#1185) |
+//! | `retention_safety` | a pending outbox row was pruned, a dedup record was pruned inside the inbox window, or an admin replay reaching past the outbox window was answered anything but 422 (#965/#1129) |
+//! | `sentinel_integrity` | an export's handler ran twice for one key and query outside the claim-expiry residue, a stored `succeeded` row is empty though its handler's body was not, or a client received other bytes than the handler produced for its request (live or replayed; a sentinel only for an over-cap body), or a key never got a 200 after the heal (§D5, #1183, #1184) |
+//! | `threshold_crossing_once` | a `security.dlq.threshold_exceeded` event is not in the transaction of a crossing (10 → 11 in the sliding hour, by the harness's own count and types), or a crossing has none |
+//!
+//! One file per invariant (`no_loss.rs`, …), each opening with the rule it judges and the
+//! excuses it allows; the shared pieces (`Verdict`, blame and cause tags, witness capping)
+//! live here; the literal-history tests in `tests.rs`.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::history::{Event, History, Outcome, Phase};
+
+pub const MAX_WITNESSES: usize = 10;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Validity {
+    Valid,
+    Unknown,
+    Invalid,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Verdict {
+    pub name: String,
+    pub validity: Validity,
+    pub counts: BTreeMap<String, u64>,
+    pub witnesses: Vec<String>,
+    pub error: Option<String>,
+    /// Violations found (all of them; `witnesses` shows the first [`MAX_WITNESSES`]).
+    #[serde(default)]
+    pub violations: u64,
+    /// How many violations point at each cause: `replica:<name>` and `compat:<mode>` (or
+    /// `compat:current`) of the replica that did the harm at that time — the one that
+    /// stamped a lost event, or ran a duplicate. A twin's `{ violate = "<cause>" }` needs
+    /// every violation to point at its cause.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub culprits: BTreeMap<String, u64>,
+}
+
+/// The cause tags of harm done by `replica` while it ran `compat` (None: never started).
+pub fn culprit_tags(replica: &str, compat: Option<&[String]>) -> Vec<String> {
+    let mut tags = vec![format!("replica:{replica}")];
+    match compat {
+        Some([]) => tags.push("compat:current".into()),
+        Some(modes) => tags.extend(modes.iter().map(|m| format!("compat:{m}"))),
+        None => tags.push("compat:unknown".into()),
+    }
+    tags
+}
+
+/// How far a fault window reaches beyond its recorded edges when blaming (a publish goes
+/// out a few ms before its stamp is logged; a fault is recorded as it is being applied).
+pub const WINDOW_SLACK_MS: u64 = 250;
+
+/// The `fault:` tags of faults that could have hurt `replica` at `t`: those on its own
+/// links, on the broker or the database, or on the replica itself, in force at `t`.
+fn faults_on(windows: &[(String, u64, u64)], replica: &str, t: u64) -> Vec<String> {
+    windows
+        .iter()
+        .filter(|(tag, from, to)| {
+            let target = tag.split_once(' ').map(|(_, t)| t).unwrap_or("");
+            let mine = target == "broker"
+                || target == "database"
+                || target == replica
+                || target.strip_prefix(replica).is_some_and(|rest| rest.starts_with("->"));
+            mine && from.saturating_sub(WINDOW_SLACK_MS) <= t && t <= to.saturating_add(WINDOW_SLACK_MS)
+        })
+        .map(|(tag, ..)| tag.clone())
+        .collect()
+}
+
+/// "cases-1 (compat pre-1128)" for witness texts.
+fn running(replica: &str, compat: Option<&[String]>) -> String {
+    match compat {
+        Some([]) => format!("{replica} (current)"),
+        Some(modes) => format!("{replica} (compat {})", modes.join(",")),
+        None => replica.to_owned(),
+    }
+}
+
+impl Verdict {
+    fn new(name: &str) -> Self {
+        Self {
+            name: name.into(),
+            validity: Validity::Valid,
+            counts: BTreeMap::new(),
+            witnesses: vec![],
+            error: None,
+            violations: 0,
+            culprits: BTreeMap::new(),
+        }
+    }
+
+    /// A verdict that could not be reached.
+    pub fn undecided(name: &str, error: impl Into<String>) -> Self {
+        Self { error: Some(error.into()), validity: Validity::Unknown, ..Self::new(name) }
+    }
+
+    /// Count one violation against every cause in `tags` (each at most once).
+    fn blame(&mut self, tags: impl IntoIterator<Item = String>) {
+        self.violations += 1;
+        let tags: std::collections::BTreeSet<String> = tags.into_iter().collect();
+        for t in tags {
+            *self.culprits.entry(t).or_default() += 1;
+        }
+    }
+
+    /// Whether every violation points at `cause` (and there was at least one).
+    pub fn all_point_at(&self, cause: &str) -> bool {
+        self.violations > 0 && self.culprits.get(cause).copied().unwrap_or(0) == self.violations
+    }
+
+    fn count(&mut self, key: &str, n: usize) {
+        self.counts.insert(key.into(), n as u64);
+    }
+
+    /// The verdict of a checker that counts violations: invalid with any; else unknown,
+    /// saying `why`, when there was `nothing` to check; else valid.
+    fn settle(mut self, nothing: bool, why: &str) -> Self {
+        self.validity = if self.violations > 0 {
+            Validity::Invalid
+        } else if nothing {
+            self.error = Some(why.into());
+            Validity::Unknown
+        } else {
+            Validity::Valid
+        };
+        self
+    }
+
+    fn witness(&mut self, w: String) {
+        if self.witnesses.len() < MAX_WITNESSES {
+            self.witnesses.push(w);
+        }
+    }
+}
+
+pub const INVARIANTS: &[&str] = &[
+    "no_loss",
+    "no_phantom",
+    "effect_once",
+    "liveness",
+    "dlq_occurrence_once",
+    "threshold_crossing_once",
+    "fencing",
+    "retention_safety",
+    "sentinel_integrity",
+];
+/// Checkers that blame every violation on a replica and its compat mode
+/// ([`Verdict::culprits`]), so a scenario can name the cause it must be violated for.
+pub const ATTRIBUTING: &[&str] =
+    &["no_loss", "effect_once", "dlq_occurrence_once", "threshold_crossing_once", "fencing", "retention_safety", "sentinel_integrity"];
+
+/// Run one checker by name (None: no such checker).
+pub fn check(name: &str, h: &History) -> Option<Verdict> {
+    let f: fn(&History) -> Verdict = match name {
+        "no_loss" => no_loss,
+        "no_phantom" => no_phantom,
+        "effect_once" => effect_once,
+        "liveness" => liveness,
+        "dlq_occurrence_once" => dlq_occurrence_once,
+        "threshold_crossing_once" => threshold_crossing_once,
+        "fencing" => fencing,
+        "retention_safety" => retention_safety,
+        "sentinel_integrity" => sentinel_integrity,
+        _ => return None,
+    };
+    Some(match std::panic::catch_unwind(|| f(h)) {
+        Ok(v) => v,
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "checker panicked".into());
+            Verdict { error: Some(msg), validity: Validity::Unknown, ..Verdict::new(name) }
+        }
+    })
+}
+
+/// Every checker; the worst validity is the run's.
+pub fn check_all(h: &History) -> Vec<Verdict> {
+    INVARIANTS.iter().filter_map(|n| check(n, h)).collect()
+}
+
+struct Effects {
+    /// referral → (first effect time)
+    by_referral: HashMap<Uuid, u64>,
+    /// envelope → (effect time, replica that ran it) in order
+    by_envelope: BTreeMap<Uuid, Vec<(u64, Option<String>)>>,
+    total: usize,
+}
+
+fn effects(h: &History) -> Effects {
+    let mut e = Effects { by_referral: HashMap::new(), by_envelope: BTreeMap::new(), total: 0 };
+    for entry in h.iter() {
+        if let Event::Effect { envelope, referral, replica, .. } = &entry.event {
+            e.total += 1;
+            e.by_envelope.entry(*envelope).or_default().push((entry.t_ms, replica.clone()));
+            if let Some(r) = referral {
+                e.by_referral.entry(*r).or_insert(entry.t_ms);
+            }
+        }
+    }
+    e
+}
+
+/// `cases` of `cases-1`.
+pub(super) fn service_of(replica: &str) -> &str {
+    replica.rsplit_once('-').map_or(replica, |(s, _)| s)
+}
+
+/// The replica a fault tag (`fault:<kind> <target>`) acts on: `cases-1` of `fault:crash
+/// cases-1` and of `fault:toxic cases-1->broker`; `None` for a server (`broker`, `database`).
+pub(super) fn fault_replica(tag: &str) -> Option<&str> {
+    let target = tag.split_once(' ')?.1;
+    let replica = target.split("->").next()?;
+    (replica.contains('-') && !matches!(replica, "broker" | "database")).then_some(replica)
+}
+
+/// What a dead-letter violation was, as a cause tag (`kind:<name>`) a twin can name, so a
+/// twin is red for its documented cause and not for any violation of the same checker.
+pub const VIOLATION_KINDS: &[&str] =
+    &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed", "double_post", "conflicting_events", "terminal_flip", "pruned_pending", "replay_past_window",
+      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status", "captured", "pruned_dedup", "never_answered", "unmatched_side_effect"];
+
+/// Which faults can cause a dead-letter violation of a kind, by the fault tag.
+#[derive(Clone, Copy)]
+pub(super) enum Through {
+    /// Losing a record: the recorder itself (crash, kill, pause) or its database.
+    Database,
+    /// Recording twice: a DLQ ack that failed: the recorder itself or its broker.
+    Broker,
+    /// Nothing but the behaviour that ran.
+    Nothing,
+}
+
+/// The cause tags of a dead-letter violation of `kind`: the kind; every replica of
+/// `service` with the compat it ran last (the audit row does not say which replica wrote
+/// it); and the faults that can cause that kind ([`Through`]) on that service's replicas,
+/// their links, or the server in question.
+pub(super) fn dead_letter_tags(h: &History, kind: &str, service: &str, through: Through) -> Vec<String> {
+    debug_assert!(VIOLATION_KINDS.contains(&kind));
+    let mut tags = vec![format!("kind:{kind}")];
+    tags.extend(service_culprits(h, service));
+    let server = match through {
+        Through::Database => "database",
+        Through::Broker => "broker",
+        Through::Nothing => return tags,
+    };
+    tags.extend(h.fault_windows().into_iter().map(|(tag, ..)| tag).filter(|tag| {
+        let target = tag.split_once(' ').map_or("", |(_, t)| t);
+        match fault_replica(tag) {
+            None => target == server,
+            Some(r) => service_of(r) == service && (target == r || target.ends_with(&format!("->{server}"))),
+        }
+    }));
+    tags
+}
+
+/// Every replica of `service` with the compat it ran last: the culprits of harm no record
+/// attributes to one replica.
+pub(super) fn service_culprits(h: &History, service: &str) -> Vec<String> {
+    let end = h.iter().last().map_or(0, |e| e.t_ms);
+    let mut tags = Vec::new();
+    let mut seen = HashSet::new();
+    for e in h.iter() {
+        if let Event::Started { replica, .. } = &e.event {
+            if service_of(replica) == service && seen.insert(replica.clone()) {
+                tags.extend(culprit_tags(replica, h.compat_at(replica, end)));
+            }
+        }
+    }
+    tags
+}
+
+mod no_loss;
+mod no_phantom;
+mod effect_once;
+mod dlq_occurrence_once;
+mod threshold_crossing_once;
+mod fencing;
+mod retention_safety;
+mod sentinel_integrity;
+mod liveness;
+pub use no_loss::*;
+pub use no_phantom::*;
+pub use effect_once::*;
+pub use dlq_occurrence_once::*;
+pub use threshold_crossing_once::*;
+pub use fencing::*;
+pub use retention_safety::*;
+pub use sentinel_integrity::*;
+pub use liveness::*;
+
+#[cfg(test)]
+mod tests;

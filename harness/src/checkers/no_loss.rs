@@ -1,0 +1,183 @@
+//! `no_loss`, ADR-022 §D1/§D3 at-least-once: every acknowledged write's event produces its effect, every published dead letter reaches `craig.dlx`. Excused: nothing; blame needs the system's own word (who stamped, who rejected).
+
+use super::*;
+
+/// Every acknowledged write's event reached the consumer (took effect at least once).
+/// Unknown-outcome writes that show up are `recovered`, never `lost`.
+pub fn no_loss(h: &History) -> Verdict {
+    let mut v = Verdict::new("no_loss");
+    let fx = effects(h);
+    // referral → its envelopes; envelope → who stamped it published, with the behaviour
+    // that replica ran then.
+    let windows = h.fault_windows();
+    let mut envelopes: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
+    let mut published: HashSet<Uuid> = HashSet::new();
+    let mut stamps: HashMap<Uuid, Vec<(u64, &str, &[String])>> = HashMap::new();
+    for e in h.iter() {
+        match &e.event {
+            Event::Staged { envelope, referral: Some(r), published: p, .. } => {
+                envelopes.entry(*r).or_default().push(*envelope);
+                if *p {
+                    published.insert(*envelope);
+                }
+            }
+            Event::Stamped { envelope, replica, compat } => {
+                stamps.entry(*envelope).or_default().push((e.t_ms, replica.as_str(), compat.as_slice()))
+            }
+            _ => {}
+        }
+    }
+    let (mut attempted, mut acknowledged, mut ok, mut lost, mut recovered, mut unknown, mut failed) = (0, 0, 0, 0, 0, 0, 0);
+    for entry in h.iter() {
+        let Event::Write { referral, outcome, replica, .. } = &entry.event else { continue };
+        attempted += 1;
+        let delivered = fx.by_referral.contains_key(referral);
+        match outcome {
+            Outcome::Ok => {
+                acknowledged += 1;
+                if delivered {
+                    ok += 1;
+                } else {
+                    lost += 1;
+                    // Blame whoever stamped its event published (it vouched for a delivery
+                    // that never happened); with no stamp, the replica that acknowledged it.
+                    let envs = envelopes.get(referral).map(Vec::as_slice).unwrap_or(&[]);
+                    let mut stamped: Vec<&(u64, &str, &[String])> = envs.iter().filter_map(|env| stamps.get(env)).flatten().collect();
+                    stamped.sort_by_key(|(t, ..)| *t);
+                    let by = match stamped.last() {
+                        // The stamp that stood (the last): that replica vouched for a delivery
+                        // that never happened, under the behaviour it ran and the faults on
+                        // its own links or servers at the time.
+                        Some((t, r, c)) => {
+                            let mut tags = culprit_tags(r, Some(c));
+                            tags.extend(faults_on(&windows, r, *t));
+                            v.blame(tags);
+                            let who: Vec<String> = stamped.iter().map(|(t, r, c)| format!("{} @{t}ms", running(r, Some(c)))).collect();
+                            format!("its event was stamped published by {}", who.join(", "))
+                        }
+                        // Stamped, but no replica said so: no attribution evidence.
+                        None if envs.iter().any(|e| published.contains(e)) => {
+                            v.blame(["replica:unknown".to_owned(), "compat:unknown".to_owned()]);
+                            "its event is stamped published but no replica logged the stamp (no attribution evidence)".to_owned()
+                        }
+                        None => {
+                            let compat = h.compat_at(replica, entry.t_ms);
+                            let mut tags = culprit_tags(replica, compat);
+                            tags.extend(faults_on(&windows, replica, entry.t_ms));
+                            v.blame(tags);
+                            format!("its event was never stamped published ({} acknowledged it)", running(replica, compat))
+                        }
+                    };
+                    v.witness(format!(
+                        "referral {referral} acknowledged by {replica} @{}ms never took effect: {by}; {}",
+                        entry.t_ms,
+                        h.fault_near(entry.t_ms)
+                    ));
+                }
+            }
+            Outcome::Unknown => {
+                unknown += 1;
+                if delivered {
+                    recovered += 1;
+                }
+            }
+            Outcome::Failed => failed += 1,
+        }
+    }
+    let (dead_staged, dead_lost) = dead_letters_lost(h, &mut v);
+    for (k, n) in [
+        ("attempted", attempted),
+        ("acknowledged", acknowledged),
+        ("ok", ok),
+        ("lost", lost),
+        ("recovered", recovered),
+        ("unknown", unknown),
+        ("failed", failed),
+        ("dead_letters_published", dead_staged),
+        ("dead_letters_lost", dead_lost),
+    ] {
+        v.count(k, n);
+    }
+    v.validity = if lost > 0 || dead_lost > 0 {
+        Validity::Invalid
+    } else if acknowledged == 0 {
+        v.error = Some("nothing to check: no acknowledged writes".into());
+        Validity::Unknown
+    } else {
+        Validity::Valid
+    };
+    v
+}
+
+/// §D3: a dead letter the harness staged (`DeadLetterStaged`, for its consumer to refuse)
+/// that was published must reach `craig.dlx` — the tap saw it — or have been handled after
+/// all. One that did neither vanished: a consumer queue without dead-letter arguments drops
+/// what its consumer rejects (compat `pre-d3`). Blamed on the replicas that said they
+/// rejected it, with the behaviour each ran then. Returns (published, lost).
+pub(super) fn dead_letters_lost(h: &History, v: &mut Verdict) -> (usize, usize) {
+    let staged: Vec<(Uuid, &str)> = h
+        .iter()
+        .filter_map(|e| if let Event::DeadLetterStaged { envelope, service } = &e.event { Some((*envelope, service.as_str())) } else { None })
+        .collect();
+    if staged.is_empty() {
+        return (0, 0);
+    }
+    let mut published: HashSet<Uuid> = HashSet::new();
+    let mut first_stamp: HashMap<Uuid, u64> = HashMap::new();
+    let mut reached: HashSet<Uuid> = HashSet::new();
+    let mut rejected: HashMap<Uuid, Vec<(u64, &str, &[String])>> = HashMap::new();
+    for e in h.iter() {
+        match &e.event {
+            Event::Staged { envelope, published: true, .. } => {
+                published.insert(*envelope);
+            }
+            Event::Rejected { envelope, replica, compat } => {
+                rejected.entry(*envelope).or_default().push((e.t_ms, replica, compat));
+            }
+            Event::Stamped { envelope, .. } => {
+                let t = first_stamp.entry(*envelope).or_insert(e.t_ms);
+                *t = (*t).min(e.t_ms);
+            }
+            Event::DeadLettered { envelope: Some(env), .. } | Event::Effect { envelope: env, .. } => {
+                reached.insert(*env);
+            }
+            _ => {}
+        }
+    }
+    let (mut n, mut lost) = (0, 0);
+    for (env, consumer) in staged {
+        if !published.contains(&env) {
+            continue; // still pending: liveness's to judge, not a loss
+        }
+        let stamp = first_stamp.get(&env).copied();
+        n += 1;
+        if reached.contains(&env) {
+            continue;
+        }
+        lost += 1;
+        // Corroborated by the system: the consumer that said it rejected the message to the
+        // broker, with the behaviour it ran then. None said so: nobody to blame on evidence.
+        let mut tags = vec!["kind:lost".to_owned()];
+        let by = match rejected.get(&env) {
+            Some(rs) => {
+                let mut who = Vec::new();
+                for (t, r, c) in rs {
+                    tags.extend(culprit_tags(r, Some(c)));
+                    who.push(format!("{} @{t}ms", running(r, Some(c))));
+                }
+                format!("rejected by {}", who.join(", "))
+            }
+            None => {
+                tags.extend(["replica:unknown".to_owned(), "compat:unknown".to_owned()]);
+                "no consumer reported rejecting it".to_owned()
+            }
+        };
+        v.blame(tags);
+        v.witness(format!(
+            "dead letter {env} (staged for {consumer} to refuse) was published{}, {by}, and never reached {} nor took effect",
+            stamp.map(|t| format!(" @{t}ms")).unwrap_or_default(),
+            craig_mq::topology::DLX_EXCHANGE,
+        ));
+    }
+    (n, lost)
+}

@@ -1,0 +1,193 @@
+//! `sentinel_integrity`, ADR-022 §D5 with #1182/#1183/#1184/#1194: one handler run per key and query, no emptied rows, every byte a client read is its request's, every key answered after the heal. Excused: the claim-expiry residue, only as the system records it (crash, unanswered attempt, newer generation).
+
+use super::*;
+
+/// §D5 as the clients and the database saw it (`kind = "exports"`):
+///
+/// - **runs**: the handler ran at most once per key and query (`exports` rows by key and
+///   size). The one excuse is the ADR's residue: a winner that died after its handler
+///   committed leaves its claim to expire, and the retry re-claims and runs again. A re-run
+///   is excused only as the system itself records it: the earlier run's replica (the
+///   `exports` row names it) crashed between the two runs, an attempt of this very request
+///   (key, size) to that replica got no answer (each such attempt excuses one re-run), and
+///   the later run holds a newer claim generation, the one the row ended on. Anything else
+///   is `kind:executed_twice`.
+/// - **rows**: no `succeeded` row has an empty body unless its handler's body was empty
+///   (`kind:emptied_body`, #1183's poisoned rows).
+/// - **answers**: every 200 a client read whole carries exactly the bytes the handler
+///   produces for ITS request (`size`): the live winner's full body (`kind:wrong_live`),
+///   a replay's stored body (`kind:wrong_replay`; #1184's wrong cached response shows
+///   here), or the sentinel (`Idempotency-Body-Too-Large`, empty) only on a replay of an
+///   over-cap body (`kind:false_sentinel`). Clients that went away on purpose are not
+///   judged on bytes; a 409 must carry `Retry-After` (`kind:no_retry_after`), and any other
+///   status than 200 or 409 is `kind:unexpected_status`.
+pub fn sentinel_integrity(h: &History) -> Verdict {
+    let mut v = Verdict::new("sentinel_integrity");
+    let cap = craig_api::idempotency::RESPONSE_BODY_CAP as u64;
+    let mut expected: HashMap<u64, String> = HashMap::new();
+    let mut hash_of = |n: u64| {
+        expected.entry(n).or_insert_with(|| craig_api::idempotency::body_fingerprint(&craig_fleet::cases::export_body(n as usize))).clone()
+    };
+    let (mut judged, mut live, mut replays, mut sentinels, mut cancelled, mut unanswered, mut in_flight) = (0, 0, 0, 0, 0, 0, 0);
+    // (key, size, replica) of every attempt that was sent and got no (complete) answer.
+    let mut no_answer: HashSet<(&str, u64, &str)> = HashSet::new();
+    for e in h.iter() {
+        let Event::HttpExchange { key, size, replica, status, replayed, too_large, body_len, body_sha256, cancelled: gone, retry_after } = &e.event
+        else {
+            continue;
+        };
+        let compat = h.compat_at(replica, e.t_ms);
+        let kind = match (status, body_sha256) {
+            (None, _) if replica == "none" => continue,
+            (None, _) | (Some(200), None) if !*gone => {
+                unanswered += 1;
+                no_answer.insert((key.as_str(), *size, replica.as_str()));
+                continue;
+            }
+            (Some(409), _) => {
+                in_flight += 1;
+                if retry_after.is_some() {
+                    continue;
+                }
+                "no_retry_after"
+            }
+            (Some(200), _) if *gone => {
+                cancelled += 1;
+                continue;
+            }
+            (Some(200), Some(got)) => {
+                judged += 1;
+                if *too_large {
+                    if *replayed && *body_len == 0 && *size > cap {
+                        sentinels += 1;
+                        replays += 1;
+                        continue;
+                    }
+                    "false_sentinel"
+                } else {
+                    if *replayed {
+                        replays += 1;
+                    } else {
+                        live += 1;
+                    }
+                    if *got == hash_of(*size) {
+                        continue;
+                    }
+                    if *replayed { "wrong_replay" } else { "wrong_live" }
+                }
+            }
+            (Some(_), _) => "unexpected_status",
+            (None, _) => continue,
+        };
+        let mut tags = vec![format!("kind:{kind}")];
+        tags.extend(culprit_tags(replica, compat));
+        v.blame(tags);
+        v.witness(match kind {
+            "no_retry_after" => format!("{} answered key {key} 409 without Retry-After @{}ms", running(replica, compat), e.t_ms),
+            "unexpected_status" => format!("{} answered key {key} (size={size}) {} @{}ms", running(replica, compat), status.unwrap_or(0), e.t_ms),
+            _ => format!(
+                "{} answered key {key} (size={size}) @{}ms with {body_len} bytes ({}{}), not the {size} bytes its handler produces ({kind})",
+                running(replica, compat),
+                e.t_ms,
+                if *replayed { "replayed" } else { "live" },
+                if *too_large { ", as the too-large sentinel" } else { "" },
+            ),
+        });
+    }
+    // The generation each cache key's row ended on, and the runs per (key, size).
+    let final_generation: HashMap<&str, i64> = h
+        .iter()
+        .filter_map(|e| if let Event::IdempotencyRow { cache_key, generation, .. } = &e.event { Some((cache_key.as_str(), *generation)) } else { None })
+        .collect();
+    let mut runs: BTreeMap<(&str, u64), Vec<(u64, Option<i64>, Option<&str>, Option<&str>)>> = BTreeMap::new();
+    let mut size_of_cache_key: HashMap<&str, u64> = HashMap::new();
+    for e in h.iter() {
+        if let Event::ExportRun { key: Some(key), cache_key, size, generation, replica, .. } = &e.event {
+            runs.entry((key.as_str(), *size)).or_default().push((e.t_ms, *generation, replica.as_deref(), cache_key.as_deref()));
+            if let Some(ck) = cache_key {
+                size_of_cache_key.insert(ck.as_str(), *size);
+            }
+        }
+    }
+    let crashes: Vec<(u64, &str)> =
+        h.iter().filter_map(|e| if let Event::Crash { replica, .. } = &e.event { Some((e.t_ms, replica.as_str())) } else { None }).collect();
+    let (mut total_runs, mut excused) = (0, 0);
+    let mut used: HashSet<(&str, u64, &str)> = HashSet::new();
+    for ((key, size), list) in &mut runs {
+        list.sort_by_key(|r| r.0);
+        total_runs += list.len();
+        for pair in list.windows(2) {
+            let ((t1, g1, r1, ck), (t2, g2, ..)) = (pair[0], pair[1]);
+            // The residue, as the system records it: the first run's replica crashed between
+            // the two runs, an attempt of this very request to it got no answer, and the
+            // second run holds a newer claim generation that the row ended on (or newer).
+            let residue = r1.is_some_and(|r| {
+                crashes.iter().any(|(t, c)| *c == r && t1 <= t.saturating_add(WINDOW_SLACK_MS) && *t <= t2)
+                    && no_answer.contains(&(*key, *size, r))
+                    && !used.contains(&(*key, *size, r))
+            }) && matches!((g1, g2), (Some(a), Some(b)) if b > a)
+                && ck.and_then(|c| final_generation.get(c)).is_none_or(|f| Some(*f) >= g2);
+            if residue {
+                excused += 1;
+                used.insert((*key, *size, r1.expect("checked")));
+                continue;
+            }
+            let mut tags = vec!["kind:executed_twice".to_owned()];
+            tags.extend(service_culprits(h, "cases"));
+            v.blame(tags);
+            v.witness(format!(
+                "the export handler ran again for key {key} (size={size}) @{t2}ms, after a run @{t1}ms on {} (claim generations {:?} then {:?}): a retry re-executed committed work",
+                r1.unwrap_or("?"),
+                g1,
+                g2
+            ));
+        }
+    }
+    let mut emptied = 0;
+    for e in h.iter() {
+        if let Event::IdempotencyRow { cache_key, status, body_len: Some(0), body_too_large: false, .. } = &e.event {
+            if let Some(size) = size_of_cache_key.get(cache_key.as_str()).filter(|n| **n > 0 && status == "succeeded") {
+                emptied += 1;
+                let mut tags = vec!["kind:emptied_body".to_owned()];
+                tags.extend(service_culprits(h, "cases"));
+                v.blame(tags);
+                v.witness(format!("row {cache_key} is succeeded with an EMPTY body, its handler produced {size} bytes (not the sentinel)"));
+            }
+        }
+    }
+    // Issue 22.6: no answer is not "held". Every (key, size) the clients asked for must end
+    // with a 200 read whole after the faults healed (the workload retries each one then);
+    // a key kept at 409 (a claim that never expires, a row stuck `processing`) or never
+    // answered is a violation.
+    let healed = h.iter().find(|e| matches!(e.event, Event::Healed)).map_or(0, |e| e.t_ms);
+    let mut asked: BTreeMap<(&str, u64), bool> = BTreeMap::new();
+    for e in h.iter() {
+        let Event::HttpExchange { key, size, replica, status, body_sha256, cancelled: gone, .. } = &e.event else { continue };
+        let answered = asked.entry((key.as_str(), *size)).or_default();
+        if replica != "none" && e.t_ms >= healed && *status == Some(200) && body_sha256.is_some() && !*gone {
+            *answered = true;
+        }
+    }
+    let mut never = 0;
+    for ((key, size), answered) in &asked {
+        if !answered {
+            never += 1;
+            let mut tags = vec!["kind:never_answered".to_owned()];
+            tags.extend(service_culprits(h, "cases"));
+            v.blame(tags);
+            v.witness(format!("key {key} (size={size}) never got a 200 read whole after every fault healed"));
+        }
+    }
+    v.count("never_answered", never);
+    v.count("answers_judged", judged);
+    v.count("live", live);
+    v.count("replays", replays);
+    v.count("sentinels_replayed", sentinels);
+    v.count("cancelled", cancelled);
+    v.count("unanswered", unanswered);
+    v.count("in_flight_409", in_flight);
+    v.count("handler_runs", total_runs);
+    v.count("reexecuted_after_claim_expiry", excused);
+    v.count("emptied_rows", emptied);
+    v.settle(judged == 0, "nothing to check: no client read an export answer whole (kind = \"exports\" makes them)")
+}

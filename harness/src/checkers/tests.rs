@@ -1,0 +1,1314 @@
+//! Literal-history tests of every checker.
+
+use super::*;
+use crate::history::Phase;
+
+fn id(n: u128) -> Uuid {
+    Uuid::from_u128(n)
+}
+
+fn write(h: &mut History, t: u64, n: u128, outcome: Outcome) {
+    h.push(t, Event::Write { referral: id(n), replica: "cases-1".into(), outcome, status: None });
+}
+
+fn effect(h: &mut History, t: u64, env: u128, referral: u128) {
+    h.push(t, Event::Effect { envelope: id(env), referral: Some(id(referral)), service: "rules".into(), replica: Some("rules-1".into()) });
+}
+
+fn started(h: &mut History, t: u64, replica: &str, compat: &[&str]) {
+    h.push(t, Event::Started { replica: replica.into(), compat: compat.iter().map(|c| c.to_string()).collect() });
+}
+
+fn tapped(h: &mut History, key: &str, token: Option<&str>) {
+    h.push(10, Event::DeadLettered { key: key.into(), token: token.map(str::to_owned), envelope: None, queue: None, event_type: None });
+}
+
+fn audited(h: &mut History, key: &str, token: Option<&str>, disposition: &str, event_type: &str, received: i64) {
+    h.push(
+        20,
+        Event::Audited {
+            key: key.into(),
+            disposition: disposition.into(),
+            token: token.map(str::to_owned),
+            envelope: None,
+            event_type: Some(event_type.into()),
+            received_epoch_ms: received,
+            window_epoch_ms: received,
+            tx: None,
+        },
+    );
+}
+
+/// Issue 21.1: a delivery left in the capture queue (acked off the DLQ, no audit row) is
+/// a violation of its own kind, even when every tapped occurrence has its row; a
+/// capture queue the harness could not read leaves the verdict open.
+#[test]
+fn dlq_occurrence_once_counts_what_was_left_captured() {
+    let base = || {
+        let mut h = History::default();
+        started(&mut h, 0, "security-1", &[]);
+        tapped(&mut h, "k1", Some("xdeath:1"));
+        audited(&mut h, "k1", Some("xdeath:1"), "recorded", "a", 1);
+        h
+    };
+    let mut h = base();
+    h.push(30, Event::CaptureLeft { count: 2 });
+    h.sort();
+    let v = dlq_occurrence_once(&h);
+    assert_eq!((v.validity, v.counts["captured"]), (Validity::Invalid, 2), "{v:?}");
+    assert!(v.all_point_at("kind:captured"), "{:?}", v.culprits);
+    let mut unread = base();
+    unread.push(30, Event::CaptureLeft { count: u32::MAX });
+    unread.sort();
+    assert_eq!(dlq_occurrence_once(&unread).validity, Validity::Unknown);
+    let mut clean = base();
+    clean.sort();
+    assert_eq!(dlq_occurrence_once(&clean).validity, Validity::Valid);
+}
+
+/// Issue 9: one row per occurrence holds; a DLQ redelivery recorded twice (pre-1181: no
+/// token at the recorder, so a tokenless row of the same bytes) is doubled; a dead
+/// letter with no row is lost (pre-1197's log-and-ack); a row of bytes that never
+/// reached craig.dlx is unexplained. Each is blamed on the recorder's compat.
+#[test]
+fn dlq_occurrence_once_finds_lost_doubled_and_unexplained_rows() {
+    let mut h = History::default();
+    started(&mut h, 0, "security-1", &[]);
+    tapped(&mut h, "k1", Some("xdeath:1"));
+    tapped(&mut h, "k2", Some("dlxcap:2"));
+    // A retried surface: the same token in other bytes (surfaced_at differs).
+    tapped(&mut h, "k2b", Some("dlxcap:2"));
+    tapped(&mut h, "k3", None);
+    audited(&mut h, "k1", Some("xdeath:1"), "recorded", "a", 1);
+    audited(&mut h, "k2", Some("dlxcap:2"), "recorded", "a", 2);
+    audited(&mut h, "k3", None, "tokenless", "a", 3);
+    h.sort();
+    let v = dlq_occurrence_once(&h);
+    assert_eq!(v.validity, Validity::Valid, "{v:?}");
+    assert_eq!((v.counts["occurrences"], v.counts["audit_rows"]), (3, 3));
+
+    let mut doubled = History::default();
+    started(&mut doubled, 0, "security-1", &["pre-1181"]);
+    tapped(&mut doubled, "k1", Some("xdeath:1"));
+    audited(&mut doubled, "k1", None, "tokenless", "a", 1);
+    audited(&mut doubled, "k1", None, "tokenless", "a", 2);
+    doubled.sort();
+    let v = dlq_occurrence_once(&doubled);
+    assert_eq!((v.validity, v.counts["doubled"]), (Validity::Invalid, 1), "{v:?}");
+    assert!(v.all_point_at("compat:pre-1181") && v.all_point_at("kind:doubled"), "{:?}", v.culprits);
+
+    let mut lost = History::default();
+    started(&mut lost, 0, "security-1", &["pre-1197"]);
+    lost.push(5, Event::Fault { kind: "down".into(), target: "security-1->database".into(), phase: Phase::Start });
+    lost.push(50, Event::Fault { kind: "down".into(), target: "security-1->database".into(), phase: Phase::End });
+    lost.push(6, Event::Fault { kind: "kill".into(), target: "rules-1".into(), phase: Phase::Start });
+    tapped(&mut lost, "k1", Some("xdeath:1"));
+    tapped(&mut lost, "k2", Some("xdeath:2"));
+    audited(&mut lost, "k2", Some("xdeath:2"), "recorded", "a", 2);
+    audited(&mut lost, "zz", Some("xdeath:9"), "recorded", "a", 3);
+    lost.sort();
+    let v = dlq_occurrence_once(&lost);
+    assert_eq!((v.counts["lost"], v.counts["unexplained_rows"]), (1, 1), "{v:?}");
+    // Issue 22.8: nothing corroborates pre-1197 for this loss (no replica logged acking it
+    // unrecorded): the loss names no compat mode, only the unknown recorder.
+    assert_eq!(v.culprits.get("compat:pre-1197"), Some(&1), "only the unexplained row: {:?}", v.culprits);
+    assert_eq!(v.culprits["replica:unknown"], 1, "{:?}", v.culprits);
+    // Each violation carries its own kind; a twin naming `kind:lost` is not met by the
+    // unexplained row, and the link cut is blamed for the loss only.
+    assert_eq!((v.culprits["kind:lost"], v.culprits["kind:unexplained"]), (1, 1), "{:?}", v.culprits);
+    assert_eq!(v.culprits["fault:down security-1->database"], 1, "{:?}", v.culprits);
+    assert!(!v.all_point_at("kind:lost"));
+    assert!(!v.culprits.contains_key("fault:kill rules-1"), "another service's fault is no cause: {:?}", v.culprits);
+
+    assert_eq!(dlq_occurrence_once(&History::default()).validity, Validity::Unknown);
+
+    // Issue 22.8: a fault that ended before the dead letter reached craig.dlx is no
+    // cause of its loss; the replica that logged acking it unrecorded, with its compat,
+    // is (corroborated).
+    let mut late = History::default();
+    started(&mut late, 0, "security-1", &["pre-1197"]);
+    late.push(1, Event::Fault { kind: "down".into(), target: "security-1->database".into(), phase: Phase::Start });
+    late.push(2, Event::Fault { kind: "down".into(), target: "security-1->database".into(), phase: Phase::End });
+    late.push(5000, Event::DeadLettered { key: "k1".into(), token: Some("xdeath:1".into()), envelope: None, queue: None, event_type: None });
+    late.sort();
+    let v = dlq_occurrence_once(&late);
+    assert!(v.all_point_at("kind:lost") && v.all_point_at("replica:unknown"), "{:?}", v.culprits);
+    assert!(!v.culprits.contains_key("fault:down security-1->database") && !v.culprits.contains_key("compat:pre-1197"), "{:?}", v.culprits);
+    late.push(5100, Event::AckedUnrecorded { key: "k1".into(), replica: "security-1".into(), compat: vec!["pre-1197".into()] });
+    late.sort();
+    let v = dlq_occurrence_once(&late);
+    assert!(v.all_point_at("compat:pre-1197") && v.all_point_at("kind:lost"), "{:?}", v.culprits);
+}
+
+/// Completed XOR dead-lettered: an envelope that took effect and was also dead-lettered
+/// from the same consumer queue is a violation unless the inbox re-ran it in between.
+#[test]
+fn an_envelope_both_handled_and_dead_lettered_is_a_violation() {
+    let mut h = History::default();
+    started(&mut h, 0, "security-1", &[]);
+    h.push(1, Event::Effect { envelope: id(1), referral: None, service: "rules".into(), replica: Some("rules-1".into()) });
+    h.push(2, Event::DeadLettered { key: "k1".into(), token: Some("xdeath:1".into()), envelope: Some(id(1)), queue: Some("craig-rules.events".into()), event_type: None });
+    audited(&mut h, "k1", Some("xdeath:1"), "recorded", "a", 1);
+    h.sort();
+    let v = dlq_occurrence_once(&h);
+    assert_eq!(v.counts["completed_and_dead_lettered"], 1, "{v:?}");
+    h.push(3, Event::Reprocessed { envelope: id(1), replica: "rules-1".into() });
+    assert_eq!(dlq_occurrence_once(&h).validity, Validity::Valid);
+}
+
+/// #1156: one event per crossing, counted over occurrences (not duplicate rows); a
+/// re-emit during a sustained breach (pre-1156) and a missed crossing are violations;
+/// a divergent row that is itself the 11th crosses silently (R7 alert-inert); rows an
+/// hour apart cross again.
+#[test]
+fn threshold_crossing_once_counts_crossings_of_occurrences() {
+    let hour = 3_600_000;
+    let build = |events: usize, compat: &[&str], divergent_11th: bool| {
+        let mut h = History::default();
+        started(&mut h, 0, "security-1", compat);
+        for i in 0..13i64 {
+            let t = format!("xdeath:{i}");
+            let disposition = if divergent_11th && i == 10 { "divergent" } else { "recorded" };
+            audited(&mut h, &format!("k{i}"), Some(&t), disposition, "case.referral_created", 1_000 + i);
+        }
+        // A duplicate row of an occurrence already counted: not a crossing of its own.
+        audited(&mut h, "k0", Some("xdeath:0"), "recorded", "case.referral_created", 2_000);
+        for _ in 0..events {
+            h.push(30, Event::ThresholdExceeded { event_type: "case.referral_created".into(), count: 11, tx: None });
+        }
+        h.sort();
+        h
+    };
+    let v = threshold_crossing_once(&build(1, &[], false));
+    assert_eq!((v.validity, v.counts["crossings"]), (Validity::Valid, 1), "{v:?}");
+    let v = threshold_crossing_once(&build(3, &["pre-1156"], false));
+    assert_eq!(v.validity, Validity::Invalid);
+    assert!(v.all_point_at("compat:pre-1156") && v.all_point_at("kind:re_emitted"), "{:?}", v.culprits);
+    let v = threshold_crossing_once(&build(0, &[], false));
+    assert!(v.all_point_at("kind:missed_crossing"), "a missed crossing: {:?}", v.culprits);
+    let v = threshold_crossing_once(&build(0, &[], true));
+    assert_eq!((v.validity, v.counts["crossings"]), (Validity::Valid, 0), "the divergent 11th is alert-inert: {v:?}");
+    // One event, but at the 12th arrival: not the crossing (the audit's word on that).
+    let mut late = build(0, &[], false);
+    late.push(40, Event::ThresholdExceeded { event_type: "case.referral_created".into(), count: 12, tx: None });
+    late.sort();
+    let v = threshold_crossing_once(&late);
+    assert_eq!((v.validity, v.counts["off_crossing_events"]), (Validity::Invalid, 1), "{v:?}");
+    assert!(v.witnesses.iter().any(|w| w.contains("emitted at in-window count 12, not at the crossing from 10 to 11")), "{:?}", v.witnesses);
+    assert!(v.culprits.contains_key("kind:re_emitted") && v.culprits.contains_key("kind:missed_crossing"), "{:?}", v.culprits);
+
+    // 11 in one hour, then 11 more two hours later: two crossings.
+    let mut h = History::default();
+    for i in 0..22i64 {
+        let at = if i < 11 { i } else { 2 * hour + i };
+        audited(&mut h, &format!("k{i}"), Some(&format!("xdeath:{i}")), "recorded", "t", at);
+    }
+    h.push(30, Event::ThresholdExceeded { event_type: "t".into(), count: 11, tx: None });
+    let v = threshold_crossing_once(&h);
+    assert_eq!((v.counts["crossings"], v.validity), (2, Validity::Invalid), "{v:?}");
+}
+
+/// Issue 22.4: the threshold checker keeps its own count. A recorder whose count leaves
+/// out the arriving row fires at the 12th dead letter while reporting `count = 11`:
+/// matched to its transaction's row (the 12th), it is an event at the wrong arrival and
+/// the 11th's crossing is missed. Rows typed by the tap, not by the recorder's column:
+/// unparseable dead letters the recorder left untyped still cross.
+#[test]
+fn threshold_crossing_once_matches_each_event_to_its_transactions_row() {
+    let build = |fired_at: usize, column: Option<&str>| {
+        let mut h = History::default();
+        started(&mut h, 0, "security-1", &[]);
+        for i in 0..13usize {
+            h.push(10, Event::DeadLettered {
+                key: format!("k{i}"),
+                token: Some(format!("xdeath:{i}")),
+                envelope: None,
+                queue: None,
+                event_type: Some("case.referral_created".into()),
+            });
+            h.push(20, Event::Audited {
+                key: format!("k{i}"),
+                disposition: "recorded".into(),
+                token: Some(format!("xdeath:{i}")),
+                envelope: None,
+                event_type: column.map(str::to_owned),
+                received_epoch_ms: 1_000 + i as i64,
+                window_epoch_ms: 1_000 + i as i64,
+                tx: Some(format!("{}", 500 + i)),
+            });
+        }
+        // The event reports 11 whatever arrival staged it.
+        h.push(30, Event::ThresholdExceeded { event_type: "case.referral_created".into(), count: 11, tx: Some(format!("{}", 500 + fired_at - 1)) });
+        h.sort();
+        h
+    };
+    let v = threshold_crossing_once(&build(11, Some("case.referral_created")));
+    assert_eq!((v.validity, v.counts["crossings"]), (Validity::Valid, 1), "{v:?}");
+    let v = threshold_crossing_once(&build(12, Some("case.referral_created")));
+    assert_eq!(v.validity, Validity::Invalid, "fired at the 12th, reporting 11: {v:?}");
+    assert!(v.culprits.contains_key("kind:re_emitted") && v.culprits.contains_key("kind:missed_crossing"), "{:?}", v.culprits);
+    assert!(v.witnesses.iter().any(|w| w.contains("at in-window count 12 by the harness's own count")), "{:?}", v.witnesses);
+    // Untyped by the recorder (an unparseable body), typed by the tap: still its crossing.
+    let v = threshold_crossing_once(&build(11, None));
+    assert_eq!((v.validity, v.counts["crossings"]), (Validity::Valid, 1), "{v:?}");
+    // Typed otherwise by the recorder: the tap's type wins, and the relabelling is counted.
+    let v = threshold_crossing_once(&build(11, Some("rule.evaluated")));
+    assert_eq!((v.validity, v.counts["rows_typed_otherwise_by_the_tap"]), (Validity::Valid, 13), "{v:?}");
+}
+
+fn staged(h: &mut History, env: u128, referral: u128) {
+    h.push(0, Event::Staged { envelope: id(env), referral: Some(id(referral)), service: "cases".into(), published: true, attempts: 1, last_error: None });
+}
+
+fn stamped(h: &mut History, t: u64, env: u128, replica: &str, compat: &[&str]) {
+    h.push(t, Event::Stamped { envelope: id(env), replica: replica.into(), compat: compat.iter().map(|c| c.to_string()).collect() });
+}
+
+/// §D3: a staged dead letter that was published must reach craig.dlx (the tap) or take
+/// effect; one that did neither vanished, blamed on rules' behaviour when it was
+/// published (pre-d3: a queue without dead-letter arguments drops what it rejects).
+#[test]
+fn no_loss_follows_each_published_dead_letter_to_the_dead_letter_exchange() {
+    let mut h = History::default();
+    started(&mut h, 0, "cases-1", &[]);
+    started(&mut h, 0, "rules-1", &["pre-d3"]);
+    write(&mut h, 5, 1, Outcome::Ok);
+    staged(&mut h, 11, 1);
+    effect(&mut h, 50, 11, 1);
+    let dead = |h: &mut History, env: u128, published: bool| {
+        h.push(1, Event::DeadLetterStaged { envelope: id(env), service: "rules".into() });
+        h.push(0, Event::Staged { envelope: id(env), referral: None, service: "cases".into(), published, attempts: 1, last_error: None });
+    };
+    dead(&mut h, 21, true); // reached craig.dlx
+    h.push(40, Event::DeadLettered { key: "k21".into(), token: None, envelope: Some(id(21)), queue: Some("craig-rules.events".into()), event_type: None });
+    dead(&mut h, 22, true); // rejected by rules (pre-d3), then vanished
+    stamped(&mut h, 30, 22, "cases-1", &[]);
+    h.push(35, Event::Rejected { envelope: id(22), replica: "rules-1".into(), compat: vec!["pre-d3".into()] });
+    dead(&mut h, 23, false); // still pending: not a loss (liveness judges it)
+    h.sort();
+    let v = no_loss(&h);
+    assert_eq!((v.validity, v.counts["dead_letters_published"], v.counts["dead_letters_lost"]), (Validity::Invalid, 2, 1), "{v:?}");
+    assert!(v.all_point_at("kind:lost") && v.all_point_at("compat:pre-d3") && v.all_point_at("replica:rules-1"), "{:?}", v.culprits);
+    assert!(v.witnesses[0].contains(&format!("dead letter {} ", id(22))), "{}", v.witnesses[0]);
+    assert!(v.witnesses[0].contains("published @30ms, rejected by rules-1 (compat pre-d3) @35ms, and never reached craig.dlx"), "{}", v.witnesses[0]);
+
+    // A loss no consumer reported rejecting is blamed on nothing the twin could name.
+    let mut silent = History::default();
+    for e in h.iter().filter(|e| !matches!(e.event, Event::Rejected { .. })) {
+        silent.push(e.t_ms, e.event.clone());
+    }
+    let v = no_loss(&silent);
+    assert_eq!(v.counts["dead_letters_lost"], 1);
+    assert!(!v.all_point_at("compat:pre-d3") && v.all_point_at("compat:unknown"), "{:?}", v.culprits);
+    assert!(v.witnesses[0].contains("no consumer reported rejecting it"), "{}", v.witnesses[0]);
+
+    // The same run with current rules: every published dead letter reached craig.dlx.
+    let mut ok = History::default();
+    started(&mut ok, 0, "rules-1", &[]);
+    write(&mut ok, 5, 1, Outcome::Ok);
+    staged(&mut ok, 11, 1);
+    effect(&mut ok, 50, 11, 1);
+    dead(&mut ok, 22, true);
+    ok.push(40, Event::DeadLettered { key: "k22".into(), token: None, envelope: Some(id(22)), queue: Some("craig-rules.events".into()), event_type: None });
+    ok.sort();
+    assert_eq!(no_loss(&ok).validity, Validity::Valid);
+}
+
+/// #1197: a lost occurrence the security replica reported acking unrecorded is blamed
+/// on that replica, its compat and the faults on its own links at that moment only.
+#[test]
+fn a_lost_dead_letter_is_blamed_on_the_replica_that_acked_it_unrecorded() {
+    let mut h = History::default();
+    started(&mut h, 0, "security-1", &["pre-1197"]);
+    h.push(0, Event::Fault { kind: "down".into(), target: "security-1->database".into(), phase: Phase::Start });
+    h.push(8000, Event::Fault { kind: "down".into(), target: "security-1->database".into(), phase: Phase::End });
+    h.push(9000, Event::Fault { kind: "kill".into(), target: "broker".into(), phase: Phase::Start });
+    h.push(9500, Event::Fault { kind: "kill".into(), target: "broker".into(), phase: Phase::End });
+    tapped(&mut h, "k1", Some("t1"));
+    h.push(100, Event::AckedUnrecorded { key: "k1".into(), replica: "security-1".into(), compat: vec!["pre-1197".into()] });
+    h.sort();
+    let v = dlq_occurrence_once(&h);
+    assert_eq!((v.validity, v.counts["lost"]), (Validity::Invalid, 1), "{v:?}");
+    for c in ["kind:lost", "compat:pre-1197", "replica:security-1", "fault:down security-1->database"] {
+        assert!(v.all_point_at(c), "{c}: {:?}", v.culprits);
+    }
+    assert!(!v.culprits.contains_key("fault:kill broker"), "not in force when it acked: {:?}", v.culprits);
+    assert!(v.witnesses[0].contains("acked unrecorded by security-1 (compat pre-1197) @100ms"), "{}", v.witnesses[0]);
+}
+
+/// #1196: the app path of a pre-1196 replica keys the dead letter by the producer
+/// (craig-cases) although rules' consumer gave it up: misattributed, blamed on it.
+#[test]
+fn a_dead_letter_naming_another_queue_than_its_consumer_is_misattributed() {
+    let run = |queue: &str| {
+        let mut h = History::default();
+        started(&mut h, 0, "rules-1", &["pre-1196"]);
+        h.push(20, Event::Rejected { envelope: id(5), replica: "rules-1".into(), compat: vec!["pre-1196".into()] });
+        h.push(30, Event::DeadLettered { key: "k5".into(), token: Some("t5".into()), envelope: Some(id(5)), queue: Some(queue.into()), event_type: None });
+        audited(&mut h, "k5", Some("t5"), "recorded", "case.referral_created", 1);
+        h.sort();
+        dlq_occurrence_once(&h)
+    };
+    let v = run("craig-cases");
+    assert_eq!((v.validity, v.counts["misattributed"]), (Validity::Invalid, 1), "{v:?}");
+    assert!(v.all_point_at("kind:misattributed") && v.all_point_at("compat:pre-1196"), "{:?}", v.culprits);
+    assert!(v.witnesses[0].contains("names queue craig-cases, but rules-1 (compat pre-1196) @20ms gave it up consuming craig-rules.events"), "{}", v.witnesses[0]);
+    let v = run("craig-rules.events");
+    assert_eq!((v.validity, v.counts["misattributed"]), (Validity::Valid, 0), "{v:?}");
+
+    // No replica logged giving it up, but the harness staged it for rules: still checked.
+    let mut h = History::default();
+    started(&mut h, 0, "rules-1", &["pre-1196"]);
+    h.push(1, Event::DeadLetterStaged { envelope: id(6), service: "rules".into() });
+    h.push(30, Event::DeadLettered { key: "k6".into(), token: Some("t6".into()), envelope: Some(id(6)), queue: Some("craig-cases".into()), event_type: None });
+    audited(&mut h, "k6", Some("t6"), "recorded", "case.referral_created", 1);
+    h.sort();
+    let v = dlq_occurrence_once(&h);
+    assert_eq!(v.counts["misattributed"], 1, "{v:?}");
+    assert!(v.all_point_at("kind:misattributed") && v.all_point_at("compat:pre-1196"), "{:?}", v.culprits);
+}
+
+/// A rolling upgrade: cases-1 runs pre-1128 until 1000 ms, then current. Each loss is
+/// blamed on whoever stamped it with the behaviour it ran then, and a loss nobody
+/// stamped on the replica that acknowledged the write.
+#[test]
+fn no_loss_blames_each_loss_on_the_stamping_replica_and_its_compat_at_the_time() {
+    let mut h = History::default();
+    started(&mut h, 0, "cases-1", &["pre-1128"]);
+    started(&mut h, 0, "cases-2", &["pre-1128"]);
+    started(&mut h, 1000, "cases-1", &[]);
+    write(&mut h, 100, 1, Outcome::Ok); // stamped by old cases-2, lost
+    staged(&mut h, 11, 1);
+    stamped(&mut h, 300, 11, "cases-2", &["pre-1128"]);
+    write(&mut h, 200, 2, Outcome::Ok); // stamped by old cases-1, lost
+    staged(&mut h, 12, 2);
+    stamped(&mut h, 400, 12, "cases-1", &["pre-1128"]);
+    write(&mut h, 300, 3, Outcome::Ok); // delivered
+    staged(&mut h, 13, 3);
+    effect(&mut h, 500, 13, 3);
+    let v = no_loss(&h);
+    assert_eq!((v.validity, v.violations), (Validity::Invalid, 2));
+    assert!(v.all_point_at("compat:pre-1128"), "{:?}", v.culprits);
+    assert_eq!((v.culprits["replica:cases-1"], v.culprits["replica:cases-2"]), (1, 1));
+    assert!(v.witnesses[0].contains("stamped published by cases-2 (compat pre-1128) @300ms"), "{}", v.witnesses[0]);
+
+    // After the upgrade, cases-1 (current) stamps an event that never arrives: a loss of
+    // current behaviour, so the violations no longer all point at pre-1128.
+    write(&mut h, 1500, 4, Outcome::Ok);
+    staged(&mut h, 14, 4);
+    stamped(&mut h, 1600, 14, "cases-1", &[]);
+    h.sort();
+    let v = no_loss(&h);
+    assert_eq!(v.violations, 3);
+    assert!(!v.all_point_at("compat:pre-1128"));
+    assert_eq!(v.culprits["compat:current"], 1);
+
+    // Never stamped: the replica that acknowledged it, with its compat at the time.
+    let mut h = History::default();
+    started(&mut h, 0, "cases-1", &["pre-d1"]);
+    write(&mut h, 100, 1, Outcome::Ok);
+    let v = no_loss(&h);
+    assert!(v.all_point_at("compat:pre-d1") && v.all_point_at("replica:cases-1"), "{:?}", v.culprits);
+    assert!(v.witnesses[0].contains("never stamped published (cases-1 (compat pre-d1) acknowledged it)"), "{}", v.witnesses[0]);
+}
+
+/// A twin's fault cause: a loss points at the faults in force on the stamping replica's
+/// own links (or the servers) when it stamped; a stamp no replica logged points nowhere.
+#[test]
+fn no_loss_blames_the_faults_in_force_when_the_event_was_stamped() {
+    let fault = |h: &mut History, t, phase| {
+        h.push(t, Event::Fault { kind: "toxic".into(), target: "cases-1->broker (timeout upstream)".into(), phase })
+    };
+    let mut h = History::default();
+    started(&mut h, 0, "cases-1", &["pre-1128"]);
+    fault(&mut h, 400, Phase::Start);
+    fault(&mut h, 2400, Phase::End);
+    h.push(500, Event::Fault { kind: "down".into(), target: "cases-2->broker".into(), phase: Phase::Start });
+    write(&mut h, 300, 1, Outcome::Ok);
+    staged(&mut h, 11, 1);
+    stamped(&mut h, 900, 11, "cases-1", &["pre-1128"]); // inside the black hole
+    write(&mut h, 3000, 2, Outcome::Ok);
+    staged(&mut h, 12, 2);
+    stamped(&mut h, 3100, 12, "cases-1", &["pre-1128"]); // long after it healed
+    h.sort();
+    let v = no_loss(&h);
+    assert_eq!(v.violations, 2);
+    assert_eq!(v.culprits.get("fault:toxic cases-1->broker"), Some(&1));
+    assert!(!v.culprits.contains_key("fault:down cases-2->broker"), "another replica's link is not this loss's cause");
+    assert!(!v.all_point_at("fault:toxic cases-1->broker"));
+
+    // Stamped published, but no `outbox.stamped` line: no attribution evidence.
+    let mut h = History::default();
+    started(&mut h, 0, "cases-1", &["pre-1128"]);
+    write(&mut h, 100, 1, Outcome::Ok);
+    staged(&mut h, 11, 1);
+    let v = no_loss(&h);
+    assert_eq!(v.culprits.get("compat:unknown"), Some(&1));
+    assert!(!v.all_point_at("compat:pre-1128"));
+}
+
+/// current → pre-d2 → current: the last run is the current replica's own failed dedup
+/// (an inbox had recorded it), not the old replica's doing.
+#[test]
+fn a_current_replicas_failed_dedup_is_its_own() {
+    let run = |h: &mut History, t: u64, replica: &str| {
+        h.push(t, Event::Effect { envelope: id(1), referral: Some(id(1)), service: "rules".into(), replica: Some(replica.into()) });
+    };
+    let mut h = History::default();
+    started(&mut h, 0, "rules-1", &["pre-d2"]);
+    started(&mut h, 0, "rules-2", &[]);
+    h.push(50, Event::Write { referral: id(1), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+    h.push(90, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::after_publish_before_stamp".into(), phase: Phase::Start });
+    h.push(150, Event::Fault { kind: "crash".into(), target: "cases-1 restarted".into(), phase: Phase::End });
+    h.push(300, Event::Stamped { envelope: id(1), replica: "cases-1".into(), compat: vec![] });
+    run(&mut h, 100, "rules-2");
+    run(&mut h, 420, "rules-1");
+    run(&mut h, 500, "rules-2");
+    h.sort();
+    let v = effect_once(&h);
+    assert_eq!(v.violations, 2);
+    assert_eq!(v.culprits["compat:pre-d2"], 1, "{:?}", v.culprits);
+    assert_eq!(v.culprits["compat:current"], 2);
+    assert_eq!(v.culprits["fault:crash cases-1"], 1, "one re-publish explains one duplicate, the first");
+    assert!(!v.all_point_at("compat:pre-d2"));
+}
+
+/// A mixed consumer fleet: a duplicate involving the pre-d2 replica points at pre-d2; one
+/// between two current runs does not, and the twin's cause check then fails.
+#[test]
+fn effect_once_blames_both_runs_of_a_duplicate() {
+    let run = |h: &mut History, t: u64, env: u128, replica: &str| {
+        h.push(t, Event::Effect { envelope: id(env), referral: Some(id(env)), service: "rules".into(), replica: Some(replica.into()) });
+    };
+    let mut h = History::default();
+    started(&mut h, 0, "rules-1", &["pre-d2"]);
+    started(&mut h, 0, "rules-2", &[]);
+    run(&mut h, 100, 1, "rules-2");
+    run(&mut h, 900, 1, "rules-1");
+    run(&mut h, 200, 2, "rules-1");
+    run(&mut h, 950, 2, "rules-2");
+    h.sort();
+    let v = effect_once(&h);
+    assert_eq!((v.validity, v.violations), (Validity::Invalid, 2));
+    assert!(v.all_point_at("compat:pre-d2"), "{:?}", v.culprits);
+    assert!(v.witnesses.iter().any(|w| w.contains("on rules-2 (current) @100ms and again on rules-1 (compat pre-d2) @900ms")), "{:?}", v.witnesses);
+    run(&mut h, 300, 3, "rules-2");
+    run(&mut h, 990, 3, "rules-2");
+    h.sort();
+    let v = effect_once(&h);
+    assert_eq!(v.violations, 3);
+    assert!(!v.all_point_at("compat:pre-d2"), "{:?}", v.culprits);
+}
+
+/// 20-seed run finding: a producer crash between publish and stamp re-publishes a batch;
+/// when the consumer lags, BOTH runs come after the crash has healed. The duplicate is
+/// still blamed on that crash (it began after the write, before the second run, on the
+/// producing service), and not on a crash of another service or one before the write.
+#[test]
+fn a_duplicate_is_blamed_on_the_producer_crash_that_republished_it_even_when_the_consumer_lags() {
+    let mut h = History::default();
+    started(&mut h, 0, "rules-1", &["pre-d2"]);
+    started(&mut h, 0, "cases-1", &[]);
+    h.push(50, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::x".into(), phase: Phase::Start });
+    h.push(60, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::x".into(), phase: Phase::End });
+    h.push(100, Event::Write { referral: id(1), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+    h.push(700, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::after_publish_before_stamp".into(), phase: Phase::Start });
+    h.push(720, Event::Fault { kind: "kill".into(), target: "security-1".into(), phase: Phase::Start });
+    h.push(1000, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::after_publish_before_stamp".into(), phase: Phase::End });
+    h.push(1010, Event::Fault { kind: "kill".into(), target: "security-1".into(), phase: Phase::End });
+    h.push(1340, Event::Effect { envelope: id(101), referral: Some(id(1)), service: "rules".into(), replica: Some("rules-1".into()) });
+    h.push(4000, Event::Stamped { envelope: id(101), replica: "cases-1".into(), compat: vec![] });
+    h.push(4750, Event::Effect { envelope: id(101), referral: Some(id(1)), service: "rules".into(), replica: Some("rules-1".into()) });
+    h.sort();
+    let v = effect_once(&h);
+    assert_eq!((v.validity, v.violations), (Validity::Invalid, 1));
+    assert!(v.all_point_at("compat:pre-d2"), "{:?}", v.culprits);
+    assert!(v.all_point_at("fault:crash cases-1"), "{:?}", v.culprits);
+    assert!(!v.all_point_at("fault:kill security-1"), "another service's fault is not a cause: {:?}", v.culprits);
+
+    // Not a cause: a producer crash at a point before the publish, or one after the
+    // envelope's first stamp (a stamped row is never published again).
+    let mut h = History::default();
+    started(&mut h, 0, "rules-1", &["pre-d2"]);
+    started(&mut h, 0, "cases-1", &[]);
+    h.push(100, Event::Write { referral: id(1), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+    h.push(700, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::after_claim".into(), phase: Phase::Start });
+    h.push(1000, Event::Fault { kind: "crash".into(), target: "cases-1 restarted".into(), phase: Phase::End });
+    h.push(1340, Event::Effect { envelope: id(101), referral: Some(id(1)), service: "rules".into(), replica: Some("rules-1".into()) });
+    h.push(2000, Event::Stamped { envelope: id(101), replica: "cases-1".into(), compat: vec![] });
+    h.push(3000, Event::Fault { kind: "kill".into(), target: "cases-1".into(), phase: Phase::Start });
+    h.push(3100, Event::Fault { kind: "kill".into(), target: "cases-1".into(), phase: Phase::End });
+    h.push(4750, Event::Effect { envelope: id(101), referral: Some(id(1)), service: "rules".into(), replica: Some("rules-1".into()) });
+    h.sort();
+    let v = effect_once(&h);
+    assert_eq!((v.validity, v.violations), (Validity::Invalid, 1));
+    assert!(v.all_point_at("compat:pre-d2"), "{:?}", v.culprits);
+    assert!(!v.all_point_at("fault:crash cases-1"), "a crash before the publish re-publishes nothing: {:?}", v.culprits);
+    assert!(!v.all_point_at("fault:kill cases-1"), "a kill after the stamp re-publishes nothing: {:?}", v.culprits);
+    assert_eq!(fault_replica("fault:toxic cases-1->broker"), Some("cases-1"));
+    assert_eq!(fault_replica("fault:kill broker"), None);
+}
+
+#[test]
+fn no_loss_classifies_ok_lost_and_recovered() {
+    let mut h = History::default();
+    write(&mut h, 1, 1, Outcome::Ok);
+    write(&mut h, 2, 2, Outcome::Ok);
+    write(&mut h, 3, 3, Outcome::Unknown);
+    write(&mut h, 4, 4, Outcome::Unknown);
+    write(&mut h, 5, 5, Outcome::Failed);
+    h.push(6, Event::Fault { kind: "down".into(), target: "cases-1->broker".into(), phase: Phase::Start });
+    effect(&mut h, 10, 101, 1);
+    effect(&mut h, 11, 103, 3);
+    let v = no_loss(&h);
+    assert_eq!(v.validity, Validity::Invalid);
+    let c = |k: &str| v.counts[k];
+    assert_eq!(
+        (c("attempted"), c("acknowledged"), c("ok"), c("lost"), c("recovered"), c("unknown"), c("failed")),
+        (5, 2, 1, 1, 1, 2, 1)
+    );
+    assert_eq!(v.witnesses.len(), 1);
+    assert!(v.witnesses[0].contains(&id(2).to_string()), "{:?}", v.witnesses);
+    assert!(v.witnesses[0].ends_with("no fault before it; next fault: down cases-1->broker @6ms"), "{}", v.witnesses[0]);
+}
+
+#[test]
+fn no_loss_names_the_fault_before_a_loss() {
+    let mut h = History::default();
+    h.push(1, Event::Fault { kind: "kill".into(), target: "broker".into(), phase: Phase::Start });
+    write(&mut h, 2, 1, Outcome::Ok);
+    let v = no_loss(&h);
+    assert_eq!(v.validity, Validity::Invalid);
+    assert!(v.witnesses[0].ends_with("last fault before it: kill broker @1ms"), "{}", v.witnesses[0]);
+}
+
+#[test]
+fn no_loss_with_nothing_acknowledged_is_unknown_not_valid() {
+    let mut h = History::default();
+    write(&mut h, 1, 1, Outcome::Unknown);
+    assert_eq!(no_loss(&h).validity, Validity::Unknown);
+}
+
+#[test]
+fn no_phantom_flags_failed_rolled_back_and_unattempted_effects() {
+    let mut h = History::default();
+    write(&mut h, 1, 1, Outcome::Ok);
+    write(&mut h, 2, 2, Outcome::Failed);
+    h.push(3, Event::RolledBack { referral: id(3) });
+    effect(&mut h, 10, 101, 1);
+    let v = no_phantom(&h);
+    assert_eq!((v.validity, v.counts["unexpected"]), (Validity::Valid, 0));
+
+    effect(&mut h, 11, 102, 2);
+    effect(&mut h, 12, 103, 3);
+    effect(&mut h, 13, 109, 9);
+    let v = no_phantom(&h);
+    assert_eq!((v.validity, v.counts["unexpected"]), (Validity::Invalid, 3));
+    let all = v.witnesses.join("\n");
+    assert!(all.contains("was failed") && all.contains("was rolled back") && all.contains("was never attempted"), "{all}");
+}
+
+fn effect_on(h: &mut History, t: u64, env: u128, replica: &str) {
+    let replica = Some(replica.to_owned());
+    h.push(t, Event::Effect { envelope: id(env), referral: Some(id(env)), service: "rules".into(), replica });
+}
+
+fn crash(h: &mut History, t: u64, replica: &str) {
+    h.push(t, Event::Crash { replica: replica.into(), consumer: replica.starts_with("rules"), how: "SIGABRT".into() });
+}
+
+fn reprocessed(h: &mut History, t: u64, env: u128, replica: &str) {
+    h.push(t, Event::Reprocessed { envelope: id(env), replica: replica.into() });
+}
+
+#[test]
+fn a_crash_of_the_first_runs_replica_in_its_window_excuses_one_corroborated_rerun() {
+    let mut h = History::default();
+    effect_on(&mut h, 10, 101, "rules-1");
+    crash(&mut h, 15, "rules-1");
+    reprocessed(&mut h, 900, 101, "rules-1");
+    effect_on(&mut h, 900, 101, "rules-1");
+    h.sort();
+    let v = effect_once(&h);
+    assert_eq!((v.validity, v.counts["crash_window_reexecutions"]), (Validity::Valid, 1), "{:?}", v.witnesses);
+    assert!(v.witnesses[0].contains("after crash rules-1 (SIGABRT) @15ms; the inbox reported the reprocess"), "{:?}", v.witnesses);
+}
+
+/// #1179: the same crash-window re-run on financial (arbiter-backed) is never excused:
+/// its arbiter must absorb it. The second payment is blamed on the replica's compat
+/// (pre-1179, no arbiter) and on the crash between the runs.
+#[test]
+fn a_rerun_of_an_arbiter_backed_consumer_is_never_excused() {
+    let mut h = History::default();
+    started(&mut h, 0, "financial-1", &["pre-1179"]);
+    let pay = |h: &mut History, t| {
+        h.push(t, Event::Effect { envelope: id(101), referral: Some(id(7)), service: "financial".into(), replica: Some("financial-1".into()) })
+    };
+    pay(&mut h, 10);
+    crash(&mut h, 15, "financial-1");
+    h.push(15, Event::Fault { kind: "crash".into(), target: "financial-1 at inbox::after_handler_before_stamp".into(), phase: Phase::Start });
+    h.push(400, Event::Fault { kind: "crash".into(), target: "financial-1 restarted".into(), phase: Phase::End });
+    reprocessed(&mut h, 900, 101, "financial-1");
+    pay(&mut h, 900);
+    h.sort();
+    let v = effect_once(&h);
+    assert_eq!((v.validity, v.counts["crash_window_reexecutions"], v.counts["unattributed"]), (Validity::Invalid, 0, 1), "{:?}", v.witnesses);
+    assert!(v.witnesses[0].contains("an arbiter-backed consumer (#1179) must absorb every re-run itself"), "{:?}", v.witnesses);
+    assert!(v.all_point_at("compat:pre-1179") && v.all_point_at("fault:crash financial-1"), "{:?}", v.culprits);
+    // With the arbiter the re-run is absorbed: one payment, nothing to excuse.
+    let mut current = History::default();
+    started(&mut current, 0, "financial-1", &[]);
+    pay(&mut current, 10);
+    crash(&mut current, 15, "financial-1");
+    reprocessed(&mut current, 900, 101, "financial-1");
+    current.sort();
+    let v = effect_once(&current);
+    assert_eq!((v.validity, v.counts["duplicated"]), (Validity::Valid, 0), "{:?}", v.witnesses);
+}
+
+/// Issue 9: exactly 10 occurrences, one redelivered and recorded twice (pre-1181): the
+/// recorder's count reached 11 and it announced a crossing the occurrences never made —
+/// a spurious crossing, blamed on security's compat and the fault that redelivered.
+/// With the occurrence arbiter (10 rows) nothing crosses and nothing is announced.
+#[test]
+fn a_crossing_reached_only_by_a_doubled_row_is_spurious() {
+    let build = |compat: &[&str], doubled: bool, events: usize| {
+        let mut h = History::default();
+        started(&mut h, 0, "security-1", compat);
+        h.push(5, Event::Fault { kind: "crash".into(), target: "security-1 at dlq::after_record_before_ack".into(), phase: Phase::Start });
+        // The recorder under pre-1181 mints a token per delivery: its rows' tokens hide
+        // nothing from the tap, which saw each delivery's bytes with its x-death token.
+        for i in 0..10i64 {
+            tapped(&mut h, &format!("k{i}"), Some(&format!("xdeath:{i}")));
+            audited(&mut h, &format!("k{i}"), Some(&format!("minted:{i}")), "recorded", "case.referral_created", 1_000 + i);
+        }
+        if doubled {
+            audited(&mut h, "k3", Some("minted:redelivery"), "recorded", "case.referral_created", 2_000);
+        }
+        for _ in 0..events {
+            h.push(30, Event::ThresholdExceeded { event_type: "case.referral_created".into(), count: 11, tx: None });
+        }
+        h.sort();
+        h
+    };
+    let v = threshold_crossing_once(&build(&[], false, 0));
+    assert_eq!((v.validity, v.counts["crossings"], v.counts["threshold_events"]), (Validity::Valid, 0, 0), "{v:?}");
+    let v = threshold_crossing_once(&build(&["pre-1181"], true, 1));
+    assert_eq!((v.validity, v.counts["crossings"]), (Validity::Invalid, 0), "{v:?}");
+    assert!(
+        ["kind:spurious_crossing", "compat:pre-1181", "fault:crash security-1"].iter().all(|c| v.all_point_at(c)),
+        "{:?}",
+        v.culprits
+    );
+    assert!(v.witnesses[0].contains("a crossing the occurrences never made, reached only by counting 1 row(s)"), "{:?}", v.witnesses);
+    assert!(!v.culprits.contains_key("kind:re_emitted"), "{:?}", v.culprits);
+    // A fault long after the doubled row is not its cause.
+    let mut late = build(&["pre-1181"], true, 1);
+    late.push(50_000, Event::Fault { kind: "kill".into(), target: "security-1".into(), phase: Phase::Start });
+    late.sort();
+    let v = threshold_crossing_once(&late);
+    assert!(!v.culprits.contains_key("fault:kill security-1") && v.all_point_at("fault:crash security-1"), "{:?}", v.culprits);
+    // Two events where the inflated count crosses once: one spurious is explained, the
+    // second is a re-emit.
+    let v = threshold_crossing_once(&build(&["pre-1181"], true, 2));
+    assert!(v.culprits.contains_key("kind:re_emitted"), "{:?}", v.culprits);
+}
+
+/// A dead letter staged for financial must come from craig-financial.events, and an
+/// envelope that took effect on financial and was dead-lettered from its queue is
+/// completed-and-dead-lettered, as for rules.
+#[test]
+fn dead_letters_of_a_second_consumer_are_held_to_its_own_queue() {
+    let mut h = History::default();
+    started(&mut h, 0, "financial-1", &[]);
+    started(&mut h, 0, "security-1", &[]);
+    h.push(1, Event::DeadLetterStaged { envelope: id(6), service: "financial".into() });
+    h.push(10, Event::DeadLettered { key: "k6".into(), token: Some("xdeath:6".into()), envelope: Some(id(6)), queue: Some("craig-rules.events".into()), event_type: None });
+    h.push(10, Event::DeadLettered { key: "k7".into(), token: Some("xdeath:7".into()), envelope: Some(id(7)), queue: Some("craig-financial.events".into()), event_type: None });
+    audited(&mut h, "k6", Some("xdeath:6"), "recorded", "placement.activated", 1);
+    audited(&mut h, "k7", Some("xdeath:7"), "recorded", "placement.activated", 2);
+    h.push(30, Event::Effect { envelope: id(7), referral: Some(id(70)), service: "financial".into(), replica: Some("financial-1".into()) });
+    h.sort();
+    let v = dlq_occurrence_once(&h);
+    assert_eq!((v.counts["misattributed"], v.counts["completed_and_dead_lettered"]), (1, 1), "{v:?}");
+    assert!(v.witnesses.iter().any(|w| w.contains("staged it for financial (craig-financial.events)")), "{:?}", v.witnesses);
+    assert!(v.witnesses.iter().any(|w| w.contains("took effect on financial AND was dead-lettered from craig-financial.events")), "{:?}", v.witnesses);
+    assert_eq!(v.culprits.get("replica:financial-1"), Some(&2), "{:?}", v.culprits);
+}
+
+fn post(h: &mut History, t: u64, c: u128, replica: &str, status: u16) {
+    h.push(t, Event::PartnerPost { correlation: Some(id(c)), replica: Some(replica.into()), status });
+}
+
+fn exchanged(h: &mut History, t: u64, job: u128, outcome: &str, replica: &str) {
+    h.push(t, Event::Exchanged { job: id(job), transaction: id(job + 1000), outcome: outcome.into(), replica: Some(replica.into()) });
+}
+
+fn flip(h: &mut History, t: u64, tx: u128, from: &str, to: &str) {
+    h.push(t, Event::TransactionStatus { transaction: id(tx), from: from.into(), to: to.into() });
+}
+
+/// #1185: what a fenced send queue may do — a retry after a 500, a re-send after a
+/// hung POST's transport cap or after the lease expired, failed -> pending — holds.
+#[test]
+fn fencing_allows_fenced_retries_and_the_at_least_once_resend() {
+    let mut h = History::default();
+    started(&mut h, 0, "financial-1", &[]);
+    post(&mut h, 10, 1, "financial-1", 500);
+    post(&mut h, 2_010, 1, "financial-1", 200);
+    post(&mut h, 100, 2, "financial-1", 0);
+    post(&mut h, 100 + SEND_CAP_MS, 2, "financial-1", 200);
+    post(&mut h, 50, 3, "financial-1", 200);
+    post(&mut h, 50 + SEND_LEASE_MS, 3, "financial-1", 200);
+    exchanged(&mut h, 3_000, 1, "sent", "financial-1");
+    exchanged(&mut h, 4_000, 4, "failed", "financial-1");
+    flip(&mut h, 3_000, 1, "pending", "sent");
+    flip(&mut h, 4_000, 4, "pending", "failed");
+    flip(&mut h, 5_000, 4, "failed", "pending");
+    h.sort();
+    // Recorded as accepted by a partner that ran late, but its sender had timed out and
+    // logged its fenced retry: the next POST is that retry, not a second live claim.
+    post(&mut h, 400, 6, "financial-2", 200);
+    h.push(900, Event::SendFinalized { correlation: id(6), replica: "financial-2".into(), result: "failed".into(), applied: true });
+    post(&mut h, 1_500, 6, "financial-2", 200);
+    // Accepted, but its sender timed out before the answer: the retry after the cap.
+    post(&mut h, 200, 5, "financial-1", 200);
+    h.push(200 + SEND_CAP_MS, Event::PartnerUnanswered { correlation: id(5) });
+    post(&mut h, 300 + SEND_CAP_MS, 5, "financial-1", 200);
+    h.sort();
+    let v = fencing(&h);
+    assert_eq!((v.validity, v.counts["transmissions"], v.counts["double_posts"]), (Validity::Valid, 5, 0), "{v:?}");
+    assert_eq!(v.counts["resent_after_lease"], 4, "the hung, lease-expired, logged-retry and unanswered ones; not the retry after a 500");
+    assert_eq!(fencing(&History::default()).validity, Validity::Unknown, "nothing to check");
+}
+
+/// #1185's bug, as the partner, the outbox and the trigger see it: a concurrent duplicate
+/// (409), a re-send inside the lease of an accepted POST, both outcomes staged for one job
+/// and sent -> failed. Every violation points at the old replica's compat.
+#[test]
+fn fencing_finds_double_posts_conflicting_events_and_terminal_flips() {
+    let mut h = History::default();
+    started(&mut h, 0, "financial-1", &["pre-1185"]);
+    started(&mut h, 0, "financial-2", &[]);
+    post(&mut h, 10, 1, "financial-2", 200);
+    post(&mut h, 500, 1, "financial-1", 409);
+    post(&mut h, 20, 2, "financial-1", 200);
+    post(&mut h, 20 + SEND_LEASE_MS - WINDOW_SLACK_MS - 1, 2, "financial-1", 200);
+    exchanged(&mut h, 1_000, 1, "failed", "financial-1");
+    exchanged(&mut h, 1_500, 1, "sent", "financial-2");
+    flip(&mut h, 1_000, 1001, "pending", "failed");
+    flip(&mut h, 1_500, 1001, "failed", "sent");
+    h.sort();
+    let v = fencing(&h);
+    assert_eq!(v.validity, Validity::Invalid);
+    assert_eq!((v.counts["double_posts"], v.counts["conflicting_events"], v.counts["terminal_flips"]), (2, 1, 1), "{v:?}");
+    assert!(v.all_point_at("compat:pre-1185"), "{:?}", v.culprits);
+    assert_eq!(v.culprits.get("kind:double_post"), Some(&2));
+    let all = v.witnesses.join("\n");
+    assert!(all.contains("POSTed by financial-2 (current) @10ms (answered 200) and again by financial-1 (compat pre-1185) @500ms (answered 409)"), "{all}");
+    assert!(all.contains("staged both outcomes: exchange.failed by financial-1 @1000ms, exchange.sent by financial-2 @1500ms"), "{all}");
+    assert!(all.contains("went failed -> sent"), "{all}");
+
+    // A 409 in between does not hide a third POST inside the first one's lease; a run
+    // with a shortened lease is judged by it.
+    let mut h = History::default();
+    h.push(0, Event::SendQueue { lease_ms: 6_000, cap_ms: 2_000 });
+    post(&mut h, 10, 9, "financial-1", 200);
+    post(&mut h, 20, 9, "financial-2", 409);
+    post(&mut h, 3_000, 9, "financial-2", 200);
+    post(&mut h, 9_100, 9, "financial-2", 200);
+    let v = fencing(&h);
+    assert_eq!(v.counts["double_posts"], 2, "the 409 and the POST @3000ms, not the one after the 6 s lease: {v:?}");
+}
+
+/// An exports answer of `body` for (key, size) from `replica`.
+#[allow(clippy::too_many_arguments)]
+fn answer(h: &mut History, t: u64, replica: &str, key: &str, size: u64, replayed: bool, too_large: bool, body: &[u8]) {
+    h.push(t, Event::HttpExchange {
+        key: key.into(),
+        size,
+        replica: replica.into(),
+        status: Some(200),
+        replayed,
+        too_large,
+        body_len: body.len() as u64,
+        body_sha256: Some(craig_api::idempotency::body_fingerprint(body)),
+        cancelled: false,
+        retry_after: None,
+    });
+}
+
+fn run(h: &mut History, t: u64, key: &str, size: u64, generation: i64) {
+    h.push(t, Event::ExportRun {
+        key: Some(key.into()),
+        cache_key: Some(format!("ck-{key}-{size}")),
+        size,
+        generation: Some(generation),
+        body_sha256: None,
+        replica: Some("cases-1".into()),
+    });
+}
+
+fn unanswered(h: &mut History, t: u64, key: &str, size: u64, replica: &str) {
+    h.push(t, Event::unanswered_exchange(key, size, replica));
+}
+
+/// §D5: the current middleware's answers (live, replay, over-cap live, sentinel replay)
+/// hold; the claim-expiry residue is excused only with a re-claim, a crash and an
+/// unanswered attempt, once per crash; pre-1183's emptied bodies, pre-1184's wrong
+/// replay, pre-d5's second run and a sentinel on a small body are violations of their kind.
+#[test]
+fn sentinel_integrity_judges_runs_rows_and_answers() {
+    let cap = craig_api::idempotency::RESPONSE_BODY_CAP as u64;
+    let body = |n: u64| craig_fleet::cases::export_body(n as usize);
+    let mut h = History::default();
+    started(&mut h, 0, "cases-1", &[]);
+    run(&mut h, 10, "a", 10, 1);
+    answer(&mut h, 11, "cases-1", "a", 10, false, false, &body(10));
+    answer(&mut h, 20, "cases-1", "a", 10, true, false, &body(10));
+    run(&mut h, 30, "big", cap + 1, 1);
+    answer(&mut h, 31, "cases-1", "big", cap + 1, false, false, &body(cap + 1));
+    answer(&mut h, 40, "cases-1", "big", cap + 1, true, true, b"");
+    h.push(50, Event::IdempotencyRow { cache_key: "ck-a-10".into(), status: "succeeded".into(), status_code: Some(200), body_len: Some(10), body_too_large: false, generation: 1 });
+    // The residue: cases-1 died after committing "r", the retry re-claimed (generation 2).
+    run(&mut h, 60, "r", 10, 1);
+    unanswered(&mut h, 61, "r", 10, "cases-1");
+    h.push(62, Event::Crash { replica: "cases-1".into(), consumer: false, how: "SIGABRT".into() });
+    run(&mut h, 3_100, "r", 10, 2);
+    h.push(3_200, Event::IdempotencyRow { cache_key: "ck-r-10".into(), status: "succeeded".into(), status_code: Some(200), body_len: Some(10), body_too_large: false, generation: 2 });
+    answer(&mut h, 3_101, "cases-2", "r", 10, false, false, &body(10));
+    let v = sentinel_integrity(&h);
+    assert_eq!(v.validity, Validity::Valid, "{v:?}");
+    assert_eq!((v.counts["live"], v.counts["replays"], v.counts["sentinels_replayed"], v.counts["reexecuted_after_claim_expiry"]), (3, 2, 1, 1));
+
+    // Not excused: an unanswered attempt at ANOTHER size, a re-run under the same
+    // generation, a re-run before the crash, a third run for one unanswered attempt.
+    let mut bad = h.clone();
+    run(&mut bad, 70, "s", 10, 1);
+    unanswered(&mut bad, 71, "s", 20, "cases-1");
+    run(&mut bad, 3_200, "s", 10, 2);
+    run(&mut bad, 70, "u", 10, 1);
+    unanswered(&mut bad, 71, "u", 10, "cases-1");
+    run(&mut bad, 3_200, "u", 10, 1);
+    run(&mut bad, 20, "e", 10, 1);
+    unanswered(&mut bad, 21, "e", 10, "cases-1");
+    run(&mut bad, 40, "e", 10, 2);
+    run(&mut bad, 5_000, "r", 10, 3);
+    bad.sort();
+    let v = sentinel_integrity(&bad);
+    assert_eq!((v.validity, v.culprits.get("kind:executed_twice")), (Validity::Invalid, Some(&4)), "{v:?}");
+    assert_eq!(v.counts["reexecuted_after_claim_expiry"], 1);
+    // A 409 without Retry-After, and an unexpected status.
+    let mut answers = h.clone();
+    for (status, retry_after) in [(409, None), (503, None)] {
+        answers.push(80, Event::HttpExchange { key: "a".into(), size: 10, replica: "cases-1".into(), status: Some(status), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after });
+    }
+    let v = sentinel_integrity(&answers);
+    assert_eq!((v.culprits.get("kind:no_retry_after"), v.culprits.get("kind:unexpected_status")), (Some(&1), Some(&1)), "{v:?}");
+
+    let mut old = History::default();
+    started(&mut old, 0, "cases-1", &["pre-1183", "pre-1184", "pre-d5"]);
+    // pre-1183: over-cap emptied live, stored empty, replayed empty.
+    run(&mut old, 10, "big", cap + 1, 1);
+    answer(&mut old, 11, "cases-1", "big", cap + 1, false, false, b"");
+    answer(&mut old, 12, "cases-1", "big", cap + 1, true, false, b"");
+    old.push(13, Event::IdempotencyRow { cache_key: format!("ck-big-{}", cap + 1), status: "succeeded".into(), status_code: Some(200), body_len: Some(0), body_too_large: false, generation: 1 });
+    // pre-1184: same key, another size, the first size's answer replayed.
+    run(&mut old, 20, "q", 5, 1);
+    answer(&mut old, 21, "cases-1", "q", 9, true, false, &body(5));
+    // pre-d5: after a restart the same key ran again, generation 1 both times.
+    run(&mut old, 30, "d", 10, 1);
+    run(&mut old, 40, "d", 10, 1);
+    // A sentinel on a small body.
+    answer(&mut old, 50, "cases-1", "a", 10, true, true, b"");
+    let v = sentinel_integrity(&old);
+    assert_eq!(v.validity, Validity::Invalid);
+    for (kind, n) in [("wrong_live", 1), ("wrong_replay", 2), ("emptied_body", 1), ("executed_twice", 1), ("false_sentinel", 1)] {
+        assert_eq!(v.culprits.get(&format!("kind:{kind}")), Some(&n), "{kind}: {:?}", v.culprits);
+    }
+    assert!(v.all_point_at("compat:pre-1183"), "{:?}", v.culprits);
+    assert!(v.witnesses.iter().any(|w| w.contains("answered key q (size=9)") && w.contains("with 5 bytes (replayed)")), "{:?}", v.witnesses);
+
+    assert_eq!(sentinel_integrity(&History::default()).validity, Validity::Unknown);
+}
+
+/// Issue 22.3: an absorb path that stages `payment.created` again (one payment, two
+/// events) was green while only payments were counted; the ledger makes it a violation.
+#[test]
+fn effect_once_holds_each_payment_to_one_event_and_one_transmission() {
+    let ledger = |payments, created_events, transmissions| {
+        let mut h = History::default();
+        started(&mut h, 0, "financial-1", &[]);
+        h.push(10, Event::Effect { envelope: id(1), referral: None, service: "financial".into(), replica: Some("financial-1".into()) });
+        h.push(20, Event::PaymentLedger { placement: id(9), period: "2026-12-01".into(), payments, created_events, transmissions });
+        h.sort();
+        effect_once(&h)
+    };
+    assert_eq!(ledger(1, 1, 1).validity, Validity::Valid);
+    let v = ledger(1, 2, 1);
+    assert_eq!((v.validity, v.counts["ledger_mismatches"]), (Validity::Invalid, 1), "{v:?}");
+    assert!(v.all_point_at("kind:unmatched_side_effect") && v.all_point_at("replica:financial-1"), "{:?}", v.culprits);
+    assert_eq!(ledger(1, 1, 0).validity, Validity::Invalid, "a payment without its transmission");
+}
+
+/// Issue 22.6: no answer is not "held". A key answered only before the faults healed
+/// and kept at 409 after (a claim that never expires) never got its judged 200.
+#[test]
+fn sentinel_integrity_needs_a_judged_200_for_every_key_after_the_heal() {
+    let body = |n: u64| craig_fleet::cases::export_body(n as usize);
+    let mut h = History::default();
+    started(&mut h, 0, "cases-1", &[]);
+    run(&mut h, 10, "a", 10, 1);
+    answer(&mut h, 11, "cases-1", "a", 10, false, false, &body(10));
+    run(&mut h, 12, "b", 10, 1);
+    answer(&mut h, 13, "cases-1", "b", 10, false, false, &body(10));
+    h.push(100, Event::Healed);
+    answer(&mut h, 110, "cases-1", "a", 10, true, false, &body(10));
+    let stuck = |h: &mut History, t| {
+        h.push(t, Event::HttpExchange { key: "b".into(), size: 10, replica: "cases-1".into(), status: Some(409), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after: Some(30) });
+    };
+    stuck(&mut h, 120);
+    stuck(&mut h, 1_120);
+    h.sort();
+    let v = sentinel_integrity(&h);
+    assert_eq!((v.validity, v.counts["never_answered"]), (Validity::Invalid, 1), "{v:?}");
+    assert!(v.all_point_at("kind:never_answered"), "{:?}", v.culprits);
+    assert!(v.witnesses.iter().any(|w| w.contains("key b (size=10) never got a 200")), "{:?}", v.witnesses);
+    answer(&mut h, 2_000, "cases-1", "b", 10, true, false, &body(10));
+    h.sort();
+    assert_eq!(sentinel_integrity(&h).validity, Validity::Valid);
+}
+
+/// #965/#1129: a prune that kept the pending rows and a replay rule that refused the
+/// window past retention hold; a pending row deleted, or a past-window replay accepted,
+/// is a violation of its own kind; a run where nothing pruned or replayed proves nothing.
+#[test]
+fn retention_safety_holds_the_prune_and_the_replay_rule() {
+    let day = 86_400_000;
+    let replay = |h: &mut History, t, age, status| {
+        h.push(t, Event::Replay { replica: "cases-1".into(), from_age_ms: age, window_ms: 30 * day, status: Some(status), restaged: None })
+    };
+    let mut h = History::default();
+    started(&mut h, 0, "cases-1", &[]);
+    h.push(0, Event::Backdated { referral: id(1) });
+    h.push(900, Event::PruneCycle { replica: "cases-1".into(), kept_pending: 1 });
+    replay(&mut h, 5_000, 30 * day - 3_600_000, 200);
+    replay(&mut h, 5_100, 30 * day + 3_600_000, 422);
+    let v = retention_safety(&h);
+    assert_eq!((v.validity, v.counts["pending_kept_by_a_cycle"], v.counts["replays_refused"]), (Validity::Valid, 1, 1), "{v:?}");
+
+    let mut bad = History::default();
+    started(&mut bad, 0, "cases-1", &["pre-965"]);
+    bad.push(0, Event::Backdated { referral: id(1) });
+    bad.push(900, Event::PruneCycle { replica: "cases-1".into(), kept_pending: 0 });
+    bad.push(900, Event::PrunedPending { envelope: id(2), service: "cases".into() });
+    replay(&mut bad, 5_100, 30 * day + 3_600_000, 200);
+    bad.sort();
+    let v = retention_safety(&bad);
+    assert_eq!((v.validity, v.counts["pending_pruned"], v.counts["replays_past_window_accepted"]), (Validity::Invalid, 1, 1), "{v:?}");
+    assert!(v.all_point_at("compat:pre-965"), "{:?}", v.culprits);
+    assert_eq!((v.culprits.get("kind:pruned_pending"), v.culprits.get("kind:replay_past_window")), (Some(&1), Some(&1)));
+    assert!(v.witnesses[1].contains("answered 200 to a replay starting 721 h back, past the 720 h outbox window"), "{:?}", v.witnesses);
+
+    // Issue 22.6: past the window only a 422 refuses; a 503 (or no answer) is no refusal.
+    let mut unavailable = h.clone();
+    replay(&mut unavailable, 5_200, 30 * day + 3_600_000, 503);
+    unavailable.push(5_300, Event::Replay { replica: "cases-1".into(), from_age_ms: 30 * day + 3_600_000, window_ms: 30 * day, status: None, restaged: None });
+    unavailable.sort();
+    let v = retention_safety(&unavailable);
+    assert_eq!((v.validity, v.culprits.get("kind:replay_past_window")), (Validity::Invalid, Some(&2)), "{v:?}");
+    // ... and a dedup record deleted inside the 31 d inbox window is a violation; the one
+    // past it is the prune's to take.
+    let mut inbox = h.clone();
+    started(&mut inbox, 0, "rules-1", &[]);
+    inbox.push(0, Event::InboxEdge { envelope: id(7), service: "rules".into(), age_ms: 31 * day - day / 2 });
+    inbox.push(0, Event::InboxEdge { envelope: id(8), service: "rules".into(), age_ms: 31 * day + day / 2 });
+    inbox.push(950, Event::InboxPruned { envelope: id(8), service: "rules".into(), age_ms: 31 * day + day / 2, window_ms: 31 * day });
+    inbox.sort();
+    let v = retention_safety(&inbox);
+    assert_eq!((v.validity, v.counts["inbox_edge_records_deleted"]), (Validity::Valid, 1), "{v:?}");
+    inbox.push(960, Event::InboxPruned { envelope: id(7), service: "rules".into(), age_ms: 31 * day - day / 2, window_ms: 31 * day });
+    inbox.sort();
+    let v = retention_safety(&inbox);
+    assert_eq!(v.validity, Validity::Invalid, "{v:?}");
+    assert!(v.all_point_at("kind:pruned_dedup") && v.culprits.contains_key("replica:rules-1"), "{:?}", v.culprits);
+
+    // Backdated rows staged, a cycle that never saw them: the fault never met the prune.
+    let mut blind = History::default();
+    blind.push(0, Event::Backdated { referral: id(1) });
+    blind.push(900, Event::PruneCycle { replica: "cases-1".into(), kept_pending: 0 });
+    assert_eq!(retention_safety(&blind).validity, Validity::Unknown);
+    assert_eq!(retention_safety(&History::default()).validity, Validity::Unknown);
+}
+
+/// Issue 8.1: a duplicate beside an UNRELATED replica's crash is a violation.
+#[test]
+fn a_duplicate_beside_an_unrelated_replicas_crash_is_a_violation() {
+    let mut h = History::default();
+    effect_on(&mut h, 10, 101, "rules-1");
+    crash(&mut h, 12, "rules-2");
+    crash(&mut h, 13, "cases-1");
+    reprocessed(&mut h, 40, 101, "rules-2");
+    effect_on(&mut h, 40, 101, "rules-2");
+    h.sort();
+    let v = effect_once(&h);
+    assert_eq!((v.validity, v.counts["unattributed"]), (Validity::Invalid, 1), "{:?}", v.witnesses);
+    assert!(v.witnesses[0].contains("no crash of rules-1, database kill/pause or cut of its database link"), "{:?}", v.witnesses);
+}
+
+/// Issue 8.1: one crash of a sequential handler excuses ONE re-execution, not two.
+#[test]
+fn two_duplicates_excused_by_one_crash_of_a_sequential_handler_is_a_violation() {
+    let mut h = History::default();
+    effect_on(&mut h, 10, 101, "rules-1");
+    effect_on(&mut h, 11, 102, "rules-1");
+    crash(&mut h, 12, "rules-1");
+    for env in [101, 102] {
+        reprocessed(&mut h, 50, env, "rules-1");
+        effect_on(&mut h, 50, env, "rules-1");
+    }
+    h.sort();
+    let v = effect_once(&h);
+    assert_eq!((v.validity, v.counts["crash_window_reexecutions"], v.counts["unattributed"]), (Validity::Invalid, 1, 1));
+    assert!(v.witnesses.iter().any(|w| w.contains("already excused 1 re-execution(s) of rules-1")), "{:?}", v.witnesses);
+}
+
+/// Issue 12: a consume session that handles N deliveries at once can leave N envelopes in
+/// the #1180 window, so one crash excuses up to N corroborated re-runs, in the replica's
+/// own word (`subscriber.started concurrency=N`), and never N + 1.
+#[test]
+fn one_crash_excuses_as_many_reruns_as_the_replica_said_it_ran_at_once() {
+    let run = |concurrency: Option<usize>| {
+        let mut h = History::default();
+        if let Some(n) = concurrency {
+            h.push(1, Event::ConsumerStarted { replica: "rules-1".into(), concurrency: n });
+        }
+        for env in [101, 102, 103] {
+            effect_on(&mut h, 10, env, "rules-1");
+        }
+        crash(&mut h, 12, "rules-1");
+        for env in [101, 102, 103] {
+            reprocessed(&mut h, 50, env, "rules-1");
+            effect_on(&mut h, 50, env, "rules-1");
+        }
+        h.sort();
+        let v = effect_once(&h);
+        (v.validity, v.counts["crash_window_reexecutions"], v.counts["unattributed"])
+    };
+    assert_eq!(run(Some(3)), (Validity::Valid, 3, 0));
+    assert_eq!(run(Some(2)), (Validity::Invalid, 2, 1));
+    assert_eq!(run(None), (Validity::Invalid, 1, 2), "a replica that said nothing ran one at a time");
+}
+
+/// Audit finding: the inbox's report corroborates only the re-run it follows, on the
+/// replica that ran it, and only once.
+#[test]
+fn a_reprocess_report_corroborates_only_its_own_rerun() {
+    let base = |h: &mut History| {
+        effect_on(h, 10, 101, "rules-1");
+        crash(h, 15, "rules-1");
+        effect_on(h, 900, 101, "rules-2");
+    };
+    for (t, replica, why) in [(905, "rules-1", "another replica's report"), (5, "rules-2", "a report before the re-run")] {
+        let mut h = History::default();
+        base(&mut h);
+        reprocessed(&mut h, t, 101, replica);
+        h.sort();
+        assert_eq!(effect_once(&h).validity, Validity::Invalid, "{why} corroborates nothing");
+    }
+    let mut h = History::default();
+    base(&mut h);
+    reprocessed(&mut h, 905, 101, "rules-2");
+    h.sort();
+    assert_eq!(effect_once(&h).validity, Validity::Valid);
+}
+
+#[test]
+fn timing_alone_never_excuses_and_a_late_fault_is_outside_the_window() {
+    // The right crash, but the inbox never said it re-ran an unstamped envelope.
+    let mut h = History::default();
+    effect_on(&mut h, 10, 101, "rules-1");
+    crash(&mut h, 15, "rules-1");
+    effect_on(&mut h, 40, 101, "rules-1");
+    h.sort();
+    let v = effect_once(&h);
+    assert_eq!(v.validity, Validity::Invalid);
+    assert!(v.witnesses[0].contains("the inbox reported no reprocess"), "{:?}", v.witnesses);
+    // Corroborated, but the crash came long after the stamp was due.
+    let mut h = History::default();
+    effect_on(&mut h, 10, 101, "rules-1");
+    crash(&mut h, 10 + STAMP_DUE_MS + 1, "rules-1");
+    reprocessed(&mut h, 9_000, 101, "rules-1");
+    effect_on(&mut h, 9_000, 101, "rules-1");
+    h.sort();
+    assert_eq!(effect_once(&h).validity, Validity::Invalid);
+}
+
+#[test]
+fn the_consumers_database_opens_the_window_a_producers_link_does_not() {
+    let mut h = History::default();
+    effect_on(&mut h, 10, 101, "rules-1");
+    h.push(12, Event::Fault { kind: "kill".into(), target: "database".into(), phase: Phase::Start });
+    h.push(900, Event::Fault { kind: "kill".into(), target: "database".into(), phase: Phase::End });
+    effect_on(&mut h, 1_000, 101, "rules-1");
+    effect_on(&mut h, 2_000, 102, "rules-1");
+    h.push(2_010, Event::Fault { kind: "down".into(), target: "cases-1->database".into(), phase: Phase::Start });
+    effect_on(&mut h, 3_000, 102, "rules-1");
+    effect_on(&mut h, 4_000, 103, "rules-1");
+    h.push(4_010, Event::Fault { kind: "toxic".into(), target: "rules-1->database (timeout downstream)".into(), phase: Phase::Start });
+    effect_on(&mut h, 5_000, 103, "rules-1");
+    for (env, t) in [(101, 1_000), (102, 3_000), (103, 5_000)] {
+        reprocessed(&mut h, t + 5, env, "rules-1");
+    }
+    // A latency toxic on the link only delays the stamp: it opens no window.
+    effect_on(&mut h, 6_000, 104, "rules-1");
+    h.push(6_010, Event::Fault { kind: "toxic".into(), target: "rules-1->database (latency downstream)".into(), phase: Phase::Start });
+    effect_on(&mut h, 7_000, 104, "rules-1");
+    reprocessed(&mut h, 7_005, 104, "rules-1");
+    h.sort();
+    let v = effect_once(&h);
+    assert_eq!((v.counts["crash_window_reexecutions"], v.counts["unattributed"]), (2, 2), "{:?}", v.witnesses);
+    assert!(v.witnesses.iter().any(|w| w.contains("after kill database @12ms")), "{:?}", v.witnesses);
+    assert!(v.witnesses.iter().any(|w| w.contains("after toxic rules-1->database (timeout downstream) @4010ms")), "{:?}", v.witnesses);
+}
+
+#[test]
+fn liveness_needs_a_drain_within_the_bound_and_no_stuck_claims() {
+    let mut h = History::default();
+    assert_eq!(liveness(&h).validity, Validity::Unknown);
+    h.push(100, Event::Drained { after_ms: Some(1200), bound_ms: 60_000, pending: 0, unacked_unknown: false });
+    assert_eq!(liveness(&h).validity, Validity::Valid);
+    // Quiet by every other sign, but the broker could not count unacked deliveries.
+    let mut unproven = History::default();
+    unproven.push(100, Event::Drained { after_ms: Some(1200), bound_ms: 60_000, pending: 0, unacked_unknown: true });
+    assert_eq!(liveness(&unproven).validity, Validity::Unknown);
+    // Issue 22.7: quiet but the count never came within the bound: unknown, not held.
+    let mut never_counted = History::default();
+    never_counted.push(100, Event::Drained { after_ms: None, bound_ms: 60_000, pending: 0, unacked_unknown: true });
+    assert_eq!(liveness(&never_counted).validity, Validity::Unknown);
+    h.push(101, Event::Stuck { envelope: id(7), service: "cases".into(), claimed_ms_ago: 90_000 });
+    let v = liveness(&h);
+    assert_eq!((v.validity, v.counts["stuck_claims"]), (Validity::Invalid, 1));
+    let mut h = History::default();
+    h.push(100, Event::Drained { after_ms: None, bound_ms: 60_000, pending: 12, unacked_unknown: false });
+    let v = liveness(&h);
+    assert_eq!(v.validity, Validity::Invalid);
+    assert!(v.witnesses[0].starts_with("12 outbox rows still pending"));
+}
+
+fn poisoned(published: bool, attempts: i32) -> History {
+    poisoned_with(published, attempts, "malformed: missing field `id`")
+}
+
+fn poisoned_with(published: bool, attempts: i32, last_error: &str) -> History {
+    let mut h = History::default();
+    h.push(0, Event::Poison { envelope: id(9), service: "cases".into() });
+    let last_error = Some(last_error.to_owned());
+    h.push(0, Event::Staged { envelope: id(9), referral: None, service: "cases".into(), published, attempts, last_error });
+    h.push(100, Event::Drained { after_ms: Some(900), bound_ms: 60_000, pending: 0, unacked_unknown: false });
+    h
+}
+
+#[test]
+fn a_poison_row_is_excused_only_while_the_system_says_it_refused_it() {
+    let v = liveness(&poisoned(false, 3));
+    assert_eq!((v.validity, v.counts["poison_rows"], v.counts["poison_refusals"]), (Validity::Valid, 1, 3));
+    let v = liveness(&poisoned(true, 1));
+    assert_eq!(v.validity, Validity::Invalid);
+    assert!(v.witnesses[0].contains("was stamped published"), "{:?}", v.witnesses);
+    let v = liveness(&poisoned(false, 0));
+    assert_eq!(v.validity, Validity::Unknown, "never claimed: the fault did not fire");
+    // Attempts alone do not corroborate: a broker outage also counts attempts.
+    let v = liveness(&poisoned_with(false, 2, "connection: broker unreachable"));
+    assert_eq!(v.validity, Validity::Unknown, "not refused as malformed");
+    let mut gone = History::default();
+    gone.push(0, Event::Poison { envelope: id(9), service: "cases".into() });
+    gone.push(100, Event::Drained { after_ms: Some(900), bound_ms: 60_000, pending: 0, unacked_unknown: false });
+    assert_eq!(liveness(&gone).validity, Validity::Invalid, "a deleted poison row is a loss of evidence");
+}
+
+#[test]
+fn witnesses_are_capped() {
+    let mut h = History::default();
+    for n in 0..50 {
+        write(&mut h, n as u64, n, Outcome::Ok);
+    }
+    let v = no_loss(&h);
+    assert_eq!((v.counts["lost"], v.witnesses.len()), (50, MAX_WITNESSES));
+}
+
+#[test]
+fn a_panicking_checker_is_unknown_with_its_error() {
+    assert!(check("nope", &History::default()).is_none());
+    let v = Verdict { error: Some("boom".into()), validity: Validity::Unknown, ..Verdict::new("x") };
+    assert_eq!(v.validity, Validity::Unknown);
+    // check() itself wraps the real checkers; all return without panicking on empty input.
+    for name in INVARIANTS {
+        let v = check(name, &History::default()).unwrap();
+        assert_ne!(v.validity, Validity::Invalid, "{name} on an empty history");
+    }
+}
+
+mod properties {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn outcome() -> impl Strategy<Value = Outcome> {
+        prop_oneof![Just(Outcome::Ok), Just(Outcome::Failed), Just(Outcome::Unknown)]
+    }
+
+    proptest! {
+        /// Total-queue bookkeeping holds for any history: every acknowledged write is
+        /// ok or lost, recovered writes are unknown ones that took effect, and the
+        /// verdict is red exactly when something was lost.
+        #[test]
+        fn no_loss_accounting_is_exhaustive(writes in proptest::collection::vec((outcome(), any::<bool>()), 0..60)) {
+            let mut h = History::default();
+            for (n, (o, delivered)) in writes.iter().enumerate() {
+                write(&mut h, n as u64, n as u128, *o);
+                if *delivered && *o != Outcome::Failed {
+                    effect(&mut h, 1000 + n as u64, 10_000 + n as u128, n as u128);
+                }
+            }
+            let v = no_loss(&h);
+            let c = |k: &str| v.counts[k];
+            prop_assert_eq!(c("attempted") as usize, writes.len());
+            prop_assert_eq!(c("ok") + c("lost"), c("acknowledged"));
+            prop_assert!(c("recovered") <= c("unknown"));
+            prop_assert_eq!(c("acknowledged") + c("unknown") + c("failed"), c("attempted"));
+            let lost = writes.iter().filter(|(o, d)| *o == Outcome::Ok && !d).count() as u64;
+            prop_assert_eq!(c("lost"), lost);
+            prop_assert_eq!(v.validity == Validity::Invalid, lost > 0);
+            prop_assert!(v.witnesses.len() <= MAX_WITNESSES);
+        }
+
+        /// effect_once: every duplicate run is either attributed to a corroborated crash of
+        /// the first run's replica in its window, or counted as a violation — never dropped.
+        #[test]
+        fn effect_once_accounts_for_every_rerun(runs in proptest::collection::vec((1usize..4, any::<bool>()), 1..30)) {
+            let mut h = History::default();
+            let mut t = 0;
+            let mut reruns = 0;
+            for (env, (times, crash_between)) in runs.iter().enumerate() {
+                for k in 0..*times {
+                    if k > 0 {
+                        reruns += 1;
+                        if *crash_between {
+                            t += 1;
+                            h.push(t, Event::Crash { replica: "rules-1".into(), consumer: true, how: "SIGKILL".into() });
+                            h.push(t, Event::Reprocessed { envelope: id(env as u128), replica: "rules-1".into() });
+                        }
+                    }
+                    t += 1;
+                    effect_on(&mut h, t, env as u128, "rules-1");
+                }
+            }
+            let v = effect_once(&h);
+            prop_assert_eq!(v.counts["crash_window_reexecutions"] + v.counts["unattributed"], reruns);
+            let unattributed: u64 = runs.iter().filter(|(_, c)| !c).map(|(n, _)| *n as u64 - 1).sum();
+            prop_assert_eq!(v.counts["unattributed"], unattributed);
+            prop_assert_eq!(v.validity == Validity::Invalid, unattributed > 0);
+        }
+    }
+}
