@@ -4,7 +4,7 @@ use super::*;
 
 /// The causes of a lost dead letter that no replica said it acked unrecorded (issue 22.8):
 /// no compat mode (nothing corroborates one), and only the faults on the recorder's
-/// database path (the database, a security replica, its link to the database) whose
+/// path (the database, the broker, a security replica, its link to the database) whose
 /// window reaches past `since`, when the delivery reached `craig.dlx`.
 pub(super) fn uncorroborated_loss(windows: &[(String, u64, u64)], since: u64) -> Vec<String> {
     let mut tags = vec!["kind:lost".to_owned(), "replica:unknown".to_owned(), "compat:unknown".to_owned()];
@@ -13,8 +13,10 @@ pub(super) fn uncorroborated_loss(windows: &[(String, u64, u64)], since: u64) ->
             .iter()
             .filter(|(tag, _, to)| {
                 let target = tag.split_once(' ').map_or("", |(_, t)| t);
+                // The broker too: classic-queue dead-lettering is at-most-once, so a broker
+                // fault can lose a letter the tap saw and the DLQ never got.
                 let on_path = match fault_replica(tag) {
-                    None => target == "database",
+                    None => target == "database" || target == "broker",
                     Some(r) => service_of(r) == "security" && (target == r || target.ends_with("->database")),
                 };
                 on_path && to.saturating_add(WINDOW_SLACK_MS) >= since

@@ -134,7 +134,12 @@ pub(super) async fn drain(
                             tokio::time::timeout(Duration::from_secs(10), b.unacked(&queues)).await
                         };
                         match unacked {
-                            Ok(Ok(Some(n))) if n > 0 => quiet_since = None,
+                            // Counted, and not quiet: whatever an earlier count said, this
+                            // one is known (a stall to the bound is a violation, not unknown).
+                            Ok(Ok(Some(n))) if n > 0 => {
+                                unacked_unknown = false;
+                                quiet_since = None;
+                            }
                             Ok(Ok(Some(_))) => {
                                 unacked_unknown = false;
                                 drained_after = Some(since.duration_since(healed).as_millis() as u64);

@@ -189,19 +189,25 @@ pub(crate) fn occurrence_token(body: &[u8], routing_key: &str, headers: Option<&
 /// routing key = event type).
 fn tapped_event_type(body: &[u8], headers: Option<&lapin::types::FieldTable>) -> Option<String> {
     use lapin::types::AMQPValue;
+    // A body that is an envelope (inside a wrapper or bare) by the envelope's own rule.
     let from_body = serde_json::from_slice::<serde_json::Value>(body).ok().and_then(|v| {
-        let env = v.get("_dlx").and_then(|w| w.get("envelope")).unwrap_or(&v);
-        env.get("event_type")?.as_str().filter(|t| !t.is_empty() && env.get("id").is_some()).map(str::to_owned)
+        let env = v.get("_dlx").and_then(|w| w.get("envelope")).cloned().unwrap_or(v);
+        craig_mq::EventEnvelope::from_value(env).ok().map(|e| e.event_type)
     });
     from_body.or_else(|| {
         let AMQPValue::FieldArray(entries) = headers?.inner().get("x-death")? else { return None };
         let AMQPValue::FieldTable(oldest) = entries.as_slice().last()? else { return None };
-        let AMQPValue::FieldArray(keys) = oldest.inner().get("routing-keys")? else { return None };
-        match keys.as_slice().first()? {
+        let text = |v: &AMQPValue| match v {
             AMQPValue::LongString(k) => String::from_utf8(k.as_bytes().to_vec()).ok(),
             AMQPValue::ShortString(k) => Some(k.as_str().to_owned()),
             _ => None,
+        };
+        // First published through craig.events, under a key that is an event type.
+        if text(oldest.inner().get("exchange")?)? != craig_mq::topology::EVENTS_EXCHANGE {
+            return None;
         }
+        let AMQPValue::FieldArray(keys) = oldest.inner().get("routing-keys")? else { return None };
+        text(keys.as_slice().first()?).filter(|k| craig_mq::envelope::is_event_type(k))
     })
 }
 
@@ -306,11 +312,13 @@ mod tests {
 
     #[test]
     fn a_dead_letter_is_typed_by_its_envelope_else_its_first_routing_key() {
-        let env = br#"{"id": "01a2336d-26e6-730b-871a-29bc46d5f956", "event_type": "case.referral_created"}"#;
-        assert_eq!(tapped_event_type(env, None).as_deref(), Some("case.referral_created"));
-        let wrapped = br#"{"_dlx": {"envelope": {"id": "x", "event_type": "placement.activated"}}}"#;
-        assert_eq!(tapped_event_type(wrapped, None).as_deref(), Some("placement.activated"));
+        let env = craig_mq::EventEnvelope::new("case.referral_created", "cases", None, serde_json::json!({})).unwrap();
+        assert_eq!(tapped_event_type(&env.to_vec(), None).as_deref(), Some("case.referral_created"));
+        let placement = craig_mq::EventEnvelope::new("placement.activated", "cases", None, serde_json::json!({})).unwrap();
+        let wrapped = serde_json::to_vec(&serde_json::json!({ "_dlx": { "envelope": placement } })).unwrap();
+        assert_eq!(tapped_event_type(&wrapped, None).as_deref(), Some("placement.activated"));
         let mut first = FieldTable::default();
+        first.insert("exchange".into(), AMQPValue::LongString("craig.events".into()));
         first.insert("routing-keys".into(), AMQPValue::FieldArray(vec![AMQPValue::LongString("case.referral_created".into())].into()));
         let mut later = FieldTable::default();
         later.insert("routing-keys".into(), AMQPValue::FieldArray(vec![AMQPValue::LongString("dlq.craig-rules.events".into())].into()));

@@ -248,7 +248,18 @@ async fn export_requests(w: &Writer<'_>, seed: u64, (first, count): (u32, u32), 
             }
         };
         let cancel = !retrying && rng.random_bool(s.workload.cancel_share);
-        let up = up_replicas(w.replicas, i as usize);
+        let mut up = up_replicas(w.replicas, i as usize);
+        // After the heal every key must get its answer (issue 22.6): a replica whose lock
+        // is held for a moment is waited for (up to 5 s), never recorded as "none up".
+        if retrying {
+            for _ in 0..50 {
+                if !up.is_empty() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                up = up_replicas(w.replicas, i as usize);
+            }
+        }
         let targets: Vec<(String, String)> = if s.workload.race && !retrying { up.into_iter().take(2).collect() } else { up.into_iter().take(1).collect() };
         let permit = inflight.clone().acquire_owned().await.expect("semaphore open");
         let (http, token, log, done, completed) = (http.clone(), token.clone(), w.log.clone(), done.clone(), completed.clone());

@@ -65,35 +65,27 @@ async fn the_idempotency_ttl_setting_decides_a_rows_life() {
     let cases = fleet.start(Service::Cases, &[("CRAIG_IDEMPOTENCY_TTL_HOURS", "1")], &[]).await;
     let db = fleet.pool(Service::Cases).await;
     let (key, user) = (uuid::Uuid::now_v7().to_string(), token("craig-cases", ""));
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/cases/referrals", cases.base))
-        .header("idempotency-key", &key)
-        .bearer_auth(&user)
-        .json(&json!({ "subject": "ttl" }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 201);
-    let life: f64 = sqlx::query_scalar("SELECT EXTRACT(EPOCH FROM (expires_at - created_at))::float8 FROM idempotency_responses")
-        .fetch_one(&db)
-        .await
-        .unwrap();
+    // One POST under the key, then the row's life in seconds.
+    let post_and_measure = || async {
+        let r = reqwest::Client::new()
+            .post(format!("{}/v1/cases/referrals", cases.base))
+            .header("idempotency-key", &key)
+            .bearer_auth(&user)
+            .json(&json!({ "subject": "ttl" }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+        sqlx::query_scalar::<_, f64>("SELECT EXTRACT(EPOCH FROM (expires_at - created_at))::float8 FROM idempotency_responses")
+            .fetch_one(&db)
+            .await
+            .unwrap()
+    };
+    let life = post_and_measure().await;
     assert!((life - 3600.0).abs() < 5.0, "expires_at - created_at = {life} s, CRAIG_IDEMPOTENCY_TTL_HOURS=1 asks 3600 s");
     // A row past its life is re-claimed with the same life.
     sqlx::query("UPDATE idempotency_responses SET expires_at = now() - interval '1 second'").execute(&db).await.unwrap();
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/cases/referrals", cases.base))
-        .header("idempotency-key", &key)
-        .bearer_auth(&user)
-        .json(&json!({ "subject": "ttl" }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 201);
-    let life: f64 = sqlx::query_scalar("SELECT EXTRACT(EPOCH FROM (expires_at - created_at))::float8 FROM idempotency_responses")
-        .fetch_one(&db)
-        .await
-        .unwrap();
+    let life = post_and_measure().await;
     assert!((life - 3600.0).abs() < 5.0, "re-claimed: expires_at - created_at = {life} s");
     assert_eq!(count(&db, "SELECT count(*) FROM idempotency_responses WHERE claim_generation = 2").await, 1, "the one row was re-claimed");
     assert_eq!(cases.stop().await.code(), Some(0));

@@ -580,6 +580,31 @@ async fn an_outage_longer_than_max_parks_captures_nothing() {
     fleet.finish().await;
 }
 
+/// A broker channel with the exchanges and the capture queue declared, in confirm mode.
+async fn capture_channel(fleet: &Fleet) -> (lapin::Connection, lapin::Channel) {
+    let (conn, ch) = fleet.channel().await;
+    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
+    let durable = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
+    ch.queue_declare(craig_mq::dlq::CAPTURE_QUEUE.into(), durable, FieldTable::default()).await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    (conn, ch)
+}
+
+/// Put `body` in the capture queue as `capture_delivery` leaves it: the raw bytes, the
+/// original headers (x-death), the DLQ routing key and a reason in headers; confirmed.
+async fn put_captured(ch: &lapin::Channel, body: &[u8], mut headers: FieldTable) {
+    headers.insert("x-craig-capture-reason".into(), AMQPValue::LongString("parked 30 times".into()));
+    headers.insert("x-craig-dlq-routing-key".into(), AMQPValue::LongString(RK.into()));
+    let props = lapin::BasicProperties::default().with_delivery_mode(2).with_headers(headers);
+    let c = ch
+        .basic_publish("".into(), craig_mq::dlq::CAPTURE_QUEUE.into(), BasicPublishOptions::default(), body, props)
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(c.is_ack());
+}
+
 /// Issue 21.1: the capture queue is not a dead end. `redrive_capture` re-reads what was
 /// captured and records it through the recorder; the occurrence token arbitrates, so a
 /// captured copy of an occurrence already recorded adds no row, and one the database still
@@ -590,23 +615,10 @@ async fn captured_dead_letters_are_redriven_into_the_audit_once() {
 
     let fleet = Fleet::new("dlq-redrive", &[Service::Security]).await;
     let pool = fleet.pool(Service::Security).await;
-    let (conn, ch) = fleet.channel().await;
-    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
-    ch.queue_declare(CAPTURE_QUEUE.into(), lapin::options::QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
-        .await
-        .unwrap();
-    ch.confirm_select(Default::default()).await.unwrap();
-    // As capture_delivery leaves them: the raw bytes, the original headers (x-death), the
-    // DLQ routing key and the reason in headers.
-    let capture = |body: Vec<u8>, mut headers: FieldTable| {
-        headers.insert("x-craig-capture-reason".into(), AMQPValue::LongString("parked 30 times".into()));
-        headers.insert("x-craig-dlq-routing-key".into(), AMQPValue::LongString(RK.into()));
+    let (conn, ch) = capture_channel(&fleet).await;
+    let capture = |body: Vec<u8>, headers: FieldTable| {
         let ch = ch.clone();
-        async move {
-            let props = lapin::BasicProperties::default().with_delivery_mode(2).with_headers(headers);
-            let c = ch.basic_publish("".into(), CAPTURE_QUEUE.into(), BasicPublishOptions::default(), &body, props).await.unwrap().await.unwrap();
-            assert!(c.is_ack());
-        }
+        async move { put_captured(&ch, &body, headers).await }
     };
     let now = Utc::now().timestamp() as u64;
     let envs: Vec<EventEnvelope> = (0..4).map(|_| envelope("case.referral_created")).collect();
@@ -698,21 +710,10 @@ async fn the_node_and_the_command_redrive_the_capture_queue() {
 
     let fleet = Fleet::new("dlq-redrive-node", &[Service::Security]).await;
     let pool = fleet.pool(Service::Security).await;
-    let (conn, ch) = fleet.channel().await;
-    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
-    ch.queue_declare(CAPTURE_QUEUE.into(), lapin::options::QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
-        .await
-        .unwrap();
-    ch.confirm_select(Default::default()).await.unwrap();
+    let (conn, ch) = capture_channel(&fleet).await;
     let capture = |env: &EventEnvelope| {
-        let mut h = x_death(Q, 1, Utc::now().timestamp() as u64);
-        h.insert("x-craig-dlq-routing-key".into(), AMQPValue::LongString(RK.into()));
-        let props = lapin::BasicProperties::default().with_delivery_mode(2).with_headers(h);
         let (ch, body) = (ch.clone(), env.to_vec());
-        async move {
-            let c = ch.basic_publish("".into(), CAPTURE_QUEUE.into(), BasicPublishOptions::default(), &body, props).await.unwrap().await.unwrap();
-            assert!(c.is_ack());
-        }
+        async move { put_captured(&ch, &body, x_death(Q, 1, Utc::now().timestamp() as u64)).await }
     };
     let first = envelope("case.referral_created");
     capture(&first).await;
