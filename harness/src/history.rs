@@ -29,6 +29,9 @@ pub enum Event {
     /// harness chose (a referral, or a placement for `kind = "placements"`), which its
     /// effect carries back.
     Write { referral: Uuid, replica: String, outcome: Outcome, status: Option<u16> },
+    /// An aggregate cases' database holds committed at the end (a `referrals` row, an active
+    /// `placements` row; issue 22.2), read by the harness whatever the client heard.
+    Committed { aggregate: Uuid, table: String },
     /// A write staged in a transaction the harness rolled back on purpose.
     RolledBack { referral: Uuid },
     /// An outbox row found at the end of the run.
@@ -55,6 +58,9 @@ pub enum Event {
     /// The inbox of `replica` reported re-running an envelope it had recorded but never
     /// stamped (`inbox.reprocessed`, the #1180 window): the system's own corroboration.
     Reprocessed { envelope: Uuid, replica: String },
+    /// financial's arbiter absorbed a replay of `envelope` (its `financial.payment_replay_absorbed`
+    /// line, #1179): the stored payment's facts matched, nothing was written.
+    PaymentAbsorbed { envelope: Uuid, replica: String },
     /// A replica (re)started running `compat` (empty: current behaviour). Every start is
     /// recorded — first start, late start, restart after a crash or kill, upgrade — so the
     /// checkers know which behaviour ran an execution at its time.

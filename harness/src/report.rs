@@ -67,7 +67,8 @@ impl RunReport<'_> {
                 } else {
                     "FAILED".to_owned()
                 };
-                rows.push([r.name.clone(), r.amendment.clone(), r.compat.clone(), i.name.clone(), expected, observed, verdict]);
+                let name = if i.listed { i.name.clone() } else { format!("{} (unlisted)", i.name) };
+                rows.push([r.name.clone(), r.amendment.clone(), r.compat.clone(), name, expected, observed, verdict]);
             }
         }
         let widths: Vec<usize> = (0..7).map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0)).collect();
@@ -351,6 +352,7 @@ mod tests {
             violations: 0,
             culprits: BTreeMap::new(),
             error: observed.is_none().then(|| "nothing to check".into()),
+            listed: true,
         }
     }
 

@@ -83,6 +83,20 @@
 //! target = "cases-1"        # "downgrade" names the older modes
 //! at = { after_writes = 100 }
 //!
+//! [[faults]]                # staging itself fails: a trigger on the service's event_outbox
+//! kind = "refuse_staging"   # refuses every N-th insert (SQLSTATE 40001) while it lasts
+//! target = "database"
+//! service = "cases"
+//! every = 3
+//! at = { after_ms = 500 }
+//! duration_ms = 4000
+//!
+//! [[faults]]                # a test-only mutant (craig_mq::crash::MUTANTS) armed on a
+//! kind = "mutant"           # replica from its start: the bug a twin must go red for
+//! target = "cases-1"
+//! failpoint = "cases::stage_after_commit"
+//! at = { after_ms = 0 }
+//!
 //! [expect]
 //! min_acknowledged = 150    # floors (default: half the writes; 0 redeliveries, 0 dead
 //! min_redeliveries = 1      # letters, 0 crossings): a run below one is inconclusive
@@ -91,6 +105,7 @@
 //! min_lease_resends = 1     # transmissions re-sent after their claim ended (#1185)
 //! min_replays = 1           # §D5 replays served (Idempotent-Replayed)
 //! min_sentinels = 1         # §D5 too-large sentinels: stored on over-cap, replayed
+//! min_payments_absorbed = 1 # replays the #1179 arbiter absorbed (financial's own log)
 //! no_loss = "hold"          # hold | violate (bare only where no cause is attributed:
 //!                           # liveness, no_phantom)
 //! effect_once = { violate = "compat:pre-d2" }  # violated, and every witness points at
@@ -507,6 +522,14 @@ pub enum FaultKind {
     /// LISTEN/NOTIFY connection), swept every 250 ms for `duration_ms`: the server itself
     /// cuts exactly those connections, again each time they come back.
     Terminate,
+    /// A test-only mutant (`craig_mq::crash::MUTANTS`, named by `failpoint`) armed on a
+    /// replica from its start: the one-line bug a checker must go red for (issue 22).
+    Mutant,
+    /// Staging itself fails (issue 22.2): a trigger on `service`'s `event_outbox` refuses
+    /// every `every`-th insert (a serialization failure, so the writer's transaction rolls
+    /// back) for `duration_ms`. Targets `database`.
+    #[serde(rename = "refuse_staging")]
+    RefuseStaging,
 }
 
 impl FaultKind {
@@ -522,6 +545,8 @@ impl FaultKind {
             FaultKind::Upgrade => "upgrade",
             FaultKind::Downgrade => "downgrade",
             FaultKind::Terminate => "terminate",
+            FaultKind::Mutant => "mutant",
+            FaultKind::RefuseStaging => "refuse_staging",
         }
     }
 }
@@ -552,6 +577,12 @@ pub struct Fault {
     /// For `kind = "terminate"`: whose backends (default `craig-outbox-listener`).
     #[serde(default)]
     pub application_name: Option<String>,
+    /// For `kind = "refuse_staging"`: whose outbox, and which share of its inserts (every
+    /// N-th) is refused.
+    #[serde(default)]
+    pub service: Option<String>,
+    #[serde(default)]
+    pub every: Option<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -655,14 +686,17 @@ pub struct Floor {
     pub replays: u64,
     /// §D5 too-large sentinels replayed (`Idempotency-Body-Too-Large: true`).
     pub sentinels: u64,
+    /// Payment replays the #1179 arbiter absorbed (`financial.payment_replay_absorbed` in
+    /// the financial replicas' logs): proof the absorb path ran (issue 22.1).
+    pub payments_absorbed: u64,
 }
 
 const FLOORS: &[&str] =
-    &["min_acknowledged", "min_redeliveries", "min_dead_letters", "min_crossings", "min_dlq_duplicates", "min_lease_resends", "min_replays", "min_sentinels"];
+    &["min_acknowledged", "min_redeliveries", "min_dead_letters", "min_crossings", "min_dlq_duplicates", "min_lease_resends", "min_replays", "min_sentinels", "min_payments_absorbed"];
 
 impl Default for Floor {
     fn default() -> Self {
-        Self { acknowledged: 1, redeliveries: 0, dead_letters: 0, crossings: 0, dlq_duplicates: 0, lease_resends: 0, replays: 0, sentinels: 0 }
+        Self { acknowledged: 1, redeliveries: 0, dead_letters: 0, crossings: 0, dlq_duplicates: 0, lease_resends: 0, replays: 0, sentinels: 0, payments_absorbed: 0 }
     }
 }
 
@@ -899,6 +933,27 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
                 }
             }
             (FaultKind::Crash, _) => return Err(err(span, "a crash targets a replica".into())),
+            (FaultKind::Mutant, FaultTarget::Replica(r)) => {
+                let fp = fault.failpoint.as_deref().ok_or_else(|| err(span.clone(), "a mutant names one: failpoint = \"<mutant>\"".into()))?;
+                if !craig_mq::crash::MUTANTS.contains(&fp) {
+                    return Err(err(key_in(f.span(), "failpoint"), format!("unknown mutant {fp:?}; known: {}", craig_mq::crash::MUTANTS.join(", "))));
+                }
+                let service = r.rsplit_once('-').map_or(r.as_str(), |(s, _)| s);
+                if !fp.starts_with(&format!("{service}::")) {
+                    return Err(err(key_in(f.span(), "target"), format!("mutant {fp} lives in another service than {r}'s")));
+                }
+            }
+            (FaultKind::Mutant, _) => return Err(err(span, "a mutant targets a replica".into())),
+            (FaultKind::RefuseStaging, FaultTarget::Database) => {
+                let svc = fault.service.as_deref().unwrap_or("");
+                if !s.fleet.contains_key(svc) {
+                    return Err(err(span, format!("refuse_staging needs service = one of the fleet's: {}", s.fleet.keys().cloned().collect::<Vec<_>>().join(", "))));
+                }
+                if !fault.every.is_some_and(|n| (1..=1_000_000).contains(&n)) {
+                    return Err(err(span, "refuse_staging needs every = N (1..=1000000): every N-th insert is refused".into()));
+                }
+            }
+            (FaultKind::RefuseStaging, _) => return Err(err(span, "refuse_staging targets \"database\"".into())),
             (FaultKind::Upgrade | FaultKind::Downgrade, FaultTarget::Replica(_)) => {
                 let modes = fault.compat.clone().unwrap_or_default();
                 if fault.kind == FaultKind::Downgrade && modes.is_empty() {
@@ -944,8 +999,11 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
                 (None, Trigger::FailpointHit(_)) => return Err(err(span, "failpoint_hit needs failpoint = \"<crash point>\"".into())),
                 (None, _) => {}
             }
-        } else if fault.kind != FaultKind::Crash && fault.failpoint.is_some() {
-            return Err(err(key_in(f.span(), "failpoint"), "failpoint belongs to a crash, upgrade or downgrade".into()));
+        } else if !matches!(fault.kind, FaultKind::Crash | FaultKind::Mutant) && fault.failpoint.is_some() {
+            return Err(err(key_in(f.span(), "failpoint"), "failpoint belongs to a crash, mutant, upgrade or downgrade".into()));
+        }
+        if (fault.service.is_some() || fault.every.is_some()) && fault.kind != FaultKind::RefuseStaging {
+            return Err(err(span, "service and every belong to a refuse_staging fault".into()));
         }
         if fault.kind == FaultKind::Toxic && fault.toxic.is_none() {
             return Err(err(span, "a toxic fault needs toxic = { type = ..., stream = ..., attributes = {...} }".into()));
@@ -972,7 +1030,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         } else if fault.application_name.is_some() {
             return Err(err(key_in(f.span(), "application_name"), "application_name belongs to a terminate fault".into()));
         }
-        if matches!(fault.kind, FaultKind::Pause | FaultKind::Toxic | FaultKind::Down | FaultKind::QueueLimit | FaultKind::Terminate) && fault.duration_ms.is_none() {
+        if matches!(fault.kind, FaultKind::Pause | FaultKind::Toxic | FaultKind::Down | FaultKind::QueueLimit | FaultKind::Terminate | FaultKind::RefuseStaging) && fault.duration_ms.is_none() {
             return Err(err(span, "this fault needs duration_ms (when it heals)".into()));
         }
     }
@@ -990,6 +1048,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
                 "min_lease_resends" => s.floor.lease_resends = n,
                 "min_replays" => s.floor.replays = n,
                 "min_sentinels" => s.floor.sentinels = n,
+                "min_payments_absorbed" => s.floor.payments_absorbed = n,
                 _ => s.floor.dead_letters = n,
             }
             continue;
@@ -1129,6 +1188,29 @@ effect_once = { violate = "compat:pre-d2" }
 
     fn rejected(text: &str) -> ScenarioError {
         parse_str(text).unwrap_err()
+    }
+
+    /// Issue 22: a mutant names one of the build's mutants in the target's own service; a
+    /// refused staging names a fleet service and its share; each with the line.
+    #[test]
+    fn mutants_and_refused_staging_are_checked_with_their_line() {
+        let with = |fault: &str| GOOD.replace("[expect]\n", &format!("[[faults]]\n{fault}\n[expect]\n"));
+        let ok = parse_str(&with("kind = \"mutant\"\ntarget = \"cases-1\"\nfailpoint = \"cases::stage_after_commit\"\nat = { after_ms = 0 }")).unwrap();
+        assert_eq!(ok.faults[2].get_ref().kind, FaultKind::Mutant);
+        let e = rejected(&with("kind = \"mutant\"\ntarget = \"cases-1\"\nfailpoint = \"cases::nothing\"\nat = { after_ms = 0 }"));
+        assert!(e.reason.contains("unknown mutant \"cases::nothing\"; known: financial::absorb_fails, cases::stage_after_commit"), "{e}");
+        let e = rejected(&with("kind = \"mutant\"\ntarget = \"rules-1\"\nfailpoint = \"cases::stage_after_commit\"\nat = { after_ms = 0 }"));
+        assert!(e.reason.contains("lives in another service than rules-1's"), "{e}");
+        let refuse = "kind = \"refuse_staging\"\ntarget = \"database\"\nservice = \"cases\"\nevery = 3\nat = { after_ms = 0 }\nduration_ms = 100";
+        assert_eq!(parse_str(&with(refuse)).unwrap().faults[2].get_ref().every, Some(3));
+        let e = rejected(&with(&refuse.replace("\"cases\"", "\"financial\"")));
+        assert!(e.reason.contains("refuse_staging needs service = one of the fleet's: cases, rules"), "{e}");
+        let e = rejected(&with(&refuse.replace("every = 3", "every = 0")));
+        assert!(e.reason.contains("every = N (1..=1000000)"), "{e}");
+        let e = rejected(&with(&refuse.replace("target = \"database\"", "target = \"cases-1\"")));
+        assert!(e.reason.contains("refuse_staging targets \"database\""), "{e}");
+        let e = rejected(&with("kind = \"kill\"\ntarget = \"cases-1\"\nevery = 2\nat = { after_ms = 0 }\nduration_ms = 5"));
+        assert!(e.reason.contains("service and every belong to a refuse_staging fault"), "{e}");
     }
 
     #[test]
@@ -1288,12 +1370,12 @@ effect_once = { violate = "compat:pre-d2" }
     #[test]
     fn floors_are_counts_in_expect_with_defaults() {
         let s = parse_str(GOOD).unwrap();
-        assert_eq!(s.floor, Floor { acknowledged: 5, redeliveries: 0, dead_letters: 0, crossings: 0, dlq_duplicates: 0, lease_resends: 0, replays: 0, sentinels: 0 });
+        assert_eq!(s.floor, Floor { acknowledged: 5, redeliveries: 0, dead_letters: 0, crossings: 0, dlq_duplicates: 0, lease_resends: 0, replays: 0, sentinels: 0, payments_absorbed: 0 });
         assert_eq!(s.workload.after_heal, 20);
         let x = parse_str(&GOOD.replace("[expect]\n", "[expect]\nmin_replays = 3\nmin_sentinels = 1\n")).unwrap();
         assert_eq!((x.floor.replays, x.floor.sentinels), (3, 1));
         let s = parse_str(&GOOD.replace("[expect]\n", "[expect]\nmin_acknowledged = 8\nmin_redeliveries = 2\nmin_dead_letters = 1\nmin_crossings = 2\n")).unwrap();
-        assert_eq!(s.floor, Floor { acknowledged: 8, redeliveries: 2, dead_letters: 1, crossings: 2, dlq_duplicates: 0, lease_resends: 0, replays: 0, sentinels: 0 });
+        assert_eq!(s.floor, Floor { acknowledged: 8, redeliveries: 2, dead_letters: 1, crossings: 2, dlq_duplicates: 0, lease_resends: 0, replays: 0, sentinels: 0, payments_absorbed: 0 });
         assert_eq!(s.expect.len(), 2, "floors are not invariants");
         let e = rejected(&GOOD.replace("[expect]\n", "[expect]\nmin_redeliveries = \"many\"\n"));
         assert_eq!(e.line, 26, "{e}");

@@ -1,4 +1,4 @@
-//! `dlq_occurrence_once`, ADR-022 §D3 with #1181/#1197: every occurrence that reached `craig.dlx` (the harness's own tap and derivation) has exactly one audit row, nothing is left captured, completed XOR dead-lettered, the consumer queue named (#1196). Excused: tokenless extra rows (#1181's bound), counted.
+//! `dlq_occurrence_once`, ADR-022 §D3 with #1181/#1197: every occurrence that reached `craig.dlx` (the harness's own tap and derivation) has exactly one audit row, nothing is left captured, completed XOR dead-lettered, the consumer queue named (#1196), and nothing reaches it that the harness did not stage as a dead letter (`kind:unexpected_dead_letter`: a consumer gave up an event it should have handled). Excused: tokenless extra rows (#1181's bound), counted.
 
 use super::*;
 
@@ -69,6 +69,9 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
         .filter_map(|e| if let Event::DeadLetterStaged { envelope, service } = &e.event { Some((*envelope, service.as_str())) } else { None })
         .collect();
     let mut misattributed = 0;
+    // Issue 22.1: what reached craig.dlx that the harness never staged as a dead letter
+    // (an envelope, or bytes naming none), each once.
+    let mut unexpected: BTreeMap<String, (u64, Option<Uuid>, Option<&str>)> = BTreeMap::new();
     // When the tap first saw each delivery's bytes.
     let mut tapped_at: HashMap<&str, u64> = HashMap::new();
     for e in h.iter() {
@@ -107,6 +110,11 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
                         }
                     }
                 }
+                let staged = envelope.is_some_and(|env| staged_for.contains_key(&env));
+                if !staged {
+                    let id = envelope.map_or_else(|| format!("bytes {key}"), |env| env.to_string());
+                    unexpected.entry(id).or_insert((e.t_ms, *envelope, queue.as_deref()));
+                }
                 taps += 1;
                 tapped_keys.insert(key.clone());
                 tapped_at.entry(key.as_str()).or_insert(e.t_ms);
@@ -123,6 +131,30 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
             Event::Audited { key, token, disposition, .. } => rows.push((key.as_str(), token.as_deref(), disposition.as_str())),
             _ => {}
         }
+    }
+    for (id, (t, env, queue)) in &unexpected {
+        let mut tags = vec!["kind:unexpected_dead_letter".to_owned()];
+        let by = match env.and_then(|env| gave_up.get(&env)) {
+            // The replica that said it gave the envelope up, with the behaviour it ran then.
+            Some(by) => {
+                let mut who = Vec::new();
+                for (t, r, c) in by {
+                    tags.extend(culprit_tags(r, Some(c)));
+                    tags.extend(faults_on(&windows, r, *t));
+                    who.push(format!("{} @{t}ms", running(r, Some(c))));
+                }
+                format!("given up by {}", who.join(", "))
+            }
+            None => {
+                tags.extend(["replica:unknown".to_owned(), "compat:unknown".to_owned()]);
+                "no replica logged giving it up".to_owned()
+            }
+        };
+        v.blame(tags);
+        v.witness(format!(
+            "{id} reached craig.dlx @{t}ms from {} and the harness never staged it as a dead letter: {by}",
+            queue.unwrap_or("an unnamed queue")
+        ));
     }
     let mut used = vec![false; rows.len()];
     let (mut lost, mut doubled) = (0, 0);
@@ -236,6 +268,7 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
     v.count("tokenless_extra_rows", tokenless_extra);
     v.count("completed_and_dead_lettered", both);
     v.count("misattributed", misattributed);
+    v.count("unexpected_dead_letters", unexpected.len());
     // Issue 21.1: a delivery in the capture queue was acked off the DLQ with no audit row;
     // the harness read the queue itself. One it could not read leaves the verdict open.
     let captured = h.iter().find_map(|e| if let Event::CaptureLeft { count } = e.event { Some(count) } else { None });

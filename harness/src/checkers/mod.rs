@@ -239,7 +239,7 @@ pub(super) fn fault_replica(tag: &str) -> Option<&str> {
 /// twin is red for its documented cause and not for any violation of the same checker.
 pub const VIOLATION_KINDS: &[&str] =
     &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed", "double_post", "conflicting_events", "terminal_flip", "pruned_pending", "replay_past_window",
-      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status", "captured", "pruned_dedup", "never_answered", "unmatched_side_effect"];
+      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status", "captured", "pruned_dedup", "never_answered", "unmatched_side_effect", "unexpected_dead_letter", "unstaged"];
 
 /// Which faults can cause a dead-letter violation of a kind, by the fault tag.
 #[derive(Clone, Copy)]
@@ -288,6 +288,10 @@ pub(super) fn service_culprits(h: &History, service: &str) -> Vec<String> {
             }
         }
     }
+    // A test-only mutant on one of them is the behaviour it ran, as a compat mode is.
+    tags.extend(h.fault_windows().into_iter().map(|(tag, ..)| tag).filter(|tag| {
+        tag.strip_prefix("fault:mutant ").is_some_and(|r| service_of(r) == service)
+    }));
     tags
 }
 

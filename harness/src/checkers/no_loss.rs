@@ -84,6 +84,8 @@ pub fn no_loss(h: &History) -> Verdict {
             Outcome::Failed => failed += 1,
         }
     }
+    let (committed, unacknowledged_lost) = committed_lost(h, &mut v, &fx.by_referral, &envelopes, &windows);
+    lost += unacknowledged_lost;
     let (dead_staged, dead_lost) = dead_letters_lost(h, &mut v);
     for (k, n) in [
         ("attempted", attempted),
@@ -93,6 +95,8 @@ pub fn no_loss(h: &History) -> Verdict {
         ("recovered", recovered),
         ("unknown", unknown),
         ("failed", failed),
+        ("committed", committed),
+        ("committed_unacknowledged_lost", unacknowledged_lost),
         ("dead_letters_published", dead_staged),
         ("dead_letters_lost", dead_lost),
     ] {
@@ -100,13 +104,60 @@ pub fn no_loss(h: &History) -> Verdict {
     }
     v.validity = if lost > 0 || dead_lost > 0 {
         Validity::Invalid
-    } else if acknowledged == 0 {
+    } else if acknowledged == 0 && committed == 0 {
         v.error = Some("nothing to check: no acknowledged writes".into());
         Validity::Unknown
     } else {
         Validity::Valid
     };
     v
+}
+
+/// Issue 22.2: the database is the ground truth, not the HTTP answer. Every aggregate cases'
+/// database holds committed (`Event::Committed`) whose write the client did not hear
+/// acknowledged (an unknown outcome: a 5xx, a reset) must still have its event and its
+/// effect: one without either is lost. With no outbox row for it at all, the domain row
+/// committed without its event (a §D1 violation, `kind:unstaged`), blamed on the replica
+/// that took the write, with its behaviour and the faults on it then. Acknowledged writes
+/// are judged above. Returns (committed, lost here).
+fn committed_lost(
+    h: &History,
+    v: &mut Verdict,
+    delivered: &HashMap<Uuid, u64>,
+    envelopes: &HashMap<Uuid, Vec<Uuid>>,
+    windows: &[(String, u64, u64)],
+) -> (usize, usize) {
+    let mut writes: HashMap<Uuid, Vec<(u64, &str, Outcome)>> = HashMap::new();
+    for e in h.iter() {
+        if let Event::Write { referral, replica, outcome, .. } = &e.event {
+            writes.entry(*referral).or_default().push((e.t_ms, replica.as_str(), *outcome));
+        }
+    }
+    let (mut committed, mut lost) = (0, 0);
+    for e in h.iter() {
+        let Event::Committed { aggregate, table } = &e.event else { continue };
+        committed += 1;
+        let tries = writes.get(aggregate).map(Vec::as_slice).unwrap_or(&[]);
+        // Acknowledged: judged as a write above. Never asked for: no_phantom's.
+        if tries.is_empty() || tries.iter().any(|(.., o)| *o == Outcome::Ok) || delivered.contains_key(aggregate) {
+            continue;
+        }
+        lost += 1;
+        let (t, replica, outcome) = tries[tries.len() - 1];
+        let compat = h.compat_at(replica, t);
+        let unstaged = envelopes.get(aggregate).is_none_or(Vec::is_empty);
+        let mut tags = vec![format!("kind:{}", if unstaged { "unstaged" } else { "lost" })];
+        tags.extend(culprit_tags(replica, compat));
+        tags.extend(faults_on(windows, replica, t));
+        v.blame(tags);
+        let why = if unstaged { "no event was ever staged for it (the domain row committed without its event, §D1)" } else { "its event never took effect" };
+        v.witness(format!(
+            "{table} row {aggregate} is committed though {} heard {outcome:?} @{t}ms: {why}; {}",
+            running(replica, compat),
+            h.fault_near(t)
+        ));
+    }
+    (committed, lost)
 }
 
 /// §D3: a dead letter the harness staged (`DeadLetterStaged`, for its consumer to refuse)

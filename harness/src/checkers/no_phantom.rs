@@ -1,4 +1,4 @@
-//! `no_phantom`, ADR-022 No effect without a committed write: an effect of a failed, rolled-back or never-attempted write is a phantom. Excused: nothing.
+//! `no_phantom`, ADR-022 No effect without a committed write: an effect of a failed, rolled-back or never-attempted write, or of an aggregate cases' database does not hold (issue 22.2), is a phantom, as is a committed aggregate whose write was refused. Excused: nothing.
 
 use super::*;
 
@@ -22,13 +22,25 @@ pub fn no_phantom(h: &History) -> Verdict {
             _ => {}
         }
     }
+    // Issue 22.2: what cases' database holds committed, when it was read.
+    let committed: HashSet<Uuid> =
+        h.iter().filter_map(|e| if let Event::Committed { aggregate, .. } = &e.event { Some(*aggregate) } else { None }).collect();
+    let read = h.iter().any(|e| matches!(e.event, Event::Committed { .. }));
     let mut unexpected = 0;
+    // A write the service refused for certain that committed anyway.
+    let mut refused: Vec<(&Uuid, &&str)> = must_not.iter().filter(|(r, _)| committed.contains(*r)).collect();
+    refused.sort();
+    for (referral, why) in refused {
+        unexpected += 1;
+        v.witness(format!("aggregate {referral} is committed in cases' database but its write was {why}"));
+    }
     let mut referrals: Vec<(&Uuid, &u64)> = fx.by_referral.iter().collect();
     referrals.sort();
     for (referral, t) in referrals {
         let why = match must_not.get(referral) {
             Some(why) => Some(*why),
             None if !may_exist.contains(referral) => Some("never attempted"),
+            None if read && !committed.contains(referral) => Some("never committed (cases' database has no such aggregate)"),
             None => None,
         };
         if let Some(why) = why {

@@ -19,8 +19,16 @@ fn started(h: &mut History, t: u64, replica: &str, compat: &[&str]) {
     h.push(t, Event::Started { replica: replica.into(), compat: compat.iter().map(|c| c.to_string()).collect() });
 }
 
+/// A dead letter the harness staged (for rules to refuse), seen by the tap: its envelope is
+/// a digest of `key`'s first two bytes, so one key's copies name one envelope.
 fn tapped(h: &mut History, key: &str, token: Option<&str>) {
-    h.push(10, Event::DeadLettered { key: key.into(), token: token.map(str::to_owned), envelope: None, queue: None, event_type: None });
+    let env = key_envelope(key);
+    h.push(1, Event::DeadLetterStaged { envelope: env, service: "rules".into() });
+    h.push(10, Event::DeadLettered { key: key.into(), token: token.map(str::to_owned), envelope: Some(env), queue: None, event_type: None });
+}
+
+fn key_envelope(key: &str) -> Uuid {
+    id(0xdead_0000 + key.bytes().take(2).fold(0u128, |a, b| a * 256 + u128::from(b)))
 }
 
 fn audited(h: &mut History, key: &str, token: Option<&str>, disposition: &str, event_type: &str, received: i64) {
@@ -129,7 +137,8 @@ fn dlq_occurrence_once_finds_lost_doubled_and_unexplained_rows() {
     started(&mut late, 0, "security-1", &["pre-1197"]);
     late.push(1, Event::Fault { kind: "down".into(), target: "security-1->database".into(), phase: Phase::Start });
     late.push(2, Event::Fault { kind: "down".into(), target: "security-1->database".into(), phase: Phase::End });
-    late.push(5000, Event::DeadLettered { key: "k1".into(), token: Some("xdeath:1".into()), envelope: None, queue: None, event_type: None });
+    late.push(1, Event::DeadLetterStaged { envelope: key_envelope("k1"), service: "rules".into() });
+    late.push(5000, Event::DeadLettered { key: "k1".into(), token: Some("xdeath:1".into()), envelope: Some(key_envelope("k1")), queue: None, event_type: None });
     late.sort();
     let v = dlq_occurrence_once(&late);
     assert!(v.all_point_at("kind:lost") && v.all_point_at("replica:unknown"), "{:?}", v.culprits);
@@ -147,6 +156,7 @@ fn an_envelope_both_handled_and_dead_lettered_is_a_violation() {
     let mut h = History::default();
     started(&mut h, 0, "security-1", &[]);
     h.push(1, Event::Effect { envelope: id(1), referral: None, service: "rules".into(), replica: Some("rules-1".into()) });
+    h.push(1, Event::DeadLetterStaged { envelope: id(1), service: "rules".into() });
     h.push(2, Event::DeadLettered { key: "k1".into(), token: Some("xdeath:1".into()), envelope: Some(id(1)), queue: Some("craig-rules.events".into()), event_type: None });
     audited(&mut h, "k1", Some("xdeath:1"), "recorded", "a", 1);
     h.sort();
@@ -154,6 +164,33 @@ fn an_envelope_both_handled_and_dead_lettered_is_a_violation() {
     assert_eq!(v.counts["completed_and_dead_lettered"], 1, "{v:?}");
     h.push(3, Event::Reprocessed { envelope: id(1), replica: "rules-1".into() });
     assert_eq!(dlq_occurrence_once(&h).validity, Validity::Valid);
+}
+
+/// Issue 22.1: anything on craig.dlx the harness did not stage as a dead letter is a
+/// violation of its own kind, blamed on the replica that said it gave it up (the absorb
+/// path of `payment-crash-window` failing into the DLQ); bytes naming no envelope too.
+#[test]
+fn a_dead_letter_nobody_staged_is_unexpected() {
+    let mut h = History::default();
+    started(&mut h, 0, "security-1", &[]);
+    started(&mut h, 0, "financial-1", &[]);
+    tapped(&mut h, "k1", Some("xdeath:1"));
+    audited(&mut h, "k1", Some("xdeath:1"), "recorded", "a", 1);
+    h.sort();
+    assert_eq!(dlq_occurrence_once(&h).validity, Validity::Valid);
+    h.push(40, Event::Rejected { envelope: id(9), replica: "financial-1".into(), compat: vec![] });
+    h.push(41, Event::DeadLettered { key: "k9".into(), token: Some("dlxcap:9".into()), envelope: Some(id(9)), queue: Some("craig-financial.events".into()), event_type: None });
+    audited(&mut h, "k9", Some("dlxcap:9"), "recorded", "placement.activated", 41);
+    h.sort();
+    let v = dlq_occurrence_once(&h);
+    assert_eq!((v.validity, v.counts["unexpected_dead_letters"]), (Validity::Invalid, 1), "{v:?}");
+    assert!(v.all_point_at("kind:unexpected_dead_letter") && v.all_point_at("replica:financial-1"), "{:?}", v.culprits);
+    assert!(v.witnesses[0].contains("never staged it as a dead letter"), "{:?}", v.witnesses);
+    h.push(50, Event::DeadLettered { key: "kx".into(), token: None, envelope: None, queue: None, event_type: None });
+    audited(&mut h, "kx", None, "tokenless", "a", 50);
+    h.sort();
+    let v = dlq_occurrence_once(&h);
+    assert_eq!((v.counts["unexpected_dead_letters"], v.culprits["replica:unknown"]), (2, 1), "{v:?}");
 }
 
 /// #1156: one event per crossing, counted over occurrences (not duplicate rows); a
@@ -343,6 +380,7 @@ fn a_dead_letter_naming_another_queue_than_its_consumer_is_misattributed() {
     let run = |queue: &str| {
         let mut h = History::default();
         started(&mut h, 0, "rules-1", &["pre-1196"]);
+        h.push(1, Event::DeadLetterStaged { envelope: id(5), service: "rules".into() });
         h.push(20, Event::Rejected { envelope: id(5), replica: "rules-1".into(), compat: vec!["pre-1196".into()] });
         h.push(30, Event::DeadLettered { key: "k5".into(), token: Some("t5".into()), envelope: Some(id(5)), queue: Some(queue.into()), event_type: None });
         audited(&mut h, "k5", Some("t5"), "recorded", "case.referral_created", 1);
@@ -582,6 +620,79 @@ fn no_loss_names_the_fault_before_a_loss() {
     assert!(v.witnesses[0].ends_with("last fault before it: kill broker @1ms"), "{}", v.witnesses[0]);
 }
 
+/// Issue 22.2: the database is the ground truth. A referral cases' database holds committed
+/// whose client heard only a 503 still needs its event and its effect; with no outbox row
+/// at all it was committed without its event (§D1): `kind:unstaged`, blamed on the replica
+/// that took the write and what was in force on it (a mutant, the refused staging).
+#[test]
+fn a_committed_aggregate_the_client_never_heard_of_still_needs_its_effect() {
+    let base = || {
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", &[]);
+        h.push(0, Event::Fault { kind: "mutant".into(), target: "cases-1".into(), phase: Phase::Start });
+        h.push(5, Event::Fault { kind: "refuse_staging".into(), target: "database".into(), phase: Phase::Start });
+        h.push(50, Event::Fault { kind: "refuse_staging".into(), target: "database".into(), phase: Phase::End });
+        write(&mut h, 1, 1, Outcome::Ok);
+        staged(&mut h, 11, 1);
+        effect(&mut h, 20, 11, 1);
+        h.push(30, Event::Write { referral: id(2), replica: "cases-1".into(), outcome: Outcome::Unknown, status: Some(503) });
+        h.push(30, Event::Committed { aggregate: id(1), table: "referrals".into() });
+        h.push(30, Event::Committed { aggregate: id(2), table: "referrals".into() });
+        h.push(90, Event::Fault { kind: "mutant".into(), target: "cases-1".into(), phase: Phase::End });
+        h
+    };
+    let mut h = base();
+    h.sort();
+    let v = no_loss(&h);
+    assert_eq!((v.validity, v.counts["committed_unacknowledged_lost"], v.counts["committed"]), (Validity::Invalid, 1, 2), "{v:?}");
+    for cause in ["kind:unstaged", "replica:cases-1", "fault:mutant cases-1", "fault:refuse_staging database"] {
+        assert!(v.all_point_at(cause), "{cause}: {:?}", v.culprits);
+    }
+    assert!(v.witnesses[0].contains("committed though cases-1 (current) heard Unknown"), "{:?}", v.witnesses);
+    // Staged but never delivered: lost, not unstaged.
+    let mut pending = base();
+    staged(&mut pending, 12, 2);
+    pending.sort();
+    let v = no_loss(&pending);
+    assert!(v.all_point_at("kind:lost") && !v.culprits.contains_key("kind:unstaged"), "{:?}", v.culprits);
+    // Its event took effect after all: recovered, whatever the client heard.
+    let mut recovered = base();
+    staged(&mut recovered, 12, 2);
+    effect(&mut recovered, 40, 12, 2);
+    recovered.sort();
+    assert_eq!(no_loss(&recovered).validity, Validity::Valid);
+    // No domain row for the 503: nothing committed, nothing owed.
+    let mut h = base();
+    h.entries.retain(|e| !matches!(&e.event, Event::Committed { aggregate, .. } if *aggregate == id(2)));
+    h.sort();
+    assert_eq!(no_loss(&h).validity, Validity::Valid);
+}
+
+/// Issue 22.2: an effect of an aggregate cases' database does not hold is a phantom, and so
+/// is an aggregate committed although its write was refused for certain.
+#[test]
+fn no_phantom_holds_effects_to_the_committed_aggregates() {
+    let mut h = History::default();
+    write(&mut h, 1, 1, Outcome::Ok);
+    write(&mut h, 2, 2, Outcome::Unknown);
+    write(&mut h, 3, 3, Outcome::Failed);
+    h.push(30, Event::Committed { aggregate: id(1), table: "referrals".into() });
+    effect(&mut h, 10, 101, 1);
+    h.sort();
+    assert_eq!(no_phantom(&h).validity, Validity::Valid);
+    effect(&mut h, 11, 102, 2);
+    h.sort();
+    let v = no_phantom(&h);
+    assert_eq!(v.counts["unexpected"], 1, "{v:?}");
+    assert!(v.witnesses[0].contains("never committed"), "{:?}", v.witnesses);
+    h.push(31, Event::Committed { aggregate: id(2), table: "referrals".into() });
+    h.push(31, Event::Committed { aggregate: id(3), table: "referrals".into() });
+    h.sort();
+    let v = no_phantom(&h);
+    assert_eq!(v.counts["unexpected"], 1, "{v:?}");
+    assert!(v.witnesses[0].contains("committed in cases' database but its write was failed"), "{:?}", v.witnesses);
+}
+
 #[test]
 fn no_loss_with_nothing_acknowledged_is_unknown_not_valid() {
     let mut h = History::default();
@@ -723,6 +834,7 @@ fn dead_letters_of_a_second_consumer_are_held_to_its_own_queue() {
     started(&mut h, 0, "financial-1", &[]);
     started(&mut h, 0, "security-1", &[]);
     h.push(1, Event::DeadLetterStaged { envelope: id(6), service: "financial".into() });
+    h.push(1, Event::DeadLetterStaged { envelope: id(7), service: "financial".into() });
     h.push(10, Event::DeadLettered { key: "k6".into(), token: Some("xdeath:6".into()), envelope: Some(id(6)), queue: Some("craig-rules.events".into()), event_type: None });
     h.push(10, Event::DeadLettered { key: "k7".into(), token: Some("xdeath:7".into()), envelope: Some(id(7)), queue: Some("craig-financial.events".into()), event_type: None });
     audited(&mut h, "k6", Some("xdeath:6"), "recorded", "placement.activated", 1);

@@ -31,6 +31,27 @@ pub(super) async fn effect_count(svc: &str, pool: &PgPool) -> Result<i64, sqlx::
     sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}"))).fetch_one(pool).await
 }
 
+/// Issue 22.2: the aggregates cases' database holds committed (a referral; an active
+/// placement), whatever its client heard: the ground truth `no_loss` and `no_phantom`
+/// hold every event and effect to.
+async fn collect_committed(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
+    let rows: Vec<(Uuid, String, i64)> = bounded(
+        COLLECT,
+        "reading the committed referrals and placements",
+        sqlx::query_as(
+            "SELECT id, 'referrals', (EXTRACT(EPOCH FROM created_at) * 1000)::int8 FROM referrals \
+             UNION ALL SELECT id, 'placements', (EXTRACT(EPOCH FROM COALESCE(activated_at, created_at)) * 1000)::int8 \
+             FROM placements WHERE status = 'active'",
+        )
+        .fetch_all(pool),
+    )
+    .await?;
+    for (aggregate, table, at) in rows {
+        log.push_at(log.rel_db(at), Event::Committed { aggregate, table });
+    }
+    Ok(())
+}
+
 /// Read what the databases say happened: staged envelopes and counted side effects.
 pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyhow::Result<()> {
     for (svc, pool) in pools {
@@ -81,6 +102,7 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
         }
         if svc == "cases" {
             collect_idempotency(log, pool).await?;
+            collect_committed(log, pool).await?;
         }
         if let Some((table, aggregate, at)) = effect_source(svc) {
             let rows: Vec<(Uuid, Option<Uuid>, i64, Option<String>)> = bounded(
@@ -312,12 +334,13 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
             }
             continue;
         }
+        let absorbed = line.contains("event=\"financial.payment_replay_absorbed\"");
         let reprocessed = line.contains("event=\"inbox.reprocessed\"");
         let stamped = line.contains("event=\"outbox.stamped\"");
         // A consumer handing a message to dead-lettering: the broker path's reject, or the
         // app path's confirmed surface to craig.dlx (#1196).
         let rejected = line.contains("event=\"subscriber.permanent_failure\"") || line.contains("event=\"inbox.surfaced_to_dlx\"");
-        if !reprocessed && !stamped && !rejected {
+        if !reprocessed && !stamped && !rejected && !absorbed {
             continue;
         }
         let Some(envelope) = line
@@ -328,7 +351,9 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
             continue;
         };
         let at = at();
-        let event = if reprocessed {
+        let event = if absorbed {
+            Event::PaymentAbsorbed { envelope, replica: replica.to_owned() }
+        } else if reprocessed {
             Event::Reprocessed { envelope, replica: replica.to_owned() }
         } else if rejected {
             Event::Rejected { envelope, replica: replica.to_owned(), compat: compat.clone() }
@@ -378,6 +403,7 @@ mod tests {
              2026-11-30T16:00:01.900000Z  INFO craig_mq::retention: event=\"retention.cycle\" outbox=0 inbox=0 idempotency=0 pre_965=false\n\
              2026-11-30T16:00:01.900000Z  WARN craig_mq::retention: pending outbox rows older than the grace: kept event=\"retention.outbox_unpublished_beyond_grace\" rows=10 grace_secs=3600\n\
              2026-11-30T16:00:02.000000Z  INFO craig_mq::subscriber: event=\"subscriber.started\" queue=\"craig-rules.events\" concurrency=32\n\
+             2026-11-30T16:00:02.100000Z  INFO craig_fleet::financial: event=\"financial.payment_replay_absorbed\" envelope_id={env} payment_id={env} first_envelope={env}\n\
              not a line of interest envelope_id={env}\n"
         );
         let origin = chrono::DateTime::parse_from_rfc3339("2026-11-30T16:00:00Z").unwrap().timestamp_millis();
@@ -393,6 +419,7 @@ mod tests {
                 (Some(1950), Event::SendFinalized { correlation: env, replica: "cases-1".into(), result: "failed".into(), applied: true }),
                 (Some(1900), Event::PruneCycle { replica: "cases-1".into(), kept_pending: 10 }),
                 (Some(2000), Event::ConsumerStarted { replica: "cases-1".into(), concurrency: 32 }),
+                (Some(2100), Event::PaymentAbsorbed { envelope: env, replica: "cases-1".into() }),
             ]
         );
     }

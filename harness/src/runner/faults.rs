@@ -65,7 +65,7 @@ impl Schedule {
         let mut faults = Vec::new();
         for (i, f) in s.faults.iter().enumerate() {
             let f = f.get_ref().clone();
-            if f.kind == FaultKind::Crash {
+            if matches!(f.kind, FaultKind::Crash | FaultKind::Mutant) {
                 continue; // armed through FAILPOINTS; the watcher records and restarts
             }
             let target = s.parse_target(&f.target).expect("validated");
@@ -218,7 +218,7 @@ async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, restarts: Res
                     tokio::spawn(async move {
                         tokio::time::sleep(Duration::from_millis(ms)).await;
                         let mut r = r.lock().await;
-                        r.spec.failpoints = None; // fire once
+                        r.spec.failpoints = mutants_only(r.spec.failpoints.take()); // fire once; a mutant stays
                         log.push(Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
                         if let Err(e) = r.start().await {
                             tracing::error!(event = "chaos.restart_failed", replica = %name, error = %e);
@@ -234,6 +234,13 @@ async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, restarts: Res
             _ = tokio::time::sleep(Duration::from_millis(50)) => {}
         }
     }
+}
+
+/// A replica's `FAILPOINTS` once its crash point or marker has served: only its mutants,
+/// which are in force for the whole run.
+pub(super) fn mutants_only(fps: Option<String>) -> Option<String> {
+    let kept: Vec<&str> = fps.as_deref().unwrap_or("").split(';').filter(|f| f.ends_with("=return(on)")).collect();
+    (!kept.is_empty()).then(|| kept.join(";"))
 }
 
 /// Held by an upgrade or downgrade from its stop to its replica's restart.
@@ -285,6 +292,7 @@ async fn inject(
             let to = f.compat.as_deref().filter(|c| !c.is_empty()).map(|c| c.join(",")).unwrap_or_else(|| "current".into());
             format!("{} to {to}", f.target)
         }
+        (_, FaultKind::RefuseStaging) => f.target.clone(),
         (_, FaultKind::Terminate) => {
             format!("{} ({})", f.target, f.application_name.as_deref().unwrap_or(craig_mq::outbox::notify::APPLICATION_NAME))
         }
@@ -348,7 +356,7 @@ async fn inject(
                 },
             );
             r.spec.compat = f.compat.clone().unwrap_or_default();
-            r.spec.failpoints = None; // the marker served its purpose
+            r.spec.failpoints = mutants_only(r.spec.failpoints.take()); // the marker served its purpose
             log.push(Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
             r.start().await?;
         }
@@ -471,6 +479,42 @@ async fn inject(
             }
             pool.close().await;
             log.evidence(kind, &label, (!pids.is_empty()).then(|| format!("{} backend(s) named {name} terminated (pids {pids:?})", pids.len())));
+        }
+        (FaultTarget::Database, FaultKind::RefuseStaging) => {
+            let (svc, every) = (f.service.clone().expect("validated"), f.every.expect("validated"));
+            let url = backend.lock().await.endpoints().database_url(&svc).context("no database for the service")?.to_owned();
+            let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&url).await?;
+            // A sequence counts every insert tried (nextval survives the rollback it causes):
+            // its value is the evidence of how many were refused.
+            for sql in [
+                "CREATE SEQUENCE IF NOT EXISTS chaos_refuse_staging_seq".to_owned(),
+                "ALTER SEQUENCE chaos_refuse_staging_seq RESTART".to_owned(),
+                format!(
+                    "CREATE OR REPLACE FUNCTION chaos_refuse_staging() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+                     IF nextval('chaos_refuse_staging_seq') % {every} = 0 THEN \
+                     RAISE EXCEPTION 'chaos refuse_staging: this outbox insert is refused' USING ERRCODE = '40001'; END IF; \
+                     RETURN NEW; END $$"
+                ),
+                "DROP TRIGGER IF EXISTS chaos_refuse_staging ON event_outbox".to_owned(),
+                "CREATE TRIGGER chaos_refuse_staging BEFORE INSERT ON event_outbox FOR EACH ROW EXECUTE FUNCTION chaos_refuse_staging()".to_owned(),
+            ] {
+                sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await?;
+            }
+            tokio::time::sleep(hold).await;
+            // Healed first, whatever the evidence read says.
+            sqlx::query("DROP TRIGGER IF EXISTS chaos_refuse_staging ON event_outbox").execute(&pool).await?;
+            let tried: Option<i64> = sqlx::query_scalar("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM chaos_refuse_staging_seq")
+                .fetch_optional(&pool)
+                .await
+                .ok()
+                .flatten();
+            pool.close().await;
+            let refused = tried.unwrap_or(0) / i64::from(every);
+            log.evidence(
+                kind,
+                &label,
+                (refused > 0).then(|| format!("{refused} of {} inserts into {svc}'s event_outbox refused", tried.unwrap_or(0))),
+            );
         }
         _ => anyhow::bail!("fault {kind} on {} is not supported", f.target),
     }

@@ -74,6 +74,10 @@ pub struct InvariantResult {
     pub culprits: BTreeMap<String, u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Named in the scenario's `[expect]` (false: run because its inputs were there, issue
+    /// 22.1; it must hold).
+    #[serde(skip_serializing_if = "Clone::clone")]
+    pub listed: bool,
 }
 
 impl InvariantResult {
@@ -154,10 +158,7 @@ pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> Scenari
     history.sort();
     result.faults = log.faults.lock().unwrap().clone();
     if result.error.is_none() {
-        for (name, expect) in &s.expect {
-            let v = checkers::check(name, &history).unwrap_or_else(|| Verdict::undecided(name, "no such checker"));
-            result.invariants.push(invariant_result(v, expect.get_ref()));
-        }
+        result.invariants = judge(s, &history);
         result.inconclusive = result.invariants.iter().any(|i| i.observed.is_none());
         result.passed = !result.inconclusive && result.invariants.iter().all(InvariantResult::met);
     }
@@ -215,6 +216,25 @@ pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> Scenari
     result
 }
 
+/// Every checker whose inputs the history has (issue 22.1): those `[expect]` lists, judged
+/// against what it states; every other one that could decide, held to "hold" (an unlisted
+/// checker that comes out violated fails the run). One with nothing to check is left out.
+fn judge(s: &Scenario, history: &History) -> Vec<InvariantResult> {
+    let mut out = Vec::new();
+    for (name, expect) in &s.expect {
+        let v = checkers::check(name, history).unwrap_or_else(|| Verdict::undecided(name, "no such checker"));
+        out.push(invariant_result(v, expect.get_ref()));
+    }
+    let hold = Expectation { expect: Expect::Hold, cause: vec![] };
+    for name in checkers::INVARIANTS.iter().filter(|n| !s.expect.contains_key(**n)) {
+        let Some(v) = checkers::check(name, history) else { continue };
+        if v.validity != Validity::Unknown {
+            out.push(InvariantResult { listed: false, ..invariant_result(v, &hold) });
+        }
+    }
+    out
+}
+
 /// Why the run did too little to be trusted (None: every floor met): fewer acknowledged
 /// writes, absorbed redeliveries or dead letters than `[expect]` asks, or no write
 /// acknowledged after every fault healed.
@@ -231,7 +251,6 @@ fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<St
     }
     let redeliveries: f64 =
         metrics.values().flat_map(|m| m.iter()).filter(|(k, _)| k.as_str() == "inbox_dedup_hits_total").map(|(_, v)| v).sum();
-    let dead = h.iter().find_map(|e| if let Event::DeadLetters { count } = e.event { Some(u64::from(count)) } else { None });
     let f = s.floor;
     let mut why = Vec::new();
     if acknowledged < f.acknowledged {
@@ -278,13 +297,23 @@ fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<St
     if crossings < f.crossings {
         why.push(format!("{crossings} threshold events staged (security.dlq.threshold_exceeded), below min_crossings = {}", f.crossings));
     }
-    // Issue 22.9: distinct occurrences by the harness's own tap on craig.dlx, not the
-    // messages still queued or the rows the recorder wrote (a doubled row is no more
-    // activity); where no tap ran, the DLQ and the audit as before.
-    let occurrences = h.iter().any(|e| matches!(e.event, Event::DeadLettered { .. })).then(|| crate::checkers::dlq_occurrence_once(h).counts.get("occurrences").copied().unwrap_or(0));
-    let dead = occurrences.or(dead);
-    if f.dead_letters > 0 && dead.unwrap_or(0) < f.dead_letters {
-        why.push(format!("{} distinct dead-lettered occurrences (the harness's tap on craig.dlx), below min_dead_letters = {}", dead.map_or("unknown".into(), |d| d.to_string()), f.dead_letters));
+    // Issue 22.9: distinct occurrences by the harness's own tap on craig.dlx (always bound,
+    // issue 22.1), not the messages still queued or the rows the recorder wrote (a doubled
+    // row is no more activity).
+    if f.dead_letters > 0 {
+        let dead = crate::checkers::dlq_occurrence_once(h).counts.get("occurrences").copied().unwrap_or(0);
+        if dead < f.dead_letters {
+            why.push(format!("{dead} distinct dead-lettered occurrences (the harness's tap on craig.dlx), below min_dead_letters = {}", f.dead_letters));
+        }
+    }
+    if f.payments_absorbed > 0 {
+        let absorbed = h.iter().filter(|e| matches!(e.event, Event::PaymentAbsorbed { .. })).count() as u64;
+        if absorbed < f.payments_absorbed {
+            why.push(format!(
+                "{absorbed} payment replays absorbed by the arbiter (financial.payment_replay_absorbed), below min_payments_absorbed = {}",
+                f.payments_absorbed
+            ));
+        }
     }
     (!why.is_empty()).then(|| format!("below the activity floor: {}", why.join("; ")))
 }
@@ -327,6 +356,7 @@ fn invariant_result(v: Verdict, expected: &Expectation) -> InvariantResult {
         violations: v.violations,
         culprits: v.culprits,
         error: v.error,
+        listed: true,
     }
 }
 
@@ -450,6 +480,7 @@ async fn drive(
                         Some(format!("{fp}={}*off->return(abort)", n - 1))
                     }
                     (FaultKind::Crash, Some(fp), _) => Some(format!("{fp}=return(abort)")),
+                    (FaultKind::Mutant, Some(fp), _) => Some(format!("{fp}=return(on)")),
                     // A marker only: the node logs `failpoint.hit` once, at hit N.
                     (FaultKind::Upgrade | FaultKind::Downgrade, Some(fp), Trigger::FailpointHit(n)) => {
                         Some(format!("{fp}={}*off->1*return(hit)->off", n - 1))
@@ -510,13 +541,22 @@ async fn drive(
             log.push_at(0, Event::Started { replica: name.clone(), compat: r.spec.compat.clone() });
         }
     }
+    // Mutants are in force from the start (their evidence: the node's own word, at the end).
+    let mutants: Vec<(String, String)> = s
+        .faults
+        .iter()
+        .map(|f| f.get_ref())
+        .filter(|f| f.kind == FaultKind::Mutant)
+        .map(|f| (f.target.clone(), f.failpoint.clone().unwrap_or_default()))
+        .collect();
+    for (target, _) in &mutants {
+        log.fault("mutant", target, crate::history::Phase::Start);
+    }
     // The dead-letter checkers need the truth of what reached craig.dlx: the harness's own
     // tap, bound before the workload makes any.
     // no_loss follows every staged dead letter to craig.dlx through the tap too.
-    let tapped = s.workload.dead_letters > 0 || s.workload.placement_dead_letters > 0 || s.expect.keys().any(|k| k == "dlq_occurrence_once" || k == "threshold_crossing_once");
-    if tapped {
-        tap::open(&ep.amqp_url, Duration::from_secs(15)).await?;
-    }
+    // Always open (issue 22.1): a dead letter nobody staged is a finding in any scenario.
+    tap::open(&ep.amqp_url, Duration::from_secs(15)).await?;
     staged.after_start(s, log, &pools).await?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let (writes_tx, writes_rx) = watch::channel(0u32);
@@ -573,9 +613,13 @@ async fn drive(
     }
     collect::collect(log, &pools).await?;
     collect::collect_logs(log, &logs_dir);
-    if tapped {
-        tap::read(&ep.amqp_url, log).await?;
+    for (target, fp) in &mutants {
+        let text = std::fs::read_to_string(logs_dir.join(format!("{target}.log"))).unwrap_or_default();
+        let fired = text.lines().filter(|l| l.contains("event=\"failpoint.mutant\"") && l.contains(&format!("failpoint=\"{fp}\""))).count();
+        log.fault("mutant", target, crate::history::Phase::End);
+        log.evidence("mutant", target, (fired > 0).then(|| format!("{fp} changed behaviour {fired} time(s) (failpoint.mutant)")));
     }
+    tap::read(&ep.amqp_url, log).await?;
     for p in pools.values() {
         p.close().await;
     }
@@ -701,6 +745,38 @@ mod tests {
             r.error.as_deref(),
             Some("replica rules-1 exited; crash point x on cases-1 never fired: the fault did not take effect")
         );
+    }
+
+/// Issue 22.1: every checker with inputs runs; one the scenario does not list must hold,
+    /// and one with nothing to check is left out.
+    #[test]
+    fn an_unlisted_checker_that_comes_out_violated_fails_the_run() {
+        let s = crate::scenario::parse(
+            Path::new("t.toml"),
+            "name = \"t\"\namendment = \"x\"\n[fleet]\ncases = {}\nrules = {}\n[workload]\nwrites = 4\nrate = 10\n[expect]\nno_phantom = \"hold\"\n",
+        )
+        .unwrap();
+        let mut h = History::default();
+        h.push(1, Event::Write { referral: Uuid::from_u128(1), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+        h.push(2, Event::Effect { envelope: Uuid::from_u128(9), referral: Some(Uuid::from_u128(1)), service: "rules".into(), replica: None });
+        let judged = judge(&s, &h);
+        let names: Vec<(&str, bool)> = judged.iter().map(|i| (i.name.as_str(), i.listed)).collect();
+        assert_eq!(names[0], ("no_phantom", true));
+        assert!(names.contains(&("no_loss", false)), "{names:?}");
+        assert!(!names.iter().any(|(n, _)| *n == "sentinel_integrity"), "nothing to check: left out: {names:?}");
+        assert!(judged.iter().all(InvariantResult::met), "{judged:?}");
+        // The same run, but the acknowledged write never took effect: no_loss, unlisted, fails it.
+        h.push(3, Event::Write { referral: Uuid::from_u128(2), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+        let judged = judge(&s, &h);
+        let lost = judged.iter().find(|i| i.name == "no_loss").unwrap();
+        assert_eq!((lost.observed.as_deref(), lost.listed, lost.met()), (Some("violated"), false, false));
+    }
+
+    #[test]
+    fn a_mutant_outlives_the_crash_point_it_shares_a_replica_with() {
+        assert_eq!(faults::mutants_only(Some("inbox::x=9*off->return(abort);financial::absorb_fails=return(on)".into())).as_deref(), Some("financial::absorb_fails=return(on)"));
+        assert_eq!(faults::mutants_only(Some("inbox::x=return(abort)".into())), None);
+        assert_eq!(faults::mutants_only(None), None);
     }
 
     fn violated_by(culprits: &[(&str, u64)], violations: u64) -> Verdict {

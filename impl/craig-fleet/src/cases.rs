@@ -163,6 +163,14 @@ async fn write_referral(state: &AppState, id: Uuid, subject: &str, by: Uuid) -> 
         }
         return Ok(envelope.id);
     }
+    if craig_mq::crash::mutant("cases::stage_after_commit") {
+        // Test-only (issue 22.2): the referral commits alone, its event in a second transaction.
+        tx.commit().await?;
+        let mut second = state.pool.begin().await?;
+        publish_in_tx(&mut second, &envelope).await?;
+        second.commit().await?;
+        return Ok(envelope.id);
+    }
     publish_in_tx(&mut tx, &envelope).await?;
     tx.commit().await?;
     Ok(envelope.id)

@@ -138,6 +138,9 @@ pub async fn pay(pool: &PgPool, env: &EventEnvelope, replica: Option<&str>, arbi
     if arbiter {
         // The early probe: immutable payload data only, before any dependency lookup.
         if let Some(s) = stored(pool, &f).await? {
+            if craig_mq::crash::mutant("financial::absorb_fails") {
+                return Err(ConsumeError::Db(sqlx::Error::PoolTimedOut));
+            }
             return Ok(absorb(&f, None, &s, env));
         }
     }

@@ -25,6 +25,31 @@ pub const CRASH_POINTS: &[&str] = &[
     "exports::after_commit_before_answer",
 ];
 
+/// Test-only mutants (issue 22): one-line departures from the ADR the harness arms to show a
+/// checker goes red for them (`[[faults]] kind = "mutant"`), never a behaviour a
+/// deployment could choose. Armed with the action `return(on)`.
+///
+/// | name | departure |
+/// |---|---|
+/// | `financial::absorb_fails` | #1179's absorb path errors (transiently) instead of absorbing a replay: the delivery retries to the cap and is dead-lettered on the app path |
+/// | `cases::stage_after_commit` | §D1 broken: the referral commits in one transaction and its event is staged in a second |
+pub const MUTANTS: &[&str] = &["financial::absorb_fails", "cases::stage_after_commit"];
+
+/// Whether mutant `name` is armed (always false without feature `failpoints`). Each time it
+/// changes behaviour it says so (`failpoint.mutant`): the evidence that it fired.
+#[inline]
+pub fn mutant(name: &'static str) -> bool {
+    #[cfg(feature = "failpoints")]
+    if let Some(Some(arg)) = fail::eval(name, |arg| arg) {
+        if arg == "on" {
+            tracing::warn!(event = "failpoint.mutant", failpoint = name, "test-only mutant changed behaviour");
+            return true;
+        }
+    }
+    let _ = name;
+    false
+}
+
 /// Evaluate crash point `name`. Without feature `failpoints` this is a no-op.
 #[inline]
 pub fn hit(name: &'static str) {
