@@ -136,15 +136,7 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
         let mut tags = vec!["kind:unexpected_dead_letter".to_owned()];
         let by = match env.and_then(|env| gave_up.get(&env)) {
             // The replica that said it gave the envelope up, with the behaviour it ran then.
-            Some(by) => {
-                let mut who = Vec::new();
-                for (t, r, c) in by {
-                    tags.extend(culprit_tags(r, Some(c)));
-                    tags.extend(faults_on(&windows, r, *t));
-                    who.push(format!("{} @{t}ms", running(r, Some(c))));
-                }
-                format!("given up by {}", who.join(", "))
-            }
+            Some(by) => format!("given up by {}", each_culprit(by, Some(&windows), &mut tags)),
             None => {
                 tags.extend(["replica:unknown".to_owned(), "compat:unknown".to_owned()]);
                 "no replica logged giving it up".to_owned()

@@ -86,6 +86,21 @@ fn faults_on(windows: &[(String, u64, u64)], replica: &str, t: u64) -> Vec<Strin
         .collect()
 }
 
+/// The replicas that did it (`by`: when, who, the behaviour it ran) as cause tags added to
+/// `tags`, with the faults in force on each at its time where `windows` is given; and as
+/// "cases-1 (current) @12ms, …" for the witness.
+fn each_culprit(by: &[(u64, &str, &[String])], windows: Option<&[(String, u64, u64)]>, tags: &mut Vec<String>) -> String {
+    let mut who = Vec::new();
+    for (t, r, c) in by {
+        tags.extend(culprit_tags(r, Some(c)));
+        if let Some(w) = windows {
+            tags.extend(faults_on(w, r, *t));
+        }
+        who.push(format!("{} @{t}ms", running(r, Some(c))));
+    }
+    who.join(", ")
+}
+
 /// "cases-1 (compat pre-1128)" for witness texts.
 fn running(replica: &str, compat: Option<&[String]>) -> String {
     match compat {

@@ -210,14 +210,7 @@ pub(super) fn dead_letters_lost(h: &History, v: &mut Verdict) -> (usize, usize) 
         // broker, with the behaviour it ran then. None said so: nobody to blame on evidence.
         let mut tags = vec!["kind:lost".to_owned()];
         let by = match rejected.get(&env) {
-            Some(rs) => {
-                let mut who = Vec::new();
-                for (t, r, c) in rs {
-                    tags.extend(culprit_tags(r, Some(c)));
-                    who.push(format!("{} @{t}ms", running(r, Some(c))));
-                }
-                format!("rejected by {}", who.join(", "))
-            }
+            Some(rs) => format!("rejected by {}", each_culprit(rs, None, &mut tags)),
             None => {
                 tags.extend(["replica:unknown".to_owned(), "compat:unknown".to_owned()]);
                 "no consumer reported rejecting it".to_owned()
