@@ -32,6 +32,9 @@ pub enum Event {
     /// An aggregate cases' database holds committed at the end (a `referrals` row, an active
     /// `placements` row; issue 22.2), read by the harness whatever the client heard.
     Committed { aggregate: Uuid, table: String },
+    /// The harness read cases' committed aggregates at the end (pushed after every
+    /// [`Event::Committed`], none or many): without it, "not committed" is not known.
+    CommittedRead,
     /// A write staged in a transaction the harness rolled back on purpose.
     RolledBack { referral: Uuid },
     /// An outbox row found at the end of the run.

@@ -942,6 +942,11 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
                 if !fp.starts_with(&format!("{service}::")) {
                     return Err(err(key_in(f.span(), "target"), format!("mutant {fp} lives in another service than {r}'s")));
                 }
+                // The replica runs with its mutant from its first start to the end (the
+                // verdict's window is the whole run): a later `at` or a heal would be a lie.
+                if fault.at != Trigger::AfterMs(0) || fault.duration_ms.is_some() {
+                    return Err(err(span, "a mutant is in the replica from its start to the end: at = { after_ms = 0 } and no duration_ms".into()));
+                }
             }
             (FaultKind::Mutant, _) => return Err(err(span, "a mutant targets a replica".into())),
             (FaultKind::RefuseStaging, FaultTarget::Database) => {
@@ -951,6 +956,11 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
                 }
                 if !fault.every.is_some_and(|n| (1..=1_000_000).contains(&n)) {
                     return Err(err(span, "refuse_staging needs every = N (1..=1000000): every N-th insert is refused".into()));
+                }
+                // One trigger and one sequence per service's database: a second would clobber it.
+                let same = s.faults.iter().filter(|g| g.get_ref().kind == FaultKind::RefuseStaging && g.get_ref().service.as_deref() == Some(svc)).count();
+                if same > 1 {
+                    return Err(err(span, format!("one refuse_staging fault per service ({svc} has {same})")));
                 }
             }
             (FaultKind::RefuseStaging, _) => return Err(err(span, "refuse_staging targets \"database\"".into())),
@@ -990,7 +1000,12 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
                     if !craig_mq::crash::CRASH_POINTS.contains(&fp) {
                         return Err(err(key_in(f.span(), "failpoint"), format!("unknown failpoint {fp:?}; known: {}", craig_mq::crash::CRASH_POINTS.join(", "))));
                     }
-                    let taken = s.faults.iter().filter(|g| g.get_ref().target == fault.target && g.get_ref().failpoint.is_some()).count();
+                    // (A mutant's failpoint is no timing point: it shares a replica with one.)
+                    let taken = s
+                        .faults
+                        .iter()
+                        .filter(|g| g.get_ref().target == fault.target && g.get_ref().failpoint.is_some() && g.get_ref().kind != FaultKind::Mutant)
+                        .count();
                     if taken > 1 {
                         return Err(err(span, format!("{}: one failpoint-timed fault per replica", fault.target)));
                     }
@@ -1198,13 +1213,24 @@ effect_once = { violate = "compat:pre-d2" }
         let ok = parse_str(&with("kind = \"mutant\"\ntarget = \"cases-1\"\nfailpoint = \"cases::stage_after_commit\"\nat = { after_ms = 0 }")).unwrap();
         assert_eq!(ok.faults[2].get_ref().kind, FaultKind::Mutant);
         let e = rejected(&with("kind = \"mutant\"\ntarget = \"cases-1\"\nfailpoint = \"cases::nothing\"\nat = { after_ms = 0 }"));
-        assert!(e.reason.contains("unknown mutant \"cases::nothing\"; known: financial::absorb_fails, cases::stage_after_commit"), "{e}");
+        assert!(e.reason.contains("unknown mutant \"cases::nothing\"; known: financial::absorb_fails, cases::stage_after_commit, cases::activation_stage_after_commit"), "{e}");
         let e = rejected(&with("kind = \"mutant\"\ntarget = \"rules-1\"\nfailpoint = \"cases::stage_after_commit\"\nat = { after_ms = 0 }"));
         assert!(e.reason.contains("lives in another service than rules-1's"), "{e}");
+        for late in ["at = { after_ms = 5 }", "at = { after_writes = 3 }", "at = { after_ms = 0 }\nduration_ms = 100"] {
+            let e = rejected(&with(&format!("kind = \"mutant\"\ntarget = \"cases-1\"\nfailpoint = \"cases::stage_after_commit\"\n{late}")));
+            assert!(e.reason.contains("from its start to the end: at = { after_ms = 0 }"), "{late}: {e}");
+        }
+        // A mutant does not take the replica's one failpoint-timed fault.
+        let both = with(
+            "kind = \"mutant\"\ntarget = \"cases-1\"\nfailpoint = \"cases::stage_after_commit\"\nat = { after_ms = 0 }\n\n[[faults]]\nkind = \"upgrade\"\ntarget = \"cases-1\"\nfailpoint = \"outbox::after_publish_before_stamp\"\nat = { failpoint_hit = 2 }",
+        );
+        assert_eq!(parse_str(&both).unwrap().faults.len(), 4);
         let refuse = "kind = \"refuse_staging\"\ntarget = \"database\"\nservice = \"cases\"\nevery = 3\nat = { after_ms = 0 }\nduration_ms = 100";
         assert_eq!(parse_str(&with(refuse)).unwrap().faults[2].get_ref().every, Some(3));
         let e = rejected(&with(&refuse.replace("\"cases\"", "\"financial\"")));
         assert!(e.reason.contains("refuse_staging needs service = one of the fleet's: cases, rules"), "{e}");
+        let e = rejected(&with(&format!("{refuse}\n\n[[faults]]\n{}", refuse.replace("after_ms = 0", "after_ms = 500"))));
+        assert!(e.reason.contains("one refuse_staging fault per service (cases has 2)"), "{e}");
         let e = rejected(&with(&refuse.replace("every = 3", "every = 0")));
         assert!(e.reason.contains("every = N (1..=1000000)"), "{e}");
         let e = rejected(&with(&refuse.replace("target = \"database\"", "target = \"cases-1\"")));

@@ -79,10 +79,12 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
             Event::DeadLettered { key, token, envelope, queue, .. } => {
                 // #1196: a dead letter names the CONSUMER queue that failed it, on either
                 // path (x-death's queue, the wrapper's original_queue).
+                let mut named_wrong = false;
                 if let (Some(env), Some(q)) = (envelope, queue.as_deref()) {
                     // A dead letter the harness staged for a consumer, with no replica's word on
                     // who gave it up: it still belongs to that consumer's queue.
                     if let Some(consumer) = staged_for.get(env).filter(|c| !gave_up.contains_key(env) && q != craig_mq::topology::consumer_queue(c)) {
+                        named_wrong = true;
                         misattributed += 1;
                         v.blame(dead_letter_tags(h, "misattributed", consumer, Through::Nothing));
                         v.witness(format!(
@@ -91,9 +93,12 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
                         ));
                     }
                     if let Some(by) = gave_up.get(env) {
+                        // (Several consumers may give one fanned-out envelope up, each from
+                        // its own queue: named wrong only when none of them consumes `q`.)
                         let wrong: Vec<&(u64, &str, &[String])> =
                             by.iter().filter(|(_, r, _)| craig_mq::topology::consumer_queue(service_of(r)) != q).collect();
-                        if !wrong.is_empty() {
+                        if wrong.len() == by.len() {
+                            named_wrong = true;
                             misattributed += 1;
                             let mut tags = vec!["kind:misattributed".to_owned()];
                             let mut who = Vec::new();
@@ -110,7 +115,14 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
                         }
                     }
                 }
-                let staged = envelope.is_some_and(|env| staged_for.contains_key(&env));
+                // Expected only from the queue of the consumer it was staged for (or with no
+                // queue named): the same envelope given up by another consumer that should
+                // have handled it is unexpected. One already counted as misattributed (its
+                // queue named wrong) is not counted twice.
+                let staged = named_wrong
+                    || envelope.and_then(|env| staged_for.get(&env)).is_some_and(|c| {
+                        queue.as_deref().is_none_or(|q| q == craig_mq::topology::consumer_queue(c))
+                    });
                 if !staged {
                     let id = envelope.map_or_else(|| format!("bytes {key}"), |env| env.to_string());
                     unexpected.entry(id).or_insert((e.t_ms, *envelope, queue.as_deref()));

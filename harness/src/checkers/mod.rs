@@ -128,6 +128,13 @@ impl Verdict {
         Self { error: Some(error.into()), validity: Validity::Unknown, ..Self::new(name) }
     }
 
+    /// Whether this verdict is unknown only because the run gave the checker nothing to
+    /// judge (its error says "nothing to check"), not because something went unproven
+    /// (a panic, a queue it could not read, a drain it could not count).
+    pub fn nothing_to_check(&self) -> bool {
+        self.validity == Validity::Unknown && self.error.as_deref().is_some_and(|e| e.starts_with(NOTHING_TO_CHECK))
+    }
+
     /// Count one violation against every cause in `tags` (each at most once).
     fn blame(&mut self, tags: impl IntoIterator<Item = String>) {
         self.violations += 1;
@@ -166,6 +173,9 @@ impl Verdict {
         }
     }
 }
+
+/// How a checker's error begins when the run had nothing for it to judge.
+pub const NOTHING_TO_CHECK: &str = "nothing to check";
 
 pub const INVARIANTS: &[&str] = &[
     "no_loss",

@@ -11,12 +11,19 @@ pub fn no_loss(h: &History) -> Verdict {
     // that replica ran then.
     let windows = h.fault_windows();
     let mut envelopes: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
+    // Cases' own outbox rows per aggregate: the event a committed domain row must have
+    // staged in its transaction (§D1). Another producer's row naming it (financial's
+    // payment.created) does not make it staged.
+    let mut staged_by_cases: HashSet<Uuid> = HashSet::new();
     let mut published: HashSet<Uuid> = HashSet::new();
     let mut stamps: HashMap<Uuid, Vec<(u64, &str, &[String])>> = HashMap::new();
     for e in h.iter() {
         match &e.event {
-            Event::Staged { envelope, referral: Some(r), published: p, .. } => {
+            Event::Staged { envelope, referral: Some(r), published: p, service, .. } => {
                 envelopes.entry(*r).or_default().push(*envelope);
+                if service == "cases" {
+                    staged_by_cases.insert(*r);
+                }
                 if *p {
                     published.insert(*envelope);
                 }
@@ -84,7 +91,7 @@ pub fn no_loss(h: &History) -> Verdict {
             Outcome::Failed => failed += 1,
         }
     }
-    let (committed, unacknowledged_lost) = committed_lost(h, &mut v, &fx.by_referral, &envelopes, &windows);
+    let (committed, unacknowledged_lost) = committed_lost(h, &mut v, &fx.by_referral, &staged_by_cases, &windows);
     lost += unacknowledged_lost;
     let (dead_staged, dead_lost) = dead_letters_lost(h, &mut v);
     for (k, n) in [
@@ -116,7 +123,7 @@ pub fn no_loss(h: &History) -> Verdict {
 /// Issue 22.2: the database is the ground truth, not the HTTP answer. Every aggregate cases'
 /// database holds committed (`Event::Committed`) whose write the client did not hear
 /// acknowledged (an unknown outcome: a 5xx, a reset) must still have its event and its
-/// effect: one without either is lost. With no outbox row for it at all, the domain row
+/// effect: one without either is lost. With no row for it in cases' outbox, the domain row
 /// committed without its event (a §D1 violation, `kind:unstaged`), blamed on the replica
 /// that took the write, with its behaviour and the faults on it then. Acknowledged writes
 /// are judged above. Returns (committed, lost here).
@@ -124,7 +131,7 @@ fn committed_lost(
     h: &History,
     v: &mut Verdict,
     delivered: &HashMap<Uuid, u64>,
-    envelopes: &HashMap<Uuid, Vec<Uuid>>,
+    staged_by_cases: &HashSet<Uuid>,
     windows: &[(String, u64, u64)],
 ) -> (usize, usize) {
     let mut writes: HashMap<Uuid, Vec<(u64, &str, Outcome)>> = HashMap::new();
@@ -145,7 +152,7 @@ fn committed_lost(
         lost += 1;
         let (t, replica, outcome) = tries[tries.len() - 1];
         let compat = h.compat_at(replica, t);
-        let unstaged = envelopes.get(aggregate).is_none_or(Vec::is_empty);
+        let unstaged = !staged_by_cases.contains(aggregate);
         let mut tags = vec![format!("kind:{}", if unstaged { "unstaged" } else { "lost" })];
         tags.extend(culprit_tags(replica, compat));
         tags.extend(faults_on(windows, replica, t));

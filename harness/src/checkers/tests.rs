@@ -193,6 +193,44 @@ fn a_dead_letter_nobody_staged_is_unexpected() {
     assert_eq!((v.counts["unexpected_dead_letters"], v.culprits["replica:unknown"]), (2, 1), "{v:?}");
 }
 
+/// Issue 22 audit: a dead letter is expected only from the queue of the consumer it was
+/// staged for; the same envelope given up by another consumer (which should have handled
+/// it) is unexpected, blamed on that consumer; one whose queue is named wrong is counted
+/// once, as misattributed.
+#[test]
+fn a_staged_dead_letter_given_up_by_another_consumer_is_unexpected() {
+    let base = || {
+        let mut h = History::default();
+        started(&mut h, 0, "security-1", &[]);
+        started(&mut h, 0, "rules-1", &[]);
+        started(&mut h, 0, "financial-1", &[]);
+        h.push(1, Event::DeadLetterStaged { envelope: id(1), service: "financial".into() });
+        h.push(2, Event::Rejected { envelope: id(1), replica: "financial-1".into(), compat: vec![] });
+        h.push(2, Event::DeadLettered { key: "k1".into(), token: Some("xdeath:1".into()), envelope: Some(id(1)), queue: Some("craig-financial.events".into()), event_type: None });
+        audited(&mut h, "k1", Some("xdeath:1"), "recorded", "a", 2);
+        h
+    };
+    let mut h = base();
+    h.sort();
+    assert_eq!(dlq_occurrence_once(&h).validity, Validity::Valid);
+    h.push(3, Event::Rejected { envelope: id(1), replica: "rules-1".into(), compat: vec![] });
+    h.push(4, Event::DeadLettered { key: "k2".into(), token: Some("xdeath:2".into()), envelope: Some(id(1)), queue: Some("craig-rules.events".into()), event_type: None });
+    audited(&mut h, "k2", Some("xdeath:2"), "recorded", "a", 4);
+    h.sort();
+    let v = dlq_occurrence_once(&h);
+    assert_eq!((v.validity, v.counts["unexpected_dead_letters"]), (Validity::Invalid, 1), "{v:?}");
+    assert!(v.all_point_at("kind:unexpected_dead_letter") && v.all_point_at("replica:rules-1"), "{:?}", v.culprits);
+    // Named wrong (financial-1 gave it up, the dead letter says rules'): misattributed,
+    // not also unexpected.
+    let mut h = base();
+    h.push(4, Event::DeadLettered { key: "k2".into(), token: Some("xdeath:2".into()), envelope: Some(id(1)), queue: Some("craig-rules.events".into()), event_type: None });
+    audited(&mut h, "k2", Some("xdeath:2"), "recorded", "a", 4);
+    h.sort();
+    let v = dlq_occurrence_once(&h);
+    assert_eq!((v.violations, v.counts["unexpected_dead_letters"]), (1, 0), "{v:?}");
+    assert!(v.all_point_at("kind:misattributed"), "{:?}", v.culprits);
+}
+
 /// #1156: one event per crossing, counted over occurrences (not duplicate rows); a
 /// re-emit during a sustained breach (pre-1156) and a missed crossing are violations;
 /// a divergent row that is itself the 11th crosses silently (R7 alert-inert); rows an
@@ -677,6 +715,7 @@ fn no_phantom_holds_effects_to_the_committed_aggregates() {
     write(&mut h, 2, 2, Outcome::Unknown);
     write(&mut h, 3, 3, Outcome::Failed);
     h.push(30, Event::Committed { aggregate: id(1), table: "referrals".into() });
+    h.push(30, Event::CommittedRead);
     effect(&mut h, 10, 101, 1);
     h.sort();
     assert_eq!(no_phantom(&h).validity, Validity::Valid);
@@ -691,6 +730,36 @@ fn no_phantom_holds_effects_to_the_committed_aggregates() {
     let v = no_phantom(&h);
     assert_eq!(v.counts["unexpected"], 1, "{v:?}");
     assert!(v.witnesses[0].contains("committed in cases' database but its write was failed"), "{:?}", v.witnesses);
+}
+
+/// Issue 22 audit: an empty read of cases' database is still a read: every effect is then
+/// of an aggregate it does not hold. No read at all decides nothing about commits.
+#[test]
+fn no_phantom_judges_an_empty_read_of_the_committed_aggregates() {
+    let mut h = History::default();
+    write(&mut h, 2, 2, Outcome::Unknown);
+    effect(&mut h, 11, 102, 2);
+    h.sort();
+    assert_eq!(no_phantom(&h).validity, Validity::Valid, "not read: nothing known about commits");
+    h.push(30, Event::CommittedRead);
+    h.sort();
+    let v = no_phantom(&h);
+    assert_eq!((v.validity, v.counts["unexpected"]), (Validity::Invalid, 1), "{v:?}");
+    assert!(v.witnesses[0].contains("never committed"), "{:?}", v.witnesses);
+}
+
+/// Issue 22 audit: "unstaged" means no row in cases' own outbox; another producer's row
+/// naming the aggregate (financial's payment.created for a placement) does not stage it.
+#[test]
+fn only_cases_own_outbox_row_stages_a_committed_aggregate() {
+    let mut h = History::default();
+    started(&mut h, 0, "cases-1", &[]);
+    h.push(30, Event::Write { referral: id(2), replica: "cases-1".into(), outcome: Outcome::Unknown, status: Some(503) });
+    h.push(31, Event::Committed { aggregate: id(2), table: "placements".into() });
+    h.push(32, Event::Staged { envelope: id(12), referral: Some(id(2)), service: "financial".into(), published: true, attempts: 1, last_error: None });
+    h.sort();
+    let v = no_loss(&h);
+    assert!(v.all_point_at("kind:unstaged"), "{:?}", v.culprits);
 }
 
 #[test]
@@ -1422,5 +1491,15 @@ mod properties {
             prop_assert_eq!(v.counts["unattributed"], unattributed);
             prop_assert_eq!(v.validity == Validity::Invalid, unattributed > 0);
         }
+    }
+}
+
+/// Issue 22.1: the runner leaves an unlisted checker out only when it says "nothing to
+/// check"; on an empty run every checker must say exactly that (any other unknown would
+/// make every scenario that does not list it inconclusive).
+#[test]
+fn every_checker_on_an_empty_run_has_nothing_to_check() {
+    for v in check_all(&History::default()) {
+        assert!(v.nothing_to_check(), "{}: {:?}", v.name, v.error);
     }
 }

@@ -49,6 +49,7 @@ async fn collect_committed(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
     for (aggregate, table, at) in rows {
         log.push_at(log.rel_db(at), Event::Committed { aggregate, table });
     }
+    log.push(Event::CommittedRead);
     Ok(())
 }
 

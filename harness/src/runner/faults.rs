@@ -292,7 +292,9 @@ async fn inject(
             let to = f.compat.as_deref().filter(|c| !c.is_empty()).map(|c| c.join(",")).unwrap_or_else(|| "current".into());
             format!("{} to {to}", f.target)
         }
-        (_, FaultKind::RefuseStaging) => f.target.clone(),
+        // "database (cases)": which service's outbox refuses (the cause tag stays
+        // `fault:refuse_staging database`).
+        (_, FaultKind::RefuseStaging) => format!("{} ({})", f.target, f.service.as_deref().unwrap_or("?")),
         (_, FaultKind::Terminate) => {
             format!("{} ({})", f.target, f.application_name.as_deref().unwrap_or(craig_mq::outbox::notify::APPLICATION_NAME))
         }
@@ -509,12 +511,18 @@ async fn inject(
                 .ok()
                 .flatten();
             pool.close().await;
-            let refused = tried.unwrap_or(0) / i64::from(every);
-            log.evidence(
-                kind,
-                &label,
-                (refused > 0).then(|| format!("{refused} of {} inserts into {svc}'s event_outbox refused", tried.unwrap_or(0))),
-            );
+            // A sequence that could not be read proves nothing (never "0 refused").
+            let evidence = match tried {
+                None => {
+                    tracing::warn!(service = %svc, "refuse_staging: its sequence could not be read: no evidence");
+                    None
+                }
+                Some(tried) => {
+                    let refused = tried / i64::from(every);
+                    (refused > 0).then(|| format!("{refused} of {tried} inserts into {svc}'s event_outbox refused"))
+                }
+            };
+            log.evidence(kind, &label, evidence);
         }
         _ => anyhow::bail!("fault {kind} on {} is not supported", f.target),
     }

@@ -228,7 +228,10 @@ fn judge(s: &Scenario, history: &History) -> Vec<InvariantResult> {
     let hold = Expectation { expect: Expect::Hold, cause: vec![] };
     for name in checkers::INVARIANTS.iter().filter(|n| !s.expect.contains_key(**n)) {
         let Some(v) = checkers::check(name, history) else { continue };
-        if v.validity != Validity::Unknown {
+        // Left out only when there was nothing to judge: an unlisted checker that could not
+        // decide (it panicked, a queue was unreadable, a drain unproven) leaves the run
+        // inconclusive, as a listed one would.
+        if !v.nothing_to_check() {
             out.push(InvariantResult { listed: false, ..invariant_result(v, &hold) });
         }
     }
@@ -770,6 +773,14 @@ mod tests {
         let judged = judge(&s, &h);
         let lost = judged.iter().find(|i| i.name == "no_loss").unwrap();
         assert_eq!((lost.observed.as_deref(), lost.listed, lost.met()), (Some("violated"), false, false));
+        // An unlisted checker that could not decide for a reason other than "nothing to
+        // check" (here: the broker never counted its unacked deliveries) is kept, unknown.
+        h.push(4, Event::Effect { envelope: Uuid::from_u128(10), referral: Some(Uuid::from_u128(2)), service: "rules".into(), replica: None });
+        h.push(5, Event::Drained { after_ms: None, bound_ms: 1000, pending: 0, unacked_unknown: true });
+        let judged = judge(&s, &h);
+        let live = judged.iter().find(|i| i.name == "liveness").expect("kept though unknown");
+        assert_eq!((live.observed.as_deref(), live.listed), (None, false), "{live:?}");
+        assert!(live.error.as_deref().unwrap().contains("drain is not proven"), "{live:?}");
     }
 
     #[test]

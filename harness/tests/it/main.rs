@@ -6,3 +6,4 @@ mod backends;
 mod properties;
 mod proxy;
 mod replicas;
+mod runs;

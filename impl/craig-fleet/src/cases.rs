@@ -259,6 +259,14 @@ async fn activate_placement(
         if activated.is_none() {
             return Ok(None);
         }
+        if craig_mq::crash::mutant("cases::activation_stage_after_commit") {
+            // Test-only (issue 22): the activation commits alone, its event in a second transaction.
+            tx.commit().await?;
+            let mut second = state.pool.begin().await?;
+            publish_in_tx(&mut second, &envelope).await?;
+            second.commit().await?;
+            return Ok(Some(envelope.id));
+        }
         publish_in_tx(&mut tx, &envelope).await?;
         tx.commit().await?;
         Ok::<_, sqlx::Error>(Some(envelope.id))

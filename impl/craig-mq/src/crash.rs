@@ -33,7 +33,8 @@ pub const CRASH_POINTS: &[&str] = &[
 /// |---|---|
 /// | `financial::absorb_fails` | #1179's absorb path errors (transiently) instead of absorbing a replay: the delivery retries to the cap and is dead-lettered on the app path |
 /// | `cases::stage_after_commit` | §D1 broken: the referral commits in one transaction and its event is staged in a second |
-pub const MUTANTS: &[&str] = &["financial::absorb_fails", "cases::stage_after_commit"];
+/// | `cases::activation_stage_after_commit` | §D1 broken for activations: the placement turns active in one transaction and `placement.activated` is staged in a second |
+pub const MUTANTS: &[&str] = &["financial::absorb_fails", "cases::stage_after_commit", "cases::activation_stage_after_commit"];
 
 /// Whether mutant `name` is armed (always false without feature `failpoints`). Each time it
 /// changes behaviour it says so (`failpoint.mutant`): the evidence that it fired.
