@@ -1,6 +1,8 @@
 //! Property-based invariant runs: proptest generates workloads and fault schedules, each
-//! case runs on the real servers (the `external` backend: a fresh database per service and
-//! a fresh vhost per case) with real replica processes, and the same checkers must hold.
+//! case runs on private servers (the `local` backend, as `chaos run`: its own PostgreSQL and
+//! RabbitMQ nodes, so the broker and the database can be killed and paused) with real
+//! replica processes, and every checker with something to judge must hold (issue 22.11:
+//! every workload kind and every fault kind outside the test-only mutants and downgrades).
 //! Failures shrink and persist under `fixtures/proptest-regressions/`.
 //!
 //! `PROPTEST_CASES` sets the number of cases (default 2: a smoke run for CI).
@@ -13,81 +15,195 @@ use craig_chaos::runner::{RunOptions, run_scenario};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, FileFailurePersistence, TestRunner};
 
-#[derive(Debug, Clone)]
-enum FaultGen {
-    Down { replica: &'static str, at: u64, dur: u64 },
-    Latency { at: u64, dur: u64, ms: u64 },
-    Reset { replica: &'static str, at: u64, dur: u64 },
-    ProducerCrash { hit: u32 },
-    ConsumerCrash { hit: u32 },
+/// What the generated run writes (issue 22.11): every workload kind the harness has, each
+/// with the fleet it needs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Work {
+    /// Referrals → rules (the inbox alone).
+    Referrals,
+    /// Placement activations → financial's payments (the #1179 arbiter), audited by security.
+    Placements,
+    /// §D5 exports on two cases replicas.
+    Exports,
+    /// Referrals plus dead letters of both paths (broker and app), audited by security.
+    DeadLetters,
+    /// Referrals plus backdated pending rows, a prune every second and both admin replays.
+    Backdated,
 }
 
-impl FaultGen {
-    fn toml(&self) -> String {
+impl Work {
+    fn fleet(self) -> &'static [&'static str] {
         match self {
-            FaultGen::Down { replica, at, dur } => format!(
-                "[[faults]]\nkind = \"down\"\ntarget = \"{replica}->broker\"\nat = {{ after_ms = {at} }}\nduration_ms = {dur}\n"
-            ),
-            FaultGen::Latency { at, dur, ms } => format!(
-                "[[faults]]\nkind = \"toxic\"\ntarget = \"cases-1->broker\"\nat = {{ after_ms = {at} }}\nduration_ms = {dur}\n\
-                 toxic = {{ type = \"latency\", stream = \"downstream\", attributes = {{ latency = {ms} }} }}\n"
-            ),
-            FaultGen::Reset { replica, at, dur } => format!(
-                "[[faults]]\nkind = \"toxic\"\ntarget = \"{replica}->broker\"\nat = {{ after_ms = {at} }}\nduration_ms = {dur}\n\
-                 toxic = {{ type = \"reset_peer\", stream = \"upstream\", attributes = {{ timeout = 50 }} }}\n"
-            ),
-            FaultGen::ProducerCrash { hit } => format!(
-                "[[faults]]\nkind = \"crash\"\ntarget = \"cases-1\"\nfailpoint = \"outbox::after_publish_before_stamp\"\n\
-                 at = {{ failpoint_hit = {hit} }}\nrestart_after_ms = 200\n"
-            ),
-            FaultGen::ConsumerCrash { hit } => format!(
-                "[[faults]]\nkind = \"crash\"\ntarget = \"rules-1\"\nfailpoint = \"inbox::after_handler_before_stamp\"\n\
-                 at = {{ failpoint_hit = {hit} }}\nrestart_after_ms = 200\n"
-            ),
+            Work::Referrals | Work::Backdated => &["cases", "rules"],
+            Work::Placements => &["cases", "financial", "security"],
+            Work::Exports => &["cases"],
+            Work::DeadLetters => &["cases", "rules", "security"],
         }
     }
 
-    fn target(&self) -> &'static str {
-        match self {
-            FaultGen::ProducerCrash { .. } => "cases-1",
-            FaultGen::ConsumerCrash { .. } => "rules-1",
-            _ => "",
+    fn replicas(self) -> Vec<String> {
+        let mut out: Vec<String> = self.fleet().iter().map(|s| format!("{s}-1")).collect();
+        if self == Work::Exports {
+            out.push("cases-2".into());
+        }
+        out
+    }
+
+    fn toml(self, writes: u32, rate: u32, rollback: f64, extra: u32, notify: bool) -> String {
+        let replicas = |svc: &str| if self == Work::Exports && svc == "cases" { 2 } else { 1 };
+        let fleet: String = self.fleet().iter().map(|s| format!("{s} = {{ replicas = {} }}\n", replicas(s))).collect();
+        let mut settings: Vec<&str> = Vec::new();
+        if notify {
+            // The LISTEN/NOTIFY wake-up (§D1's latency option) on every replica.
+            settings.push("outbox_notify = true");
+        }
+        let workload = match self {
+            Work::Referrals => format!("rollback_share = {rollback}\n"),
+            Work::Placements => "kind = \"placements\"\n".to_owned(),
+            Work::Exports => "kind = \"exports\"\nrequery_share = 0.2\n".to_owned(),
+            Work::DeadLetters => {
+                settings.push("inbox_retry_cap = 3");
+                format!("dead_letters = {}\napp_dead_letters = {}\n", 4 + extra, 1 + extra / 3)
+            }
+            Work::Backdated => {
+                settings.push("retention_interval_secs = 1");
+                format!("backdated = {}\nreplay = true\n", 3 + extra)
+            }
+        };
+        let settings = if settings.is_empty() { String::new() } else { format!("[settings]\n{}\n\n", settings.join("\n")) };
+        format!(
+            "name = \"prop\"\namendment = \"property\"\n\n[deploy]\ntopology = true\n\n{settings}[fleet]\n{fleet}\n\
+             [workload]\nwrites = {writes}\nrate = {rate}\n{workload}\n"
+        )
+    }
+}
+
+/// One generated fault, of every kind the backend supports outside the test-only ones
+/// (mutants and downgrades are bugs on purpose; the shipped twins cover them). Indices pick
+/// among the run's replicas or crash points when the scenario text is made.
+#[derive(Debug, Clone)]
+enum FaultGen {
+    Down { who: usize, at: u64, dur: u64 },
+    Toxic { who: usize, at: u64, dur: u64, shape: u8, n: u64 },
+    Kill { what: usize, at: u64, dur: u64 },
+    Pause { what: usize, at: u64, dur: u64 },
+    Crash { who: usize, point: usize, hit: u32 },
+    Upgrade { who: usize, at: u64 },
+    Terminate { at: u64, dur: u64 },
+    QueueLimit { max: u32, at: u64, dur: u64 },
+    RefuseStaging { every: u32, at: u64, dur: u64 },
+}
+
+/// The crash points a replica of `service` reaches in these workloads.
+fn crash_points(service: &str, work: Work) -> &'static [&'static str] {
+    match (service, work) {
+        ("cases", Work::Exports) => &["exports::after_commit_before_answer"],
+        ("cases", _) => &["outbox::after_claim", "outbox::after_publish_before_stamp"],
+        ("security", _) => &["dlq::after_record_before_ack", "inbox::after_handler_before_stamp"],
+        _ => &["inbox::after_handler_before_stamp"],
+    }
+}
+
+impl FaultGen {
+    /// The fault as scenario text, and the key that makes it the only fault on its target
+    /// (two faults on one replica at once is a schedule the runner does not promise).
+    fn toml(&self, work: Work) -> (String, String) {
+        let replicas = work.replicas();
+        let pick = |i: usize| replicas[i % replicas.len()].clone();
+        let service = |r: &str| r.rsplit_once('-').map_or(r.to_owned(), |(s, _)| s.to_owned());
+        let f = |body: String| format!("[[faults]]\n{body}\n");
+        match *self {
+            FaultGen::Down { who, at, dur } => {
+                let r = pick(who);
+                (f(format!("kind = \"down\"\ntarget = \"{r}->broker\"\nat = {{ after_ms = {at} }}\nduration_ms = {dur}")), r)
+            }
+            FaultGen::Toxic { who, at, dur, shape, n } => {
+                let r = pick(who);
+                let toxic = match shape % 3 {
+                    0 => format!("type = \"latency\", stream = \"downstream\", attributes = {{ latency = {} }}", 20 + n % 280),
+                    1 => "type = \"reset_peer\", stream = \"upstream\", attributes = { timeout = 50 }".to_owned(),
+                    _ => format!("type = \"bandwidth\", stream = \"downstream\", attributes = {{ rate = {} }}", 4 + n % 60),
+                };
+                (f(format!("kind = \"toxic\"\ntarget = \"{r}->broker\"\nat = {{ after_ms = {at} }}\nduration_ms = {dur}\ntoxic = {{ {toxic} }}")), r)
+            }
+            FaultGen::Kill { what, at, dur } | FaultGen::Pause { what, at, dur } => {
+                let kind = if matches!(self, FaultGen::Kill { .. }) { "kill" } else { "pause" };
+                let mut targets = vec!["broker".to_owned(), "database".to_owned()];
+                targets.extend(replicas.iter().cloned());
+                let t = targets[what % targets.len()].clone();
+                (f(format!("kind = \"{kind}\"\ntarget = \"{t}\"\nat = {{ after_ms = {at} }}\nduration_ms = {dur}")), t)
+            }
+            FaultGen::Crash { who, point, hit } => {
+                let r = pick(who);
+                let points = crash_points(&service(&r), work);
+                let fp = points[point % points.len()];
+                (f(format!("kind = \"crash\"\ntarget = \"{r}\"\nfailpoint = \"{fp}\"\nat = {{ failpoint_hit = {hit} }}\nrestart_after_ms = 200")), r)
+            }
+            FaultGen::Upgrade { who, at } => {
+                let r = pick(who);
+                (f(format!("kind = \"upgrade\"\ntarget = \"{r}\"\nat = {{ after_ms = {at} }}")), r)
+            }
+            FaultGen::Terminate { at, dur } => {
+                (f(format!("kind = \"terminate\"\ntarget = \"database\"\nat = {{ after_ms = {at} }}\nduration_ms = {dur}")), "database".into())
+            }
+            FaultGen::QueueLimit { max, at, dur } => {
+                // The first consumer's queue (exports have none: the limit then lands on a
+                // queue nobody publishes to, takes no effect and the case is rejected).
+                let consumer = work.fleet().get(1).copied().unwrap_or("cases");
+                (
+                    f(format!(
+                        "kind = \"queue_limit\"\ntarget = \"broker\"\nqueue = \"craig-{consumer}.events\"\nmax_length = {max}\nat = {{ after_ms = {at} }}\nduration_ms = {dur}"
+                    )),
+                    "broker".into(),
+                )
+            }
+            FaultGen::RefuseStaging { every, at, dur } => (
+                f(format!(
+                    "kind = \"refuse_staging\"\ntarget = \"database\"\nservice = \"cases\"\nevery = {every}\nat = {{ after_ms = {at} }}\nduration_ms = {dur}"
+                )),
+                "refuse cases".into(),
+            ),
         }
     }
 }
 
 fn fault() -> impl Strategy<Value = FaultGen> {
-    let replica = prop_oneof![Just("cases-1"), Just("rules-1")];
+    let at = 0u64..1500;
     prop_oneof![
-        (replica.clone(), 0u64..800, 200u64..1500).prop_map(|(replica, at, dur)| FaultGen::Down { replica, at, dur }),
-        (0u64..800, 200u64..1500, 20u64..300).prop_map(|(at, dur, ms)| FaultGen::Latency { at, dur, ms }),
-        (replica, 0u64..800, 200u64..1200).prop_map(|(replica, at, dur)| FaultGen::Reset { replica, at, dur }),
-        // Hits every generated workload reaches (>= 20 writes, >= 2 drain passes): a crash
-        // point that never fires makes the run inconclusive, and the case is rejected below.
-        (1u32..3).prop_map(|hit| FaultGen::ProducerCrash { hit }),
-        (1u32..12).prop_map(|hit| FaultGen::ConsumerCrash { hit }),
+        (0usize..4, at.clone(), 200u64..1500).prop_map(|(who, at, dur)| FaultGen::Down { who, at, dur }),
+        (0usize..4, at.clone(), 200u64..1500, 0u8..3, 0u64..1000).prop_map(|(who, at, dur, shape, n)| FaultGen::Toxic { who, at, dur, shape, n }),
+        (0usize..6, at.clone(), 300u64..1500).prop_map(|(what, at, dur)| FaultGen::Kill { what, at, dur }),
+        (0usize..6, at.clone(), 200u64..1500).prop_map(|(what, at, dur)| FaultGen::Pause { what, at, dur }),
+        // Hits every generated workload reaches (>= 20 writes): a crash point that never
+        // fires makes the run inconclusive, and the case is rejected below.
+        (0usize..4, 0usize..2, 1u32..8).prop_map(|(who, point, hit)| FaultGen::Crash { who, point, hit }),
+        (0usize..4, at.clone()).prop_map(|(who, at)| FaultGen::Upgrade { who, at }),
+        (at.clone(), 500u64..2500).prop_map(|(at, dur)| FaultGen::Terminate { at, dur }),
+        (3u32..20, 0u64..500, 1000u64..4000).prop_map(|(max, at, dur)| FaultGen::QueueLimit { max, at, dur }),
+        (2u32..6, at, 500u64..2500).prop_map(|(every, at, dur)| FaultGen::RefuseStaging { every, at, dur }),
     ]
 }
 
-fn scenario_text(writes: u32, rate: u32, rollback: f64, faults: &[FaultGen]) -> String {
-    let mut t = format!(
-        "name = \"prop\"\namendment = \"property\"\n\n[deploy]\ntopology = true\n\n[fleet]\ncases = {{ replicas = 1 }}\nrules = {{ replicas = 1 }}\n\n\
-         [workload]\nwrites = {writes}\nrate = {rate}\nrollback_share = {rollback}\n\n"
-    );
-    // At most one crash point per replica (FAILPOINTS arms one schedule per name).
-    let mut crashed: Vec<&str> = Vec::new();
+fn work() -> impl Strategy<Value = Work> {
+    prop_oneof![Just(Work::Referrals), Just(Work::Placements), Just(Work::Exports), Just(Work::DeadLetters), Just(Work::Backdated)]
+}
+
+fn scenario_text(work: Work, writes: u32, rate: u32, rollback: f64, extra: u32, notify: bool, faults: &[FaultGen]) -> String {
+    let mut t = work.toml(writes, rate, rollback, extra, notify);
+    // One fault per target (a replica, the broker, the database, a service's staging).
+    let mut taken: Vec<String> = Vec::new();
     for f in faults {
-        let target = f.target();
-        if !target.is_empty() {
-            if crashed.contains(&target) {
-                continue;
-            }
-            crashed.push(target);
+        let (text, key) = f.toml(work);
+        if taken.contains(&key) {
+            continue;
         }
-        t.push_str(&f.toml());
+        taken.push(key);
+        t.push_str(&text);
         t.push('\n');
     }
-    t.push_str("[expect]\nno_loss = \"hold\"\nno_phantom = \"hold\"\neffect_once = \"hold\"\nliveness = \"hold\"\n");
+    // Every checker with inputs judges the run (issue 22.1) and must hold; the floor asks
+    // only that something was acknowledged.
+    t.push_str("[expect]\nmin_acknowledged = 1\nliveness = \"hold\"\n");
     t
 }
 
@@ -105,13 +221,13 @@ fn invariants_hold_under_generated_fault_schedules() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let report = std::env::temp_dir().join(format!("chaos-prop-{}", std::process::id()));
     let mut runner = TestRunner::new(config);
-    let strategy = (20u32..80, 50u32..200, 0.0f64..0.2, proptest::collection::vec(fault(), 0..3));
-    let result = runner.run(&strategy, |(writes, rate, rollback, faults)| {
-        let text = scenario_text(writes, rate, (rollback * 100.0).round() / 100.0, &faults);
+    let strategy = (work(), 20u32..80, 20u32..120, 0.0f64..0.2, 0u32..10, any::<bool>(), proptest::collection::vec(fault(), 0..3));
+    let result = runner.run(&strategy, |(work, writes, rate, rollback, extra, notify, faults)| {
+        let text = scenario_text(work, writes, rate, (rollback * 100.0).round() / 100.0, extra, notify, &faults);
         let s = craig_chaos::scenario::parse(std::path::Path::new("generated.toml"), &text)
             .map_err(|e| TestCaseError::fail(format!("generated a bad scenario: {e}\n{text}")))?;
         let opts = RunOptions {
-            backend: BackendKind::External,
+            backend: BackendKind::Local,
             node_program: NodeProgram::harness(env!("CARGO_BIN_EXE_chaos")),
             report_dir: report.clone(),
             progress: false,
@@ -123,15 +239,19 @@ fn invariants_hold_under_generated_fault_schedules() {
             // link cut before any connection, a toxic on an idle link) tested nothing:
             // generate another. Any other reason (a replica that exited on its own, say)
             // fails the case.
-            let untaken = e.split("; ").all(|part| part.contains("never fired") || part.contains("no evidence it took effect"));
+            let untaken = e.split("; ").all(|part| {
+                part.contains("never fired") || part.contains("no evidence it took effect") || part.contains("did not take effect")
+            });
             if untaken {
                 return Err(TestCaseError::reject(format!("{e}\n{text}")));
             }
             return Err(TestCaseError::fail(format!("run error: {e}\n{text}")));
         }
         for i in &r.invariants {
-            prop_assert_eq!(i.observed.as_deref(), Some("held"), "{} {:?} {:?}\n{}", i.name, i.counts, i.witnesses, text);
+            prop_assert_eq!(i.observed.as_deref(), Some("held"), "{} {:?} {:?} {:?}\n{}", i.name, i.counts, i.witnesses, i.error, text);
         }
+        // More than the one listed: every checker that had something to judge did.
+        prop_assert!(r.invariants.len() > 1, "only {:?} judged\n{}", r.invariants.iter().map(|i| &i.name).collect::<Vec<_>>(), text);
         Ok(())
     });
     let _ = std::fs::remove_dir_all(&report);
