@@ -146,9 +146,13 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
     }
     for (id, (t, env, queue)) in &unexpected {
         let mut tags = vec!["kind:unexpected_dead_letter".to_owned()];
-        let by = match env.and_then(|env| gave_up.get(&env)) {
-            // The replica that said it gave the envelope up, with the behaviour it ran then.
-            Some(by) => format!("given up by {}", each_culprit(by, Some(&windows), &mut tags)),
+        // The replicas that said they gave the envelope up from this queue (another consumer
+        // giving up its own copy correctly is not to blame), with the behaviour they ran then.
+        let from_queue: Option<Vec<(u64, &str, &[String])>> = env.and_then(|env| gave_up.get(&env)).map(|by| {
+            by.iter().filter(|(_, r, _)| queue.is_none_or(|q| craig_mq::topology::consumer_queue(service_of(r)) == q)).copied().collect()
+        });
+        let by = match from_queue.filter(|by| !by.is_empty()) {
+            Some(by) => format!("given up by {}", each_culprit(&by, Some(&windows), &mut tags)),
             None => {
                 tags.extend(["replica:unknown".to_owned(), "compat:unknown".to_owned()]);
                 "no replica logged giving it up".to_owned()

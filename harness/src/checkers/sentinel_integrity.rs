@@ -19,8 +19,9 @@ use super::*;
 ///   a replay's stored body (`kind:wrong_replay`; #1184's wrong cached response shows
 ///   here), or the sentinel (`Idempotency-Body-Too-Large`, empty) only on a replay of an
 ///   over-cap body (`kind:false_sentinel`). Clients that went away on purpose are not
-///   judged on bytes; a 409 must carry `Retry-After` (`kind:no_retry_after`), and any other
-///   status than 200 or 409 is `kind:unexpected_status`.
+///   judged on bytes; a 409 must carry `Retry-After` (`kind:no_retry_after`), a 503 is
+///   excused only inside the window of a fault on the database or the replica's link to it
+///   (counted), and any other status than 200 or 409 is `kind:unexpected_status`.
 pub fn sentinel_integrity(h: &History) -> Verdict {
     let mut v = Verdict::new("sentinel_integrity");
     let cap = craig_api::idempotency::RESPONSE_BODY_CAP as u64;
@@ -29,6 +30,11 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
         expected.entry(n).or_insert_with(|| craig_api::idempotency::body_fingerprint(&craig_fleet::cases::export_body(n as usize))).clone()
     };
     let (mut judged, mut live, mut replays, mut sentinels, mut cancelled, mut unanswered, mut in_flight) = (0, 0, 0, 0, 0, 0, 0);
+    // A 503 is the honest answer while the replica's database is down (a kill, a pause, a
+    // terminate, its link cut): excused only inside such a fault's window, by the harness's
+    // own record of it; the key must still end answered (`never_answered` below).
+    let windows = h.fault_windows();
+    let mut unavailable = 0;
     // (key, size, replica) of every attempt that was sent and got no (complete) answer.
     let mut no_answer: HashSet<(&str, u64, &str)> = HashSet::new();
     for e in h.iter() {
@@ -75,6 +81,14 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
                     }
                     if *replayed { "wrong_replay" } else { "wrong_live" }
                 }
+            }
+            (Some(503), _)
+                if faults_on(&windows, replica, e.t_ms)
+                    .iter()
+                    .any(|tag| tag.ends_with(" database") || tag.ends_with(&format!(" {replica}->database"))) =>
+            {
+                unavailable += 1;
+                continue;
             }
             (Some(_), _) => "unexpected_status",
             (None, _) => continue,
@@ -185,6 +199,7 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
     v.count("sentinels_replayed", sentinels);
     v.count("cancelled", cancelled);
     v.count("unanswered", unanswered);
+    v.count("unavailable_during_database_fault", unavailable);
     v.count("in_flight_409", in_flight);
     v.count("handler_runs", total_runs);
     v.count("reexecuted_after_claim_expiry", excused);

@@ -1086,6 +1086,26 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
     }
     let v = sentinel_integrity(&answers);
     assert_eq!((v.culprits.get("kind:no_retry_after"), v.culprits.get("kind:unexpected_status")), (Some(&1), Some(&1)), "{v:?}");
+    // A 503 while the database is down (found by the property run: a database kill under
+    // the exports workload) is the honest answer: excused inside the fault's window only,
+    // and only for a fault on the database or this replica's link to it.
+    let mut down = h.clone();
+    down.push(60, Event::Fault { kind: "kill".into(), target: "database".into(), phase: Phase::Start });
+    down.push(90, Event::Fault { kind: "kill".into(), target: "database".into(), phase: Phase::End });
+    down.push(80, Event::HttpExchange { key: "a".into(), size: 10, replica: "cases-1".into(), status: Some(503), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after: None });
+    down.sort();
+    let v = sentinel_integrity(&down);
+    assert_eq!((v.validity, v.counts["unavailable_during_database_fault"]), (Validity::Valid, 1), "{v:?}");
+    let mut broker = h.clone();
+    broker.push(60, Event::Fault { kind: "kill".into(), target: "broker".into(), phase: Phase::Start });
+    broker.push(90, Event::Fault { kind: "kill".into(), target: "broker".into(), phase: Phase::End });
+    broker.push(80, Event::HttpExchange { key: "a".into(), size: 10, replica: "cases-1".into(), status: Some(503), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after: None });
+    broker.sort();
+    assert_eq!(sentinel_integrity(&broker).culprits.get("kind:unexpected_status"), Some(&1), "a broker fault excuses no 503 on an export");
+    let mut later = down.clone();
+    later.push(2_000, Event::HttpExchange { key: "a".into(), size: 10, replica: "cases-1".into(), status: Some(503), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after: None });
+    later.sort();
+    assert_eq!(sentinel_integrity(&later).culprits.get("kind:unexpected_status"), Some(&1), "outside the window");
 
     let mut old = History::default();
     started(&mut old, 0, "cases-1", &["pre-1183", "pre-1184", "pre-d5"]);

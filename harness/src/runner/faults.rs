@@ -417,19 +417,21 @@ async fn inject(
             backend.lock().await.set_policy(&policy, &pattern, &definition).await?;
             log.fault(kind, &label, Phase::Start);
             log.evidence(kind, &label, Some(format!("policy in force {} ms after it was asked for", asked.elapsed().as_millis())));
+            // (One hold: the limit is in force for duration_ms, as the scenario says; it
+            // used to be held twice over.)
             tokio::time::sleep(hold).await;
+            backend.lock().await.clear_policy(&policy).await?;
+            // Read once the limit is gone: head drops of the whole window count.
             if let Ok(probe) = probe {
                 match probe.head_drops().await {
                     Ok(0) => {}
                     Ok(n) => log.finding(format!(
-                        "queue_limit {label}: the limit landed on a backlog and RabbitMQ dropped {n} message(s) from the head of {queue} to {} (x-death reason maxlen); the fault itself lost them, so the run proves nothing about loss",
+                        "queue_limit {label}: the limit landed on a backlog and RabbitMQ dropped {n} message(s) from the head of {queue} to {} (x-death reason maxlen), so the fault itself lost them and the run proves nothing about loss",
                         craig_mq::topology::DLX_EXCHANGE
                     )),
-                    Err(e) => log.finding(format!("queue_limit {label}: cannot read the head-drop probe ({e}); a loss in this run may be the fault's own")),
+                    Err(e) => log.finding(format!("queue_limit {label}: cannot read the head-drop probe ({e}): a loss in this run may be the fault's own")),
                 }
             }
-            tokio::time::sleep(hold).await;
-            backend.lock().await.clear_policy(&policy).await?;
         }
         (FaultTarget::Link { replica, to }, FaultKind::Down) => {
             let proxy = format!("{replica}->{to}");

@@ -161,6 +161,17 @@ pub async fn run_scenario(s: &Scenario, opts: &RunOptions, seed: u64) -> Scenari
         result.invariants = judge(s, &history);
         result.inconclusive = result.invariants.iter().any(|i| i.observed.is_none());
         result.passed = !result.inconclusive && result.invariants.iter().all(InvariantResult::met);
+        // An unlisted checker that could not decide says why in the run's error (a listed
+        // one says it in its own row of the table).
+        let undecided: Vec<String> = result
+            .invariants
+            .iter()
+            .filter(|i| !i.listed && i.observed.is_none())
+            .map(|i| format!("{} (unlisted) undecided: {}", i.name, i.error.as_deref().unwrap_or("no reason given")))
+            .collect();
+        for why in undecided {
+            inconclusive(&mut result, why);
+        }
     }
     let findings = log.findings.lock().unwrap().clone();
     if !findings.is_empty() {
