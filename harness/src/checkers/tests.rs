@@ -27,6 +27,20 @@ fn tapped(h: &mut History, key: &str, token: Option<&str>) {
     h.push(10, Event::DeadLettered { key: key.into(), token: token.map(str::to_owned), envelope: Some(env), queue: None, event_type: None });
 }
 
+/// The tap saw envelope `env` dead-lettered from `queue` at `t` (as occurrence `key`,
+/// `token`), and security recorded it.
+fn dead_lettered(h: &mut History, t: u64, env: u128, queue: &str, key: &str, token: &str, event_type: &str) {
+    h.push(t, Event::DeadLettered { key: key.into(), token: Some(token.into()), envelope: Some(id(env)), queue: Some(queue.into()), event_type: None });
+    audited(h, key, Some(token), "recorded", event_type, t as i64);
+}
+
+/// `replica` gave envelope `env` up at `rejected`, and [`dead_lettered`] at `tapped`.
+#[allow(clippy::too_many_arguments)]
+fn given_up(h: &mut History, (rejected, tapped): (u64, u64), replica: &str, env: u128, queue: &str, key: &str, token: &str, event_type: &str) {
+    h.push(rejected, Event::Rejected { envelope: id(env), replica: replica.into(), compat: vec![] });
+    dead_lettered(h, tapped, env, queue, key, token, event_type);
+}
+
 fn key_envelope(key: &str) -> Uuid {
     id(0xdead_0000 + key.bytes().take(2).fold(0u128, |a, b| a * 256 + u128::from(b)))
 }
@@ -178,9 +192,7 @@ fn a_dead_letter_nobody_staged_is_unexpected() {
     audited(&mut h, "k1", Some("xdeath:1"), "recorded", "a", 1);
     h.sort();
     assert_eq!(dlq_occurrence_once(&h).validity, Validity::Valid);
-    h.push(40, Event::Rejected { envelope: id(9), replica: "financial-1".into(), compat: vec![] });
-    h.push(41, Event::DeadLettered { key: "k9".into(), token: Some("dlxcap:9".into()), envelope: Some(id(9)), queue: Some("craig-financial.events".into()), event_type: None });
-    audited(&mut h, "k9", Some("dlxcap:9"), "recorded", "placement.activated", 41);
+    given_up(&mut h, (40, 41), "financial-1", 9, "craig-financial.events", "k9", "dlxcap:9", "placement.activated");
     h.sort();
     let v = dlq_occurrence_once(&h);
     assert_eq!((v.validity, v.counts["unexpected_dead_letters"]), (Validity::Invalid, 1), "{v:?}");
@@ -205,17 +217,13 @@ fn a_staged_dead_letter_given_up_by_another_consumer_is_unexpected() {
         started(&mut h, 0, "rules-1", &[]);
         started(&mut h, 0, "financial-1", &[]);
         h.push(1, Event::DeadLetterStaged { envelope: id(1), service: "financial".into() });
-        h.push(2, Event::Rejected { envelope: id(1), replica: "financial-1".into(), compat: vec![] });
-        h.push(2, Event::DeadLettered { key: "k1".into(), token: Some("xdeath:1".into()), envelope: Some(id(1)), queue: Some("craig-financial.events".into()), event_type: None });
-        audited(&mut h, "k1", Some("xdeath:1"), "recorded", "a", 2);
+        given_up(&mut h, (2, 2), "financial-1", 1, "craig-financial.events", "k1", "xdeath:1", "a");
         h
     };
     let mut h = base();
     h.sort();
     assert_eq!(dlq_occurrence_once(&h).validity, Validity::Valid);
-    h.push(3, Event::Rejected { envelope: id(1), replica: "rules-1".into(), compat: vec![] });
-    h.push(4, Event::DeadLettered { key: "k2".into(), token: Some("xdeath:2".into()), envelope: Some(id(1)), queue: Some("craig-rules.events".into()), event_type: None });
-    audited(&mut h, "k2", Some("xdeath:2"), "recorded", "a", 4);
+    given_up(&mut h, (3, 4), "rules-1", 1, "craig-rules.events", "k2", "xdeath:2", "a");
     h.sort();
     let v = dlq_occurrence_once(&h);
     assert_eq!((v.validity, v.counts["unexpected_dead_letters"]), (Validity::Invalid, 1), "{v:?}");
@@ -223,8 +231,7 @@ fn a_staged_dead_letter_given_up_by_another_consumer_is_unexpected() {
     // Named wrong (financial-1 gave it up, the dead letter says rules'): misattributed,
     // not also unexpected.
     let mut h = base();
-    h.push(4, Event::DeadLettered { key: "k2".into(), token: Some("xdeath:2".into()), envelope: Some(id(1)), queue: Some("craig-rules.events".into()), event_type: None });
-    audited(&mut h, "k2", Some("xdeath:2"), "recorded", "a", 4);
+    dead_lettered(&mut h, 4, 1, "craig-rules.events", "k2", "xdeath:2", "a");
     h.sort();
     let v = dlq_occurrence_once(&h);
     assert_eq!((v.violations, v.counts["unexpected_dead_letters"]), (1, 0), "{v:?}");
@@ -1089,21 +1096,24 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
     // A 503 while the database is down (found by the property run: a database kill under
     // the exports workload) is the honest answer: excused inside the fault's window only,
     // and only for a fault on the database or this replica's link to it.
+    let answered_503 = |h: &mut History, t: u64| {
+        h.push(t, Event::HttpExchange { key: "a".into(), size: 10, replica: "cases-1".into(), status: Some(503), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after: None });
+    };
     let mut down = h.clone();
     down.push(60, Event::Fault { kind: "kill".into(), target: "database".into(), phase: Phase::Start });
     down.push(90, Event::Fault { kind: "kill".into(), target: "database".into(), phase: Phase::End });
-    down.push(80, Event::HttpExchange { key: "a".into(), size: 10, replica: "cases-1".into(), status: Some(503), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after: None });
+    answered_503(&mut down, 80);
     down.sort();
     let v = sentinel_integrity(&down);
     assert_eq!((v.validity, v.counts["unavailable_during_database_fault"]), (Validity::Valid, 1), "{v:?}");
     let mut broker = h.clone();
     broker.push(60, Event::Fault { kind: "kill".into(), target: "broker".into(), phase: Phase::Start });
     broker.push(90, Event::Fault { kind: "kill".into(), target: "broker".into(), phase: Phase::End });
-    broker.push(80, Event::HttpExchange { key: "a".into(), size: 10, replica: "cases-1".into(), status: Some(503), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after: None });
+    answered_503(&mut broker, 80);
     broker.sort();
     assert_eq!(sentinel_integrity(&broker).culprits.get("kind:unexpected_status"), Some(&1), "a broker fault excuses no 503 on an export");
     let mut later = down.clone();
-    later.push(2_000, Event::HttpExchange { key: "a".into(), size: 10, replica: "cases-1".into(), status: Some(503), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after: None });
+    answered_503(&mut later, 2_000);
     later.sort();
     assert_eq!(sentinel_integrity(&later).culprits.get("kind:unexpected_status"), Some(&1), "outside the window");
 
