@@ -36,8 +36,23 @@ impl Log {
             findings: Arc::default(),
         }
     }
+    /// Start the run's clock now. Whatever was recorded before (the partner answering a
+    /// replica that began its send backlog while the next one was still starting) happened
+    /// at the start, as [`Log::rel`] clamps a replica's earlier log lines: re-expressed on
+    /// the new clock, at 0, never seconds into the run under the backend's start-up time.
     pub(super) fn rebase(&self) {
-        *self.origin.lock().unwrap() = (Instant::now(), chrono::Utc::now().timestamp_millis());
+        let shift = {
+            let mut origin = self.origin.lock().unwrap();
+            let shift = origin.0.elapsed().as_millis() as u64;
+            *origin = (Instant::now(), chrono::Utc::now().timestamp_millis());
+            shift
+        };
+        for e in self.history.lock().unwrap().entries.iter_mut() {
+            e.t_ms = e.t_ms.saturating_sub(shift);
+        }
+        for f in self.faults.lock().unwrap().iter_mut() {
+            f.at_ms = f.at_ms.saturating_sub(shift);
+        }
     }
     pub(super) fn started(&self) -> Instant {
         self.origin.lock().unwrap().0
@@ -100,6 +115,26 @@ impl Log {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by a fresh-clone CI run of send-jobs-flaky-partner: the partner recorded
+    /// financial-1's first POSTs before the clock started, stamped with the backend's
+    /// start-up time (10 s), so the fencing checker saw them POSTed again 10 s later, while
+    /// another replica's claim was live. An event recorded before the clock starts is at 0.
+    #[test]
+    fn what_was_recorded_before_the_clock_started_happened_at_the_start() {
+        let log = Log::new();
+        std::thread::sleep(Duration::from_millis(50));
+        log.push(Event::Healed);
+        log.fault("kill", "broker", Phase::Start);
+        log.rebase();
+        std::thread::sleep(Duration::from_millis(20));
+        log.push(Event::Healed);
+        let h = log.history.lock().unwrap().clone();
+        assert_eq!(h.entries[0].t_ms, 0, "{h:?}");
+        assert_eq!(h.entries[1].t_ms, 0, "{h:?}");
+        assert!(h.entries[2].t_ms >= 20, "{h:?}");
+        assert_eq!(log.faults.lock().unwrap()[0].at_ms, 0);
+    }
 
     /// A fault with no evidence it took effect is a finding (which makes the run
     /// inconclusive); one with evidence is recorded with it.
