@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand};
 use craig_chaos::backend::BackendKind;
 use craig_chaos::bench::BenchOptions;
 use craig_chaos::report::RunReport;
-use craig_chaos::runner::{RunOptions, run_scenario, scenario_seed};
+use craig_chaos::runner::{RunOptions, derived_seed, run_scenario, scenario_seed};
 use craig_chaos::scenario;
 
 /// Run ADR-022 chaos scenarios against real PostgreSQL and RabbitMQ and check the invariants.
@@ -221,11 +221,6 @@ fn seeds_summary(
         }
     }
     out
-}
-
-/// The k-th run seed of a `--seeds` run; the 0th is the run seed itself.
-fn derived_seed(seed: u64, k: u32) -> u64 {
-    seed ^ u64::from(k).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
 async fn run(paths: Vec<PathBuf>, seed: Option<u64>, backend: BackendKind, report: Option<PathBuf>, junit: Option<PathBuf>, seeds: u32) -> ExitCode {

@@ -110,6 +110,12 @@ pub struct ScenarioResult {
     pub history: History,
 }
 
+/// The k-th run seed of a multi-seed run (`chaos run --seeds N`, `CHAOS_SEEDS=N` in the
+/// scenario tests); the 0th is the run seed itself.
+pub fn derived_seed(seed: u64, k: u32) -> u64 {
+    seed ^ u64::from(k).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
 /// The per-scenario seed: the scenario's own, else derived from the run seed and the name.
 pub fn scenario_seed(run_seed: u64, s: &Scenario) -> u64 {
     s.seed.unwrap_or_else(|| {
