@@ -13,7 +13,7 @@
 //! # cases = { replicas = [ { compat = ["pre-1128"] }, {} ] }
 //!
 //! [deploy]                  # optional; what exists before any replica starts
-//! topology = true           # run `craig-node topology` first (the README's deploy step);
+//! topology = true           # run `craig-node topology` first (the deploy step, docs/operations.md);
 //!                           # without it each node declares only its own queue at start
 //!
 //! [settings]                # optional; worker knobs passed to every replica
@@ -188,11 +188,38 @@ pub struct FleetEntry {
     pub start_after_ms: Option<u64>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub enum Replicas {
     Count(u32),
     Each(Vec<ReplicaEntry>),
+}
+
+/// `replicas = 2` or `replicas = [ { compat = [...] }, {} ]`, refused in those words (an
+/// untagged enum would answer "data did not match any variant").
+impl<'de> Deserialize<'de> for Replicas {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Replicas;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a replica count (replicas = 2) or one table per replica (replicas = [ { compat = [\"pre-1128\"] }, {} ])")
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Replicas, E> {
+                u32::try_from(n).map(Replicas::Count).map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(n), &self))
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Replicas, E> {
+                u32::try_from(n).map(Replicas::Count).map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(n), &self))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Replicas, A::Error> {
+                let mut each = Vec::new();
+                while let Some(r) = seq.next_element::<ReplicaEntry>()? {
+                    each.push(r);
+                }
+                Ok(Replicas::Each(each))
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 impl Default for Replicas {
@@ -583,6 +610,26 @@ pub struct Fault {
     pub service: Option<String>,
     #[serde(default)]
     pub every: Option<u32>,
+    /// For `kind = "refuse_staging"`: the table whose inserts are refused, the service's
+    /// `event_outbox` (default: staging fails) or cases' `referrals` (the domain write fails
+    /// after anything staged outside its transaction was committed: a phantom's window).
+    #[serde(default)]
+    pub table: Option<String>,
+}
+
+/// The tables a `refuse_staging` fault may refuse inserts into, per service.
+pub fn refusable_tables(service: &str) -> &'static [&'static str] {
+    match service {
+        "cases" => &["event_outbox", "referrals"],
+        _ => &["event_outbox"],
+    }
+}
+
+impl Fault {
+    /// The table a `refuse_staging` fault refuses inserts into.
+    pub fn refused_table(&self) -> &str {
+        self.table.as_deref().unwrap_or("event_outbox")
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -775,17 +822,67 @@ fn line_of(text: &str, offset: usize) -> usize {
     text[..offset.min(text.len())].bytes().filter(|&b| b == b'\n').count() + 1
 }
 
+/// The section of `docs/scenarios.md` that documents what is written at `line`: the table
+/// whose header last opened at or above it (`[fleet]`, `[[faults]]`, …), else the top-level
+/// keys. Its anchor is the header's name, as the doc's headings are the tables' own.
+fn doc_section(text: &str, line: usize) -> String {
+    let header = text
+        .lines()
+        .take(line.max(1))
+        .filter_map(|l| {
+            let l = l.trim();
+            let name = l.strip_prefix("[[").and_then(|r| r.split_once("]]")).or_else(|| l.strip_prefix('[').and_then(|r| r.split_once(']')));
+            name.map(|(n, _)| n.trim().split('.').next().unwrap_or("").to_owned())
+        })
+        .last();
+    match header.as_deref() {
+        Some(h @ ("fleet" | "deploy" | "settings" | "workload" | "partner" | "expect")) => format!("docs/scenarios.md#{h}, [{h}]"),
+        Some("faults") => "docs/scenarios.md#faults, [[faults]]".to_owned(),
+        _ => "docs/scenarios.md#top-level-keys".to_owned(),
+    }
+}
+
+/// serde's type names in a scenario author's words: a count is "a whole number >= 0", not
+/// "u64"; the rest of the message (the value found, the field's name) is kept.
+fn in_our_words(message: &str) -> String {
+    let mut m = message.to_owned();
+    for (serde, ours) in [
+        ("expected u64", "expected a whole number >= 0"),
+        ("expected u32", "expected a whole number >= 0"),
+        ("expected u16", "expected a whole number >= 0"),
+        ("expected f64", "expected a number"),
+        ("expected a sequence", "expected a list, [ ... ]"),
+        ("expected a boolean", "expected true or false"),
+    ] {
+        m = m.replace(serde, ours);
+    }
+    m
+}
+
 /// Parse and validate one scenario file.
 pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
     let file = path.display().to_string();
-    let err = |span: Option<std::ops::Range<usize>>, reason: String| ScenarioError {
-        file: file.clone(),
-        line: span.map(|s| line_of(text, s.start)).unwrap_or(1),
-        reason,
+    let err = |span: Option<std::ops::Range<usize>>, reason: String| {
+        let line = span.map(|s| line_of(text, s.start)).unwrap_or(1);
+        ScenarioError { file: file.clone(), line, reason: format!("{reason} (see {})", doc_section(text, line)) }
     };
-    let mut s: Scenario = toml::from_str(text).map_err(|e| err(e.span(), e.message().to_owned()))?;
+    let mut s: Scenario = toml::from_str(text).map_err(|e| err(e.span(), in_our_words(e.message())))?;
     s.path = path.to_path_buf();
-    let at = |needle: &str| text.find(needle).map(|o| o..o);
+    // The line a key (`key =`) or a table header (`[table]`) is written on, so a word in the
+    // description is never taken for the key; else the needle's first mention.
+    let at = |needle: &str| {
+        let mut off = 0;
+        for l in text.split_inclusive('\n') {
+            let line = l.trim_start();
+            let is_it = line.strip_prefix(needle).is_some_and(|rest| needle.starts_with('[') || rest.trim_start().starts_with('='));
+            if is_it {
+                let o = off + (l.len() - l.trim_start().len());
+                return Some(o..o);
+            }
+            off += l.len();
+        }
+        text.find(needle).map(|o| o..o)
+    };
     // The line of `key =` inside a table's span (falls back to the table's first line).
     let key_in = |span: std::ops::Range<usize>, key: &str| {
         // A table's span may cover only its header: read on to the next header.
@@ -954,6 +1051,12 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
                 if !s.fleet.contains_key(svc) {
                     return Err(err(span, format!("refuse_staging needs service = one of the fleet's: {}", s.fleet.keys().cloned().collect::<Vec<_>>().join(", "))));
                 }
+                if !refusable_tables(svc).contains(&fault.refused_table()) {
+                    return Err(err(
+                        key_in(f.span(), "table"),
+                        format!("refuse_staging on {svc} refuses inserts into one of: {}, not {:?}", refusable_tables(svc).join(", "), fault.refused_table()),
+                    ));
+                }
                 if !fault.every.is_some_and(|n| (1..=1_000_000).contains(&n)) {
                     return Err(err(span, "refuse_staging needs every = N (1..=1000000): every N-th insert is refused".into()));
                 }
@@ -1017,8 +1120,8 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         } else if !matches!(fault.kind, FaultKind::Crash | FaultKind::Mutant) && fault.failpoint.is_some() {
             return Err(err(key_in(f.span(), "failpoint"), "failpoint belongs to a crash, mutant, upgrade or downgrade".into()));
         }
-        if (fault.service.is_some() || fault.every.is_some()) && fault.kind != FaultKind::RefuseStaging {
-            return Err(err(span, "service and every belong to a refuse_staging fault".into()));
+        if (fault.service.is_some() || fault.every.is_some() || fault.table.is_some()) && fault.kind != FaultKind::RefuseStaging {
+            return Err(err(span, "service, every and table belong to a refuse_staging fault".into()));
         }
         if fault.kind == FaultKind::Toxic && fault.toxic.is_none() {
             return Err(err(span, "a toxic fault needs toxic = { type = ..., stream = ..., attributes = {...} }".into()));
@@ -1213,7 +1316,7 @@ effect_once = { violate = "compat:pre-d2" }
         let ok = parse_str(&with("kind = \"mutant\"\ntarget = \"cases-1\"\nfailpoint = \"cases::stage_after_commit\"\nat = { after_ms = 0 }")).unwrap();
         assert_eq!(ok.faults[2].get_ref().kind, FaultKind::Mutant);
         let e = rejected(&with("kind = \"mutant\"\ntarget = \"cases-1\"\nfailpoint = \"cases::nothing\"\nat = { after_ms = 0 }"));
-        assert!(e.reason.contains("unknown mutant \"cases::nothing\"; known: financial::absorb_fails, cases::stage_after_commit, cases::activation_stage_after_commit"), "{e}");
+        assert!(e.reason.contains("unknown mutant \"cases::nothing\"; known: financial::absorb_fails, cases::stage_after_commit, cases::activation_stage_after_commit, cases::stage_before_write"), "{e}");
         let e = rejected(&with("kind = \"mutant\"\ntarget = \"rules-1\"\nfailpoint = \"cases::stage_after_commit\"\nat = { after_ms = 0 }"));
         assert!(e.reason.contains("lives in another service than rules-1's"), "{e}");
         for late in ["at = { after_ms = 5 }", "at = { after_writes = 3 }", "at = { after_ms = 0 }\nduration_ms = 100"] {
@@ -1236,7 +1339,13 @@ effect_once = { violate = "compat:pre-d2" }
         let e = rejected(&with(&refuse.replace("target = \"database\"", "target = \"cases-1\"")));
         assert!(e.reason.contains("refuse_staging targets \"database\""), "{e}");
         let e = rejected(&with("kind = \"kill\"\ntarget = \"cases-1\"\nevery = 2\nat = { after_ms = 0 }\nduration_ms = 5"));
-        assert!(e.reason.contains("service and every belong to a refuse_staging fault"), "{e}");
+        assert!(e.reason.contains("service, every and table belong to a refuse_staging fault"), "{e}");
+        // The domain write itself may be refused, on cases only.
+        let referrals = parse_str(&with(&refuse.replace("every = 3", "every = 3\ntable = \"referrals\""))).unwrap();
+        assert_eq!(referrals.faults[2].get_ref().refused_table(), "referrals");
+        assert_eq!(parse_str(&with(refuse)).unwrap().faults[2].get_ref().refused_table(), "event_outbox");
+        let e = rejected(&with(&refuse.replace("every = 3", "every = 3\ntable = \"payments\"")));
+        assert!(e.reason.contains("refuse_staging on cases refuses inserts into one of: event_outbox, referrals, not \"payments\""), "{e}");
     }
 
     #[test]
@@ -1410,6 +1519,39 @@ effect_once = { violate = "compat:pre-d2" }
         assert!(e.reason.contains("unknown floor \"min_effects\""), "{e}");
         let e = rejected(&GOOD.replace("rate = 50", "rate = 50\nafter_heal = 0"));
         assert!(e.reason.contains("after_heal must be at least 1"), "{e}");
+    }
+
+    /// Issue 23: an error says what was expected in the scenario's own words and points at
+    /// the section of docs/scenarios.md that documents the key.
+    #[test]
+    fn errors_say_what_was_expected_and_where_it_is_documented() {
+        let e = rejected(&GOOD.replace("cases = { replicas = 2 }", r#"cases = { replicas = "two" }"#));
+        assert_eq!(e.line, 5, "{e}");
+        assert!(!e.reason.contains("untagged"), "{e}");
+        assert!(e.reason.contains(r#"invalid type: string "two", expected a replica count (replicas = 2) or one table per replica"#), "{e}");
+        assert!(e.reason.ends_with("(see docs/scenarios.md#fleet, [fleet])"), "{e}");
+        let e = rejected(&GOOD.replace("writes = 10", "writes = -1"));
+        assert!(e.reason.contains("expected a whole number >= 0") && e.reason.ends_with("(see docs/scenarios.md#workload, [workload])"), "{e}");
+        let e = rejected(&GOOD.replace(r#"target = "cases-2""#, r#"target = "cases-9""#));
+        assert!(e.reason.ends_with("(see docs/scenarios.md#faults, [[faults]])"), "{e}");
+        let e = rejected(&GOOD.replace(r#"no_loss = "hold""#, r#"no_loss = "maybe""#));
+        assert!(e.reason.ends_with("(see docs/scenarios.md#expect, [expect])"), "{e}");
+        let e = rejected(&GOOD.replace("name = ", "nmae = "));
+        assert!(e.reason.ends_with("(see docs/scenarios.md#top-level-keys)"), "{e}");
+        // A key named in the description is not taken for the key: the line is the key's.
+        let described = GOOD
+            .replacen("\n", "\ndescription = \"\"\"\nwhat after_heal means:\nafter_heal writes come once every fault healed\"\"\"\n", 1)
+            .replace("rate = 50", "rate = 50\nafter_heal = 0");
+        let e = rejected(&described);
+        assert!(e.reason.contains("after_heal must be at least 1"), "{e}");
+        assert_eq!(described.lines().nth(e.line - 1).map(str::trim), Some("after_heal = 0"), "{e}");
+        let e = rejected(&GOOD.replace("cases = { replicas = 2 }", "cases = { replicas = 4294967296 }"));
+        assert!(e.reason.contains("expected a replica count"), "{e}");
+        // The doc has every section an error can point at.
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/scenarios.md")).expect("docs/scenarios.md");
+        for heading in ["## Top-level keys", "## [fleet]", "## [deploy]", "## [settings]", "## [workload]", "## [partner]", "## [[faults]]", "## [expect]"] {
+            assert!(doc.lines().any(|l| l.trim() == heading), "docs/scenarios.md lacks {heading}");
+        }
     }
 
     #[test]

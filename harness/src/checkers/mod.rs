@@ -191,7 +191,7 @@ pub const INVARIANTS: &[&str] = &[
 /// Checkers that blame every violation on a replica and its compat mode
 /// ([`Verdict::culprits`]), so a scenario can name the cause it must be violated for.
 pub const ATTRIBUTING: &[&str] =
-    &["no_loss", "effect_once", "dlq_occurrence_once", "threshold_crossing_once", "fencing", "retention_safety", "sentinel_integrity"];
+    &["no_loss", "no_phantom", "effect_once", "dlq_occurrence_once", "threshold_crossing_once", "fencing", "retention_safety", "sentinel_integrity"];
 
 /// Run one checker by name (None: no such checker).
 pub fn check(name: &str, h: &History) -> Option<Verdict> {
@@ -264,7 +264,7 @@ pub(super) fn fault_replica(tag: &str) -> Option<&str> {
 /// twin is red for its documented cause and not for any violation of the same checker.
 pub const VIOLATION_KINDS: &[&str] =
     &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed", "double_post", "conflicting_events", "terminal_flip", "pruned_pending", "replay_past_window",
-      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status", "captured", "pruned_dedup", "never_answered", "unmatched_side_effect", "unexpected_dead_letter", "unstaged"];
+      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status", "captured", "pruned_dedup", "never_answered", "unmatched_side_effect", "unexpected_dead_letter", "unstaged", "phantom", "refused_committed"];
 
 /// Which faults can cause a dead-letter violation of a kind, by the fault tag.
 #[derive(Clone, Copy)]

@@ -56,7 +56,8 @@ pub fn no_loss(h: &History) -> Verdict {
                         // that never happened, under the behaviour it ran and the faults on
                         // its own links or servers at the time.
                         Some((t, r, c)) => {
-                            let mut tags = culprit_tags(r, Some(c));
+                            let mut tags = vec!["kind:lost".to_owned()];
+                            tags.extend(culprit_tags(r, Some(c)));
                             tags.extend(faults_on(&windows, r, *t));
                             v.blame(tags);
                             let who: Vec<String> = stamped.iter().map(|(t, r, c)| format!("{} @{t}ms", running(r, Some(c)))).collect();
@@ -64,12 +65,13 @@ pub fn no_loss(h: &History) -> Verdict {
                         }
                         // Stamped, but no replica said so: no attribution evidence.
                         None if envs.iter().any(|e| published.contains(e)) => {
-                            v.blame(["replica:unknown".to_owned(), "compat:unknown".to_owned()]);
+                            v.blame(["kind:lost".to_owned(), "replica:unknown".to_owned(), "compat:unknown".to_owned()]);
                             "its event is stamped published but no replica logged the stamp (no attribution evidence)".to_owned()
                         }
                         None => {
                             let compat = h.compat_at(replica, entry.t_ms);
-                            let mut tags = culprit_tags(replica, compat);
+                            let mut tags = vec!["kind:lost".to_owned()];
+                            tags.extend(culprit_tags(replica, compat));
                             tags.extend(faults_on(&windows, replica, entry.t_ms));
                             v.blame(tags);
                             format!("its event was never stamped published ({} acknowledged it)", running(replica, compat))

@@ -1,20 +1,31 @@
-//! `no_phantom`, ADR-022 No effect without a committed write: an effect of a failed, rolled-back or never-attempted write, or of an aggregate cases' database does not hold (issue 22.2), is a phantom, as is a committed aggregate whose write was refused. Excused: nothing.
+//! `no_phantom`, ADR-022 No effect without a committed write: an effect of a failed, rolled-back or never-attempted write, or of an aggregate cases' database does not hold (issue 22.2), is a phantom, as is a committed aggregate whose write was refused. Excused: nothing. Blame: the replica that took the write, its behaviour and the faults on it then.
 
 use super::*;
 
 /// No effect without a write that may have committed.
+///
+/// Each phantom is blamed (issue 22) on the replica that took its last write attempt, with
+/// the behaviour it ran then and the faults on it at the time (`kind:phantom`); a committed
+/// aggregate whose write was refused for certain is `kind:refused_committed`, blamed the
+/// same way. An effect of a write nobody attempted has no replica to blame
+/// (`replica:unknown`).
 pub fn no_phantom(h: &History) -> Verdict {
     let mut v = Verdict::new("no_phantom");
     let fx = effects(h);
+    let windows = h.fault_windows();
     let mut may_exist: HashSet<Uuid> = HashSet::new();
     let mut must_not: HashMap<Uuid, &'static str> = HashMap::new();
+    // Every write attempt of an aggregate: (t, replica), the last one taking the blame.
+    let mut tries: HashMap<Uuid, (u64, &str)> = HashMap::new();
     for entry in h.iter() {
         match &entry.event {
-            Event::Write { referral, outcome: Outcome::Failed, .. } => {
-                must_not.insert(*referral, "failed");
-            }
-            Event::Write { referral, .. } => {
-                may_exist.insert(*referral);
+            Event::Write { referral, outcome, replica, .. } => {
+                tries.insert(*referral, (entry.t_ms, replica.as_str()));
+                if *outcome == Outcome::Failed {
+                    must_not.insert(*referral, "failed");
+                } else {
+                    may_exist.insert(*referral);
+                }
             }
             Event::RolledBack { referral } => {
                 must_not.insert(*referral, "rolled back");
@@ -22,6 +33,23 @@ pub fn no_phantom(h: &History) -> Verdict {
             _ => {}
         }
     }
+    let blame = |v: &mut Verdict, kind: &str, aggregate: &Uuid| -> String {
+        let mut tags = vec![format!("kind:{kind}")];
+        match tries.get(aggregate) {
+            Some(&(t, replica)) => {
+                let compat = h.compat_at(replica, t);
+                tags.extend(culprit_tags(replica, compat));
+                tags.extend(faults_on(&windows, replica, t));
+                v.blame(tags);
+                format!("its write went to {} @{t}ms; {}", running(replica, compat), h.fault_near(t))
+            }
+            None => {
+                tags.extend(["replica:unknown".to_owned(), "compat:unknown".to_owned()]);
+                v.blame(tags);
+                "the harness never wrote it (a write of the harness's own rolled back, or none)".to_owned()
+            }
+        }
+    };
     // Issue 22.2: what cases' database holds committed, when it was read.
     let committed: HashSet<Uuid> =
         h.iter().filter_map(|e| if let Event::Committed { aggregate, .. } = &e.event { Some(*aggregate) } else { None }).collect();
@@ -33,7 +61,8 @@ pub fn no_phantom(h: &History) -> Verdict {
     refused.sort();
     for (referral, why) in refused {
         unexpected += 1;
-        v.witness(format!("aggregate {referral} is committed in cases' database but its write was {why}"));
+        let by = blame(&mut v, "refused_committed", referral);
+        v.witness(format!("aggregate {referral} is committed in cases' database but its write was {why}: {by}"));
     }
     let mut referrals: Vec<(&Uuid, &u64)> = fx.by_referral.iter().collect();
     referrals.sort();
@@ -46,7 +75,8 @@ pub fn no_phantom(h: &History) -> Verdict {
         };
         if let Some(why) = why {
             unexpected += 1;
-            v.witness(format!("referral {referral} took effect @{t}ms but was {why}"));
+            let by = blame(&mut v, "phantom", referral);
+            v.witness(format!("referral {referral} took effect @{t}ms but was {why}: {by}"));
         }
     }
     v.count("effects", fx.total);

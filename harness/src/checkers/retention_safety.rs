@@ -96,5 +96,12 @@ pub fn retention_safety(h: &History) -> Verdict {
     // them (the one past the window deleted), or the inbox rule was never tested.
     let inbox_proven = edges.is_empty() || edge_deletes > 0;
     let proven = inbox_proven && if staged_pending { cycles > 0 && (kept > 0 || pruned > 0) } else { cycles > 0 || accepted + refused > 0 };
-    v.settle(!proven, "nothing to check: no prune cycle saw the pending rows staged for it (or nothing pruned and no replay was asked)")
+    // Rows staged for the prune that no cycle reached are a test that did not happen, not
+    // "nothing to check": an unlisted retention_safety then makes the run inconclusive.
+    let why = if staged_pending || !edges.is_empty() {
+        "unproven: the rows staged for the prune (backdated pending rows, inbox edge records) were never reached by a prune cycle"
+    } else {
+        "nothing to check: no prune cycle ran and no replay was asked"
+    };
+    v.settle(!proven, why)
 }

@@ -739,6 +739,37 @@ fn no_phantom_holds_effects_to_the_committed_aggregates() {
     assert!(v.witnesses[0].contains("committed in cases' database but its write was failed"), "{:?}", v.witnesses);
 }
 
+/// Issue 22: a phantom is blamed on the replica that took its write, with the behaviour it
+/// ran and the faults on it then, so a twin (mutant-stage-before-write) is red for its cause;
+/// an effect nobody wrote has no replica to blame.
+#[test]
+fn no_phantom_blames_the_replica_that_took_the_write_and_its_faults() {
+    let mut h = History::default();
+    started(&mut h, 0, "cases-1", &[]);
+    h.push(5, Event::Fault { kind: "mutant".into(), target: "cases-1".into(), phase: Phase::Start });
+    h.push(100, Event::Fault { kind: "refuse_staging".into(), target: "database".into(), phase: Phase::Start });
+    h.push(150, Event::Write { referral: id(2), replica: "cases-1".into(), outcome: Outcome::Unknown, status: Some(503) });
+    h.push(150, Event::Write { referral: id(4), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+    h.push(900, Event::Fault { kind: "refuse_staging".into(), target: "database".into(), phase: Phase::End });
+    h.push(1000, Event::Committed { aggregate: id(4), table: "referrals".into() });
+    h.push(1000, Event::CommittedRead);
+    effect(&mut h, 200, 102, 2);
+    effect(&mut h, 201, 104, 4);
+    h.sort();
+    let v = no_phantom(&h);
+    assert_eq!((v.validity, v.violations), (Validity::Invalid, 1), "{v:?}");
+    for cause in ["kind:phantom", "replica:cases-1", "compat:current", "fault:mutant cases-1", "fault:refuse_staging database"] {
+        assert!(v.all_point_at(cause), "{cause}: {:?}", v.culprits);
+    }
+    assert!(v.witnesses[0].contains("never committed") && v.witnesses[0].contains("its write went to cases-1 (current) @150ms"), "{:?}", v.witnesses);
+    // An effect of a referral nobody wrote: unknown culprits, never a named replica.
+    effect(&mut h, 202, 109, 9);
+    h.sort();
+    let v = no_phantom(&h);
+    assert_eq!(v.violations, 2);
+    assert!(!v.all_point_at("replica:cases-1") && v.culprits.get("replica:unknown") == Some(&1), "{:?}", v.culprits);
+}
+
 /// Issue 22 audit: an empty read of cases' database is still a read: every effect is then
 /// of an aggregate it does not hold. No read at all decides nothing about commits.
 #[test]
@@ -1195,6 +1226,15 @@ fn sentinel_integrity_needs_a_judged_200_for_every_key_after_the_heal() {
 /// is a violation of its own kind; a run where nothing pruned or replayed proves nothing.
 #[test]
 fn retention_safety_holds_the_prune_and_the_replay_rule() {
+    // Staged rows no prune cycle reached: unproven, which is not "nothing to check" (an
+    // unlisted retention_safety must then make the run inconclusive, never drop out).
+    let mut unproven = History::default();
+    unproven.push(0, Event::Backdated { referral: id(1) });
+    let v = retention_safety(&unproven);
+    assert_eq!(v.validity, Validity::Unknown, "{v:?}");
+    assert!(!v.nothing_to_check() && v.error.as_deref().is_some_and(|e| e.starts_with("unproven")), "{v:?}");
+    assert!(retention_safety(&History::default()).nothing_to_check(), "no rows staged, no cycle, no replay");
+
     let day = 86_400_000;
     let replay = |h: &mut History, t, age, status| {
         h.push(t, Event::Replay { replica: "cases-1".into(), from_age_ms: age, window_ms: 30 * day, status: Some(status), restaged: None })

@@ -485,7 +485,7 @@ async fn inject(
             log.evidence(kind, &label, (!pids.is_empty()).then(|| format!("{} backend(s) named {name} terminated (pids {pids:?})", pids.len())));
         }
         (FaultTarget::Database, FaultKind::RefuseStaging) => {
-            let (svc, every) = (f.service.clone().expect("validated"), f.every.expect("validated"));
+            let (svc, every, table) = (f.service.clone().expect("validated"), f.every.expect("validated"), f.refused_table().to_owned());
             let url = backend.lock().await.endpoints().database_url(&svc).context("no database for the service")?.to_owned();
             let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&url).await?;
             // A sequence counts every insert tried (nextval survives the rollback it causes):
@@ -496,17 +496,17 @@ async fn inject(
                 format!(
                     "CREATE OR REPLACE FUNCTION chaos_refuse_staging() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
                      IF nextval('chaos_refuse_staging_seq') % {every} = 0 THEN \
-                     RAISE EXCEPTION 'chaos refuse_staging: this outbox insert is refused' USING ERRCODE = '40001'; END IF; \
+                     RAISE EXCEPTION 'chaos refuse_staging: this insert into {table} is refused' USING ERRCODE = '40001'; END IF; \
                      RETURN NEW; END $$"
                 ),
-                "DROP TRIGGER IF EXISTS chaos_refuse_staging ON event_outbox".to_owned(),
-                "CREATE TRIGGER chaos_refuse_staging BEFORE INSERT ON event_outbox FOR EACH ROW EXECUTE FUNCTION chaos_refuse_staging()".to_owned(),
+                format!("DROP TRIGGER IF EXISTS chaos_refuse_staging ON {table}"),
+                format!("CREATE TRIGGER chaos_refuse_staging BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION chaos_refuse_staging()"),
             ] {
                 sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await?;
             }
             tokio::time::sleep(hold).await;
             // Healed first, whatever the evidence read says.
-            sqlx::query("DROP TRIGGER IF EXISTS chaos_refuse_staging ON event_outbox").execute(&pool).await?;
+            sqlx::query(sqlx::AssertSqlSafe(format!("DROP TRIGGER IF EXISTS chaos_refuse_staging ON {table}"))).execute(&pool).await?;
             let tried: Option<i64> = sqlx::query_scalar("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM chaos_refuse_staging_seq")
                 .fetch_optional(&pool)
                 .await
@@ -521,7 +521,7 @@ async fn inject(
                 }
                 Some(tried) => {
                     let refused = tried / i64::from(every);
-                    (refused > 0).then(|| format!("{refused} of {tried} inserts into {svc}'s event_outbox refused"))
+                    (refused > 0).then(|| format!("{refused} of {tried} inserts into {svc}'s {table} refused"))
                 }
             };
             log.evidence(kind, &label, evidence);

@@ -148,6 +148,14 @@ async fn create_referral(State(state): State<AppState>, Bearer(claims): Bearer, 
 async fn write_referral(state: &AppState, id: Uuid, subject: &str, by: Uuid) -> Result<Uuid, sqlx::Error> {
     let envelope = EventEnvelope::new(REFERRAL_CREATED, "cases", Some(id), json!({ "referral_id": id, "subject": subject }))
         .expect("static event type and service name are valid");
+    // Test-only (issue 22): the event commits in a transaction of its own BEFORE the
+    // referral's; a referral that then fails to commit leaves its event out (a phantom).
+    let staged_before = craig_mq::crash::mutant("cases::stage_before_write");
+    if staged_before {
+        let mut first = state.pool.begin().await?;
+        publish_in_tx(&mut first, &envelope).await?;
+        first.commit().await?;
+    }
     let mut tx = state.pool.begin().await?;
     sqlx::query("INSERT INTO referrals (id, subject, created_by) VALUES ($1, $2, $3)")
         .bind(id)
@@ -155,6 +163,10 @@ async fn write_referral(state: &AppState, id: Uuid, subject: &str, by: Uuid) -> 
         .bind(by)
         .execute(&mut *tx)
         .await?;
+    if staged_before {
+        tx.commit().await?;
+        return Ok(envelope.id);
+    }
     if let Some(direct) = &state.direct {
         // Compat pre-d1: commit, then publish; a failed publish is only logged.
         tx.commit().await?;
