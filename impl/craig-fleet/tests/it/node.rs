@@ -92,7 +92,7 @@ async fn without_the_inbox_a_redelivery_runs_the_handler_twice() {
 #[tokio::test]
 async fn referrals_flow_from_http_to_rule_evaluations() {
     let fleet = Fleet::new("http_to_rules", &[Service::Cases, Service::Rules]).await;
-    // The deploy step (README): rule.evaluated needs security's audit queue to be routable.
+    // The deploy step (docs/operations.md): rule.evaluated needs security's audit queue to be routable.
     craig_fleet::node::declare_topology(fleet.sandbox.amqp_url(), true).await.unwrap();
     let rules = fleet.start(Service::Rules, &[], &[]).await;
     let cases = fleet.start(Service::Cases, &[], &[]).await;
