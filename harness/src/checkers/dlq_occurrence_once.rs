@@ -36,8 +36,9 @@ pub(super) fn uncorroborated_loss(windows: &[(String, u64, u64)], since: u64) ->
 /// - an audit row of bytes that never reached `craig.dlx` is a violation (a record of
 ///   nothing);
 /// - completed XOR dead-lettered: an envelope that took effect on a consumer (rules,
-///   financial) must not also be dead-lettered from that consumer's queue, unless the inbox
-///   reported re-running it;
+///   financial) must not also be dead-lettered from that consumer's queue, unless a replica
+///   of that consumer reported re-running it (`inbox.reprocessed`) after the effect and
+///   before the dead letter;
 /// - #1196: a dead letter names the consumer queue of the replica that gave it up (its
 ///   reject or app-path surface, from the replica's own log), on either path.
 pub fn dlq_occurrence_once(h: &History) -> Verdict {
@@ -46,7 +47,7 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
     let mut tokenless_taps: BTreeMap<String, usize> = BTreeMap::new();
     let mut tapped_keys: HashSet<String> = HashSet::new();
     // Each dead-lettered envelope and the consumer queues it was dead-lettered from.
-    let mut dead_from: HashMap<Uuid, HashSet<&str>> = HashMap::new();
+    let mut dead_from: HashMap<Uuid, HashMap<&str, u64>> = HashMap::new();
     let mut taps = 0;
     let mut rows: Vec<(&str, Option<&str>, &str)> = Vec::new();
     // Who handed each envelope to dead-lettering (a reject, an app-path surface).
@@ -86,7 +87,7 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
                     if let Some(consumer) = staged_for.get(env).filter(|c| !gave_up.contains_key(env) && q != craig_mq::topology::consumer_queue(c)) {
                         named_wrong = true;
                         misattributed += 1;
-                        v.blame(dead_letter_tags(h, "misattributed", consumer, Through::Nothing));
+                        v.blame(dead_letter_tags(h, "misattributed", consumer, Through::Nothing, 0));
                         v.witness(format!(
                             "dead letter of envelope {env} names queue {q}, but the harness staged it for {consumer} ({}); no replica logged giving it up",
                             craig_mq::topology::consumer_queue(consumer)
@@ -137,7 +138,7 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
                     None => *tokenless_taps.entry(key.clone()).or_default() += 1,
                 }
                 if let (Some(env), Some(q)) = (envelope, queue.as_deref()) {
-                    dead_from.entry(*env).or_default().insert(q);
+                    dead_from.entry(*env).or_default().entry(q).or_insert(e.t_ms);
                 }
             }
             Event::Audited { key, token, disposition, .. } => rows.push((key.as_str(), token.as_deref(), disposition.as_str())),
@@ -205,7 +206,10 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
             }
             n => {
                 doubled += 1;
-                v.blame(dead_letter_tags(h, "doubled", "security", Through::Broker));
+                // Recorded twice only after it reached craig.dlx: a fault over before then
+                // (a crash, a broker fault) did not do it.
+                let since = keys.iter().filter_map(|k| tapped_at.get(k.as_str()).copied()).min().unwrap_or(0);
+                v.blame(dead_letter_tags(h, "doubled", "security", Through::Broker, since));
                 let dispositions: Vec<&str> = mine.iter().map(|&i| rows[i].2).collect();
                 v.witness(format!("occurrence {token} has {n} audit rows ({}): one occurrence recorded more than once", dispositions.join(", ")));
             }
@@ -239,7 +243,7 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
     for (i, (key, token, disposition)) in rows.iter().enumerate() {
         if !used[i] {
             unexplained += 1;
-            v.blame(dead_letter_tags(h, "unexplained", "security", Through::Nothing));
+            v.blame(dead_letter_tags(h, "unexplained", "security", Through::Nothing, 0));
             let what = token.map_or_else(|| format!("bytes {key}"), |t| format!("token {t}"));
             let why = if tapped_keys.contains(*key) { "a further row of a delivery already recorded" } else { "nothing with these bytes reached craig.dlx" };
             v.witness(format!("audit row ({disposition}) of {what}: {why}"));
@@ -247,23 +251,38 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
     }
     // Completed XOR dead-lettered.
     let mut both = 0;
-    let reprocessed: HashSet<Uuid> =
-        h.iter().filter_map(|e| if let Event::Reprocessed { envelope, .. } = &e.event { Some(*envelope) } else { None }).collect();
-    // Which consumer queue each envelope took effect behind.
-    let mut effected: BTreeMap<Uuid, std::collections::BTreeSet<String>> = BTreeMap::new();
+    // The #1180 window as the system reports it: which replica re-ran which envelope, when.
+    let mut reprocessed: HashMap<Uuid, Vec<(u64, &str)>> = HashMap::new();
+    // Which consumer queue each envelope took effect behind, and when it first did.
+    let mut effected: BTreeMap<Uuid, BTreeMap<String, u64>> = BTreeMap::new();
     for e in h.iter() {
-        if let Event::Effect { envelope, service, .. } = &e.event {
-            effected.entry(*envelope).or_default().insert(craig_mq::topology::consumer_queue(service));
+        match &e.event {
+            Event::Reprocessed { envelope, replica } => reprocessed.entry(*envelope).or_default().push((e.t_ms, replica)),
+            Event::Effect { envelope, service, .. } => {
+                effected.entry(*envelope).or_default().entry(craig_mq::topology::consumer_queue(service)).or_insert(e.t_ms);
+            }
+            _ => {}
         }
     }
     for (env, queues) in &effected {
         let Some(dead) = dead_from.get(env) else { continue };
-        for q in queues.iter().filter(|q| dead.contains(q.as_str())) {
-            if !reprocessed.contains(env) {
+        for (q, effect_at) in queues {
+            let Some(dead_at) = dead.get(q.as_str()) else { continue };
+            let service = q.strip_prefix("craig-").and_then(|r| r.strip_suffix(".events")).unwrap_or(q);
+            // Excused only by a redelivery in between, as the system reports it: a replica of
+            // this very consumer re-ran the envelope after it took effect and before it was
+            // dead-lettered (it took effect, the stamp was lost, the re-run failed for good).
+            let in_between = reprocessed.get(env).is_some_and(|runs| {
+                runs.iter().any(|(t, r)| {
+                    service_of(r) == service && *effect_at <= t.saturating_add(WINDOW_SLACK_MS) && *t <= dead_at.saturating_add(WINDOW_SLACK_MS)
+                })
+            });
+            if !in_between {
                 both += 1;
-                let service = q.strip_prefix("craig-").and_then(|r| r.strip_suffix(".events")).unwrap_or(q);
-                v.blame(dead_letter_tags(h, "completed_and_dead_lettered", service, Through::Nothing));
-                v.witness(format!("envelope {env} took effect on {service} AND was dead-lettered from {q}, with no redelivery in between"));
+                v.blame(dead_letter_tags(h, "completed_and_dead_lettered", service, Through::Nothing, 0));
+                v.witness(format!(
+                    "envelope {env} took effect on {service} @{effect_at}ms AND was dead-lettered from {q} @{dead_at}ms, with no redelivery in between"
+                ));
             }
         }
     }
@@ -280,12 +299,14 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
     // Issue 21.1: a delivery in the capture queue was acked off the DLQ with no audit row;
     // the harness read the queue itself. One it could not read leaves the verdict open.
     let captured = h.iter().find_map(|e| if let Event::CaptureLeft { count } = e.event { Some(count) } else { None });
+    // A captured delivery reached craig.dlx first: faults over before the first tap did not do it.
+    let first_tap = tapped_at.values().copied().min().unwrap_or(0);
     let mut unread_capture = false;
     match captured {
         Some(u32::MAX) => unread_capture = true,
         Some(n) if n > 0 => {
             for _ in 0..n {
-                v.blame(dead_letter_tags(h, "captured", "security", Through::Database));
+                v.blame(dead_letter_tags(h, "captured", "security", Through::Database, first_tap));
             }
             v.witness(format!(
                 "{n} dead letter(s) left in {}: acked off the DLQ and never recorded in dead_letter_audit",

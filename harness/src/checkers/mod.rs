@@ -280,8 +280,9 @@ pub(super) enum Through {
 /// The cause tags of a dead-letter violation of `kind`: the kind; every replica of
 /// `service` with the compat it ran last (the audit row does not say which replica wrote
 /// it); and the faults that can cause that kind ([`Through`]) on that service's replicas,
-/// their links, or the server in question.
-pub(super) fn dead_letter_tags(h: &History, kind: &str, service: &str, through: Through) -> Vec<String> {
+/// their links, or the server in question, whose window reaches past `since` (issue 22.8: a
+/// fault over before the harm could begin caused none of it; 0 where no moment is known).
+pub(super) fn dead_letter_tags(h: &History, kind: &str, service: &str, through: Through, since: u64) -> Vec<String> {
     debug_assert!(VIOLATION_KINDS.contains(&kind));
     let mut tags = vec![format!("kind:{kind}")];
     tags.extend(service_culprits(h, service));
@@ -290,7 +291,7 @@ pub(super) fn dead_letter_tags(h: &History, kind: &str, service: &str, through: 
         Through::Broker => "broker",
         Through::Nothing => return tags,
     };
-    tags.extend(h.fault_windows().into_iter().map(|(tag, ..)| tag).filter(|tag| {
+    tags.extend(h.fault_windows().into_iter().filter(|(_, _, to)| to.saturating_add(WINDOW_SLACK_MS) >= since).map(|(tag, ..)| tag).filter(|tag| {
         let target = tag.split_once(' ').map_or("", |(_, t)| t);
         match fault_replica(tag) {
             None => target == server,

@@ -2,6 +2,20 @@
 
 use super::*;
 
+/// Whether fault `tag` (in force at the answer) leaves `replica` without its database: the
+/// server killed or paused, or this replica's own link to it down or toxic. A fault that
+/// leaves the server answering (`refuse_staging`, which refuses outbox or referral inserts
+/// an export never makes; `terminate`, which cuts only the connections its
+/// `application_name` names, never the request pool's) or cuts another replica's link
+/// excuses no 503.
+fn cuts_off_database(tag: &str, replica: &str) -> bool {
+    match tag.strip_prefix("fault:").and_then(|t| t.split_once(' ')) {
+        Some(("kill" | "pause", "database")) => true,
+        Some(("down" | "toxic", link)) => link.strip_prefix(replica) == Some("->database"),
+        _ => false,
+    }
+}
+
 /// §D5 as the clients and the database saw it (`kind = "exports"`):
 ///
 /// - **runs**: the handler ran at most once per key and query (`exports` rows by key and
@@ -20,8 +34,9 @@ use super::*;
 ///   here), or the sentinel (`Idempotency-Body-Too-Large`, empty) only on a replay of an
 ///   over-cap body (`kind:false_sentinel`). Clients that went away on purpose are not
 ///   judged on bytes; a 409 must carry `Retry-After` (`kind:no_retry_after`), a 503 is
-///   excused only inside the window of a fault on the database or the replica's link to it
-///   (counted), and any other status than 200 or 409 is `kind:unexpected_status`.
+///   excused only inside the window of a fault that cuts the replica off its database (the
+///   server killed or paused, the replica's own link down or toxic; counted), and any other
+///   status than 200 or 409 is `kind:unexpected_status`.
 pub fn sentinel_integrity(h: &History) -> Verdict {
     let mut v = Verdict::new("sentinel_integrity");
     let cap = craig_api::idempotency::RESPONSE_BODY_CAP as u64;
@@ -30,8 +45,8 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
         expected.entry(n).or_insert_with(|| craig_api::idempotency::body_fingerprint(&craig_fleet::cases::export_body(n as usize))).clone()
     };
     let (mut judged, mut live, mut replays, mut sentinels, mut cancelled, mut unanswered, mut in_flight) = (0, 0, 0, 0, 0, 0, 0);
-    // A 503 is the honest answer while the replica's database is down (a kill, a pause, a
-    // terminate, its link cut): excused only inside such a fault's window, by the harness's
+    // A 503 is the honest answer while the replica's database is out of reach (killed,
+    // paused, its link cut: `cuts_off_database`): excused only inside such a fault's window, by the harness's
     // own record of it; the key must still end answered (`never_answered` below).
     let windows = h.fault_windows();
     let mut unavailable = 0;
@@ -82,10 +97,7 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
                     if *replayed { "wrong_replay" } else { "wrong_live" }
                 }
             }
-            (Some(503), _)
-                if faults_on(&windows, replica, e.t_ms)
-                    .iter()
-                    .any(|tag| tag.ends_with(" database") || tag.ends_with(&format!(" {replica}->database"))) =>
+            (Some(503), _) if faults_on(&windows, replica, e.t_ms).iter().any(|tag| cuts_off_database(tag, replica)) =>
             {
                 unavailable += 1;
                 continue;

@@ -118,6 +118,22 @@ fn dlq_occurrence_once_finds_lost_doubled_and_unexplained_rows() {
     let v = dlq_occurrence_once(&doubled);
     assert_eq!((v.validity, v.counts["doubled"]), (Validity::Invalid, 1), "{v:?}");
     assert!(v.all_point_at("compat:pre-1181") && v.all_point_at("kind:doubled"), "{:?}", v.culprits);
+    // Issue 22.8: a fault over before the occurrence reached craig.dlx did not record it
+    // twice; one in force after it may have.
+    let mut late = History::default();
+    started(&mut late, 0, "security-1", &["pre-1181"]);
+    late.push(100, Event::Fault { kind: "crash".into(), target: "security-1".into(), phase: Phase::Start });
+    late.push(200, Event::Fault { kind: "crash".into(), target: "security-1 restarted".into(), phase: Phase::End });
+    late.push(1, Event::DeadLetterStaged { envelope: key_envelope("k1"), service: "rules".into() });
+    late.push(5_000, Event::DeadLettered { key: "k1".into(), token: Some("xdeath:1".into()), envelope: Some(key_envelope("k1")), queue: None, event_type: None });
+    late.push(6_000, Event::Fault { kind: "kill".into(), target: "broker".into(), phase: Phase::Start });
+    late.push(7_000, Event::Fault { kind: "kill".into(), target: "broker".into(), phase: Phase::End });
+    audited(&mut late, "k1", None, "tokenless", "a", 1);
+    audited(&mut late, "k1", None, "tokenless", "a", 2);
+    late.sort();
+    let v = dlq_occurrence_once(&late);
+    assert_eq!(v.counts["doubled"], 1, "{v:?}");
+    assert!(v.all_point_at("fault:kill broker") && !v.culprits.contains_key("fault:crash security-1"), "{:?}", v.culprits);
 
     let mut lost = History::default();
     started(&mut lost, 0, "security-1", &["pre-1197"]);
@@ -176,6 +192,13 @@ fn an_envelope_both_handled_and_dead_lettered_is_a_violation() {
     h.sort();
     let v = dlq_occurrence_once(&h);
     assert_eq!(v.counts["completed_and_dead_lettered"], 1, "{v:?}");
+    // Issue 22.8: the re-run must be this consumer's, between the effect and the dead letter.
+    for (t, replica) in [(3, "security-1"), (2 + 10 * WINDOW_SLACK_MS, "rules-1")] {
+        let mut other = h.clone();
+        other.push(t, Event::Reprocessed { envelope: id(1), replica: replica.into() });
+        other.sort();
+        assert_eq!(dlq_occurrence_once(&other).counts["completed_and_dead_lettered"], 1, "a re-run by {replica} @{t}ms excuses nothing");
+    }
     h.push(3, Event::Reprocessed { envelope: id(1), replica: "rules-1".into() });
     assert_eq!(dlq_occurrence_once(&h).validity, Validity::Valid);
 }
@@ -951,7 +974,7 @@ fn dead_letters_of_a_second_consumer_are_held_to_its_own_queue() {
     let v = dlq_occurrence_once(&h);
     assert_eq!((v.counts["misattributed"], v.counts["completed_and_dead_lettered"]), (1, 1), "{v:?}");
     assert!(v.witnesses.iter().any(|w| w.contains("staged it for financial (craig-financial.events)")), "{:?}", v.witnesses);
-    assert!(v.witnesses.iter().any(|w| w.contains("took effect on financial AND was dead-lettered from craig-financial.events")), "{:?}", v.witnesses);
+    assert!(v.witnesses.iter().any(|w| w.contains("took effect on financial @30ms AND was dead-lettered from craig-financial.events @10ms")), "{:?}", v.witnesses);
     assert_eq!(v.culprits.get("replica:financial-1"), Some(&2), "{:?}", v.culprits);
 }
 
@@ -1143,6 +1166,23 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
     answered_503(&mut broker, 80);
     broker.sort();
     assert_eq!(sentinel_integrity(&broker).culprits.get("kind:unexpected_status"), Some(&1), "a broker fault excuses no 503 on an export");
+    // Only a fault that cuts this replica off its database: one that leaves the server
+    // answering exports (refuse_staging, terminate of the listener) or cuts another
+    // replica's link excuses nothing.
+    for (kind, target) in [("refuse_staging", "database"), ("terminate", "database"), ("down", "cases-2->database"), ("down", "cases-1->broker")] {
+        let mut other = h.clone();
+        other.push(60, Event::Fault { kind: kind.into(), target: target.into(), phase: Phase::Start });
+        other.push(90, Event::Fault { kind: kind.into(), target: target.into(), phase: Phase::End });
+        answered_503(&mut other, 80);
+        other.sort();
+        assert_eq!(sentinel_integrity(&other).culprits.get("kind:unexpected_status"), Some(&1), "{kind} {target} excuses no 503");
+    }
+    let mut link = h.clone();
+    link.push(60, Event::Fault { kind: "toxic".into(), target: "cases-1->database (reset_peer)".into(), phase: Phase::Start });
+    link.push(90, Event::Fault { kind: "toxic".into(), target: "cases-1->database (reset_peer)".into(), phase: Phase::End });
+    answered_503(&mut link, 80);
+    link.sort();
+    assert_eq!(sentinel_integrity(&link).counts["unavailable_during_database_fault"], 1, "its own link to the database");
     let mut later = down.clone();
     answered_503(&mut later, 2_000);
     later.sort();

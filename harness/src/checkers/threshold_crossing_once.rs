@@ -121,7 +121,7 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
     let spurious_tags = |et: &str| {
         let spans = doubled_spans.get(et).map(Vec::as_slice).unwrap_or(&[]);
         let windows = h.fault_windows();
-        let mut tags = dead_letter_tags(h, "spurious_crossing", "security", Through::Broker);
+        let mut tags = dead_letter_tags(h, "spurious_crossing", "security", Through::Broker, 0);
         tags.retain(|tag| {
             !tag.starts_with("fault:")
                 || windows.iter().any(|(w, from, to)| {
@@ -143,7 +143,7 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
                 *by_count.entry(event_type.clone()).or_default() += 1;
             } else {
                 wrong_arrival += 1;
-                v.blame(dead_letter_tags(h, "re_emitted", "security", Through::Nothing));
+                v.blame(dead_letter_tags(h, "re_emitted", "security", Through::Nothing, 0));
                 v.witness(format!("{event_type}: a threshold event was emitted at in-window count {count}, not at the crossing from 10 to 11"));
             }
             continue;
@@ -161,7 +161,7 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
             ));
         } else {
             wrong_arrival += 1;
-            v.blame(dead_letter_tags(h, "re_emitted", "security", Through::Nothing));
+            v.blame(dead_letter_tags(h, "re_emitted", "security", Through::Nothing, 0));
             let at = match (row_type.get(tx), ours) {
                 (Some(et), Some(n)) => format!("the arrival of a {et} dead letter at in-window count {n} by the harness's own count"),
                 (Some(et), None) => format!("the arrival of a {et} dead letter outside the window"),
@@ -190,7 +190,7 @@ pub fn threshold_crossing_once(h: &History) -> Verdict {
             if got < want {
                 missed += want - got;
             }
-            v.blame(dead_letter_tags(h, if got > want { "re_emitted" } else { "missed_crossing" }, "security", Through::Nothing));
+            v.blame(dead_letter_tags(h, if got > want { "re_emitted" } else { "missed_crossing" }, "security", Through::Nothing, 0));
             v.witness(format!(
                 "{et}: {occurrences} recorded occurrence(s) cross the threshold {want} time(s), but {got} threshold event(s) were emitted at a crossing{}",
                 if got > want { " (re-emitted during a sustained breach)" } else { " (a crossing went unannounced)" }
