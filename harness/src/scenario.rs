@@ -859,6 +859,12 @@ fn in_our_words(message: &str) -> String {
     m
 }
 
+/// Whether `line` writes `key` (`key = …`) or opens table `key` (`[table]`): a word in a
+/// description, or a longer key that starts with it (`attributes` for `at`), is not it.
+fn writes_key(line: &str, key: &str) -> bool {
+    line.trim_start().strip_prefix(key).is_some_and(|rest| key.starts_with('[') || rest.trim_start().starts_with('='))
+}
+
 /// Parse and validate one scenario file.
 pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
     let file = path.display().to_string();
@@ -873,9 +879,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
     let at = |needle: &str| {
         let mut off = 0;
         for l in text.split_inclusive('\n') {
-            let line = l.trim_start();
-            let is_it = line.strip_prefix(needle).is_some_and(|rest| needle.starts_with('[') || rest.trim_start().starts_with('='));
-            if is_it {
+            if writes_key(l, needle) {
                 let o = off + (l.len() - l.trim_start().len());
                 return Some(o..o);
             }
@@ -894,7 +898,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         });
         let hit = found
             .take_while(|(o, l)| *o == 0 || !l.trim_start().starts_with('['))
-            .filter(|(_, l)| l.trim_start().starts_with(key))
+            .filter(|(_, l)| writes_key(l, key))
             .map(|(o, _)| span.start + o)
             .next();
         Some(hit.map(|o| o..o).unwrap_or(span))
@@ -1151,6 +1155,21 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         if matches!(fault.kind, FaultKind::Pause | FaultKind::Toxic | FaultKind::Down | FaultKind::QueueLimit | FaultKind::Terminate | FaultKind::RefuseStaging) && fault.duration_ms.is_none() {
             return Err(err(span, "this fault needs duration_ms (when it heals)".into()));
         }
+        // A fault that could never fire leaves its run without evidence: say so here.
+        if let Trigger::AfterWrites(n) = fault.at {
+            if n > s.workload.writes {
+                return Err(err(key_in(f.span(), "at"), format!("after_writes = {n} would never fire: the workload makes writes = {} before the faults heal", s.workload.writes)));
+            }
+        }
+        if let Some(t) = &fault.toxic {
+            if !(0.0..=1.0).contains(&t.toxicity) {
+                return Err(err(key_in(f.span(), "toxic"), format!("toxicity is a share of the link's connections: 0..=1, not {}", t.toxicity)));
+            }
+        }
+        // The runner restarts a crashed replica once: a second crash of it would never fire.
+        if fault.kind == FaultKind::Crash && s.faults.iter().filter(|g| g.get_ref().kind == FaultKind::Crash && g.get_ref().target == fault.target).count() > 1 {
+            return Err(err(span, format!("{}: one crash per replica (a crashed replica is restarted once)", fault.target)));
+        }
     }
     s.floor.acknowledged = (u64::from(s.workload.writes) / 2).max(1);
     for (key, raw) in std::mem::take(&mut s.expect_raw) {
@@ -1306,6 +1325,22 @@ effect_once = { violate = "compat:pre-d2" }
 
     fn rejected(text: &str) -> ScenarioError {
         parse_str(text).unwrap_err()
+    }
+
+    /// A fault that could never fire is refused with its line: a write count past the
+    /// workload's, a toxicity outside 0..=1, a second crash of one replica.
+    #[test]
+    fn faults_that_could_never_fire_are_refused_with_their_line() {
+        let e = rejected(&GOOD.replace("at = { after_ms = 100 }", "at = { after_writes = 11 }"));
+        assert_eq!(e.line, 21, "{e}");
+        assert!(e.reason.starts_with("after_writes = 11 would never fire: the workload makes writes = 10"), "{e}");
+        parse_str(&GOOD.replace("at = { after_ms = 100 }", "at = { after_writes = 10 }")).unwrap();
+        let e = rejected(&GOOD.replace("stream = \"upstream\",", "stream = \"upstream\", toxicity = 1.5,"));
+        assert_eq!(e.line, 23, "{e}");
+        assert!(e.reason.starts_with("toxicity is a share of the link's connections: 0..=1, not 1.5"), "{e}");
+        let again = GOOD.replace("[expect]\n", "[[faults]]\nkind = \"crash\"\ntarget = \"cases-2\"\nfailpoint = \"outbox::after_publish_before_stamp\"\nat = { failpoint_hit = 5 }\n\n[expect]\n");
+        let e = rejected(&again);
+        assert!(e.reason.starts_with("cases-2: one crash per replica"), "{e}");
     }
 
     /// Issue 22: a mutant names one of the build's mutants in the target's own service; a

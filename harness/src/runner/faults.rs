@@ -205,7 +205,7 @@ async fn watch_replicas(s: Scenario, log: Log, replicas: Replicas, restarts: Res
             if let Some(f) = fault {
                 restarts.fired.lock().unwrap().insert(name.clone());
                 let fp = f.failpoint.as_deref().unwrap_or("?");
-                let label = format!("{name} at {fp}");
+                let label = label(f);
                 log.fault("crash", &label, Phase::Start);
                 // The evidence: the node's own `failpoint.abort` for this crash point in its
                 // last incarnation — any other exit is not the fault that was asked for.
@@ -287,23 +287,7 @@ async fn inject(
         }
     }
     let kind = f.kind.name();
-    let label = match (&f.toxic, f.kind) {
-        (_, FaultKind::Upgrade | FaultKind::Downgrade) => {
-            let to = f.compat.as_deref().filter(|c| !c.is_empty()).map(|c| c.join(",")).unwrap_or_else(|| "current".into());
-            format!("{} to {to}", f.target)
-        }
-        // "database (cases)": which service's outbox refuses (the cause tag stays
-        // `fault:refuse_staging database`).
-        (_, FaultKind::RefuseStaging) => format!("{} ({})", f.target, f.service.as_deref().unwrap_or("?")),
-        (_, FaultKind::Terminate) => {
-            format!("{} ({})", f.target, f.application_name.as_deref().unwrap_or(craig_mq::outbox::notify::APPLICATION_NAME))
-        }
-        (Some(t), FaultKind::Toxic) => format!("{} ({} {})", f.target, t.kind.type_name(), t.stream.as_str()),
-        (_, FaultKind::QueueLimit) => {
-            format!("{} (max-length {}, reject-publish)", f.queue.as_deref().unwrap_or("?"), f.max_length.unwrap_or(0))
-        }
-        _ => f.target.clone(),
-    };
+    let label = label(&f);
     let hold = Duration::from_millis(f.duration_ms.or(f.restart_after_ms).unwrap_or(0));
     if f.kind != FaultKind::QueueLimit {
         log.fault(kind, &label, Phase::Start);
@@ -586,10 +570,60 @@ impl HeadDropProbe {
     }
 }
 
+/// How the report names fault `f`; `History::fault_windows` turns it back into the cause
+/// tag `fault:<kind> <target>` that a scenario's `[expect]` names (a test holds every
+/// shipped fault to it).
+pub(crate) fn label(f: &Fault) -> String {
+    match (&f.toxic, f.kind) {
+        (_, FaultKind::Crash) => format!("{} at {}", f.target, f.failpoint.as_deref().unwrap_or("?")),
+        (_, FaultKind::Upgrade | FaultKind::Downgrade) => {
+            let to = f.compat.as_deref().filter(|c| !c.is_empty()).map(|c| c.join(",")).unwrap_or_else(|| "current".into());
+            format!("{} to {to}", f.target)
+        }
+        // "database (cases)": which service's outbox refuses (the cause tag stays
+        // `fault:refuse_staging database`).
+        (_, FaultKind::RefuseStaging) => format!("{} ({})", f.target, f.service.as_deref().unwrap_or("?")),
+        (_, FaultKind::Terminate) => {
+            format!("{} ({})", f.target, f.application_name.as_deref().unwrap_or(craig_mq::outbox::notify::APPLICATION_NAME))
+        }
+        (Some(t), FaultKind::Toxic) => format!("{} ({} {})", f.target, t.kind.type_name(), t.stream.as_str()),
+        (_, FaultKind::QueueLimit) => {
+            // "broker (craig-rules.events max-length 20, reject-publish)": the cause tag is
+            // `fault:queue_limit broker`, as the scenario targets it.
+            format!("{} ({} max-length {}, reject-publish)", f.target, f.queue.as_deref().unwrap_or("?"), f.max_length.unwrap_or(0))
+        }
+        _ => f.target.clone(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use craig_mq::topology::{QueueSpec, declare_consumer_queue, queue_depth};
+
+    /// A cause a scenario names (`fault:<kind> <target>`, what the parser accepts) is the tag
+    /// its fault's window carries: for every fault of every shipped scenario, the report's
+    /// label (a crash's restart too) reads back as that tag. (`fault:queue_limit broker`
+    /// could never be met while the label led with the queue.)
+    #[test]
+    fn every_shipped_fault_reads_back_as_the_cause_its_scenario_names() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios");
+        let mut paths: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "toml")).collect();
+        paths.sort();
+        let mut kinds = std::collections::BTreeSet::new();
+        for s in crate::scenario::load(&paths).unwrap() {
+            for f in s.faults.iter().map(|f| f.get_ref()) {
+                let mut h = crate::history::History::default();
+                let end = if f.kind == FaultKind::Crash { format!("{} restarted", f.target) } else { label(f) };
+                h.push(1, Event::Fault { kind: f.kind.name().into(), target: label(f), phase: Phase::Start });
+                h.push(2, Event::Fault { kind: f.kind.name().into(), target: end, phase: Phase::End });
+                let want = format!("fault:{} {}", f.kind.name(), f.target);
+                assert_eq!(h.fault_windows(), vec![(want, 1, 2)], "{}: {f:?}", s.name);
+                kinds.insert(f.kind.name());
+            }
+        }
+        assert!(kinds.contains("queue_limit") && kinds.contains("toxic") && kinds.contains("crash"), "{kinds:?}");
+    }
     use lapin::BasicProperties;
     use lapin::options::{BasicGetOptions, BasicNackOptions, BasicPublishOptions};
 
