@@ -24,6 +24,9 @@ pub(super) struct Schedule {
     late_starts: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
     watcher: tokio::task::JoinHandle<()>,
     restarts: Restarts,
+    /// One per fault that must be in force before the first write (a queue_limit at
+    /// `after_ms = 0`): its policy is set.
+    at_start: Vec<tokio::sync::oneshot::Receiver<()>>,
 }
 
 /// What the watcher knows about crash restarts: the replicas whose crash point fired, and
@@ -63,15 +66,24 @@ impl Schedule {
         let restarts = Restarts::default();
         let watcher = tokio::spawn(watch_replicas(s.clone(), log.clone(), replicas.clone(), restarts.clone(), stop));
         let mut faults = Vec::new();
+        let mut at_start = Vec::new();
         for (i, f) in s.faults.iter().enumerate() {
             let f = f.get_ref().clone();
             if matches!(f.kind, FaultKind::Crash | FaultKind::Mutant) {
                 continue; // armed through FAILPOINTS; the watcher records and restarts
             }
             let target = s.parse_target(&f.target).expect("validated");
+            // A limit "from the start" is in force before the first write, however long
+            // rabbitmqctl takes on a busy machine: applied later, it would land on a backlog.
+            let ready = (f.kind == FaultKind::QueueLimit && f.at == Trigger::AfterMs(0)).then(|| {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                at_start.push(rx);
+                tx
+            });
             faults.push(tokio::spawn(inject(
                 i,
                 f,
+                ready,
                 target,
                 log.clone(),
                 backend.clone(),
@@ -81,7 +93,15 @@ impl Schedule {
                 (writes.0.clone(), writes.1),
             )));
         }
-        Self { faults, late_starts, watcher, restarts }
+        Self { faults, late_starts, watcher, restarts, at_start }
+    }
+
+    /// Every fault that is in force from the start is: the workload writes after this. (A
+    /// fault that failed to apply says so when `healed` awaits it.)
+    pub(super) async fn in_force_at_start(&mut self) {
+        for rx in self.at_start.drain(..) {
+            let _ = rx.await;
+        }
     }
 
     /// Every injected fault has healed, every late replica started, every crashed one
@@ -250,6 +270,7 @@ static ROLLOUT: Mutex<()> = Mutex::const_new(());
 async fn inject(
     index: usize,
     f: Fault,
+    ready: Option<tokio::sync::oneshot::Sender<()>>,
     target: FaultTarget,
     log: Log,
     backend: Arc<Mutex<Backend>>,
@@ -400,6 +421,9 @@ async fn inject(
             let asked = Instant::now();
             backend.lock().await.set_policy(&policy, &pattern, &definition).await?;
             log.fault(kind, &label, Phase::Start);
+            if let Some(ready) = ready {
+                let _ = ready.send(());
+            }
             log.evidence(kind, &label, Some(format!("policy in force {} ms after it was asked for", asked.elapsed().as_millis())));
             // (One hold: the limit is in force for duration_ms, as the scenario says; it
             // used to be held twice over.)

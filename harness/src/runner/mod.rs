@@ -584,6 +584,7 @@ async fn drive(
         tokio::spawn(sampler::sample(log.clone(), pools.clone(), stop_rx.clone(), opts.progress, (writes_rx.clone(), s.workload.writes)));
     let mut schedule = faults::Schedule::start(s, log, &backend, &replicas, &toxi, &ep.amqp_url, (writes_rx, s.workload.writes), stop_rx);
     let writer = workload::Writer { s, log, replicas: &replicas, cases: &cases_pool, secret: &secret, exports: Default::default() };
+    schedule.in_force_at_start().await;
     writer.write(seed, (0, s.workload.writes), writes_tx).await;
     schedule.healed(s, &replicas).await?;
     // Every fault has healed: the system must work again, not only have survived.
