@@ -181,6 +181,10 @@ pub enum Event {
     /// (`send_jobs.finalized`): `result` accepted | refused | failed, and whether its fenced
     /// transition applied (a failed send applied is the fenced retry: the claim is over).
     SendFinalized { correlation: Uuid, replica: String, result: String, applied: bool },
+    /// financial's database put a claimed send job back in the queue (`in_flight ->
+    /// pending`, the fenced retry), by the harness's own trigger: the database's word on
+    /// what `SendFinalized` says.
+    SendReleased { correlation: Uuid },
     /// The send queue's timing in this run (#1185): the claim lease and the per-send cap
     /// the financial replicas were given.
     SendQueue { lease_ms: u64, cap_ms: u64 },

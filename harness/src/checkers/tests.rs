@@ -1018,6 +1018,16 @@ fn fencing_allows_fenced_retries_and_the_at_least_once_resend() {
     h.push(200 + SEND_CAP_MS, Event::PartnerUnanswered { correlation: id(5) });
     post(&mut h, 300 + SEND_CAP_MS, 5, "financial-1", 200);
     h.sort();
+    // Issue 22.8: the sender's word alone excuses nothing; its database must show the job
+    // put back in the queue in that span.
+    let v = fencing(&h);
+    assert_eq!((v.validity, v.counts["double_posts"]), (Validity::Invalid, 1), "{v:?}");
+    let mut elsewhen = h.clone();
+    elsewhen.push(3_000, Event::SendReleased { correlation: id(6) });
+    elsewhen.sort();
+    assert_eq!(fencing(&elsewhen).counts["double_posts"], 1, "a release after the re-send excuses nothing");
+    h.push(895, Event::SendReleased { correlation: id(6) });
+    h.sort();
     let v = fencing(&h);
     assert_eq!((v.validity, v.counts["transmissions"], v.counts["double_posts"]), (Validity::Valid, 5, 0), "{v:?}");
     assert_eq!(v.counts["resent_after_lease"], 4, "the hung, lease-expired, logged-retry and unanswered ones; not the retry after a 500");

@@ -209,6 +209,15 @@ async fn collect_exchanges(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
     for (transaction, from, to, at) in flips {
         log.push_at(log.rel_db(at), Event::TransactionStatus { transaction, from, to });
     }
+    let releases: Vec<(Uuid, i64)> = bounded(
+        COLLECT,
+        "reading send-job releases",
+        sqlx::query_as("SELECT correlation_id, (EXTRACT(EPOCH FROM at) * 1000)::int8 FROM chaos_send_job_releases ORDER BY id").fetch_all(pool),
+    )
+    .await?;
+    for (correlation, at) in releases {
+        log.push_at(log.rel_db(at), Event::SendReleased { correlation });
+    }
     Ok(())
 }
 

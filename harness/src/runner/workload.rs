@@ -43,6 +43,7 @@ impl Staged {
         }
         if let Some(financial) = pools.get("financial") {
             record_transaction_transitions(financial).await?;
+            record_send_job_releases(financial).await?;
             stage_send_jobs(financial, s.workload.send_jobs, s.workload.send_overdue_ms).await?;
         }
         let backdated = stage_backdated(cases, s.workload.backdated).await?;
@@ -540,6 +541,23 @@ async fn record_transaction_transitions(financial: &PgPool) -> anyhow::Result<()
            END IF; RETURN NEW; END $$",
         "DROP TRIGGER IF EXISTS chaos_transition ON exchange_transactions",
         "CREATE TRIGGER chaos_transition AFTER UPDATE ON exchange_transactions FOR EACH ROW EXECUTE FUNCTION chaos_record_transition()",
+    ])
+    .await
+}
+
+/// A trigger on financial's `exchange_send_jobs` that records every claim the database saw
+/// end back in the queue (`in_flight -> pending`: the sender's fenced retry, issue 22.8), so
+/// `fencing` excuses a re-send on the database's word as well as the sender's log line.
+async fn record_send_job_releases(financial: &PgPool) -> anyhow::Result<()> {
+    execute_all(financial, "installing the send-job release recorder in financial's database", &[
+        "CREATE TABLE IF NOT EXISTS chaos_send_job_releases (id bigserial PRIMARY KEY, correlation_id uuid NOT NULL, \
+           claim_generation bigint NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        "CREATE OR REPLACE FUNCTION chaos_record_send_job_release() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF OLD.status = 'in_flight' AND NEW.status = 'pending' THEN \
+             INSERT INTO chaos_send_job_releases (correlation_id, claim_generation) VALUES (OLD.correlation_id, OLD.claim_generation); \
+           END IF; RETURN NEW; END $$",
+        "DROP TRIGGER IF EXISTS chaos_send_job_release ON exchange_send_jobs",
+        "CREATE TRIGGER chaos_send_job_release AFTER UPDATE ON exchange_send_jobs FOR EACH ROW EXECUTE FUNCTION chaos_record_send_job_release()",
     ])
     .await
 }
