@@ -23,7 +23,8 @@ fn cuts_off_database(tag: &str, replica: &str) -> bool {
 ///   committed leaves its claim to expire, and the retry re-claims and runs again. A re-run
 ///   is excused only as the system itself records it: the earlier run's replica (the
 ///   `exports` row names it) crashed between the two runs, an attempt of this very request
-///   (key, size) to that replica got no answer (each such attempt excuses one re-run), and
+///   (key, size) to that replica, sent before the run committed and before the crash, got
+///   no answer (one re-run excused per key, size and replica), and
 ///   the later run holds a newer claim generation, the one the row ended on. Anything else
 ///   is `kind:executed_twice`.
 /// - **rows**: no `succeeded` row has an empty body unless its handler's body was empty
@@ -50,8 +51,9 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
     // own record of it; the key must still end answered (`never_answered` below).
     let windows = h.fault_windows();
     let mut unavailable = 0;
-    // (key, size, replica) of every attempt that was sent and got no (complete) answer.
-    let mut no_answer: HashSet<(&str, u64, &str)> = HashSet::new();
+    // (key, size, replica) of every attempt that was sent and got no (complete) answer, with
+    // when each was sent.
+    let mut no_answer: HashMap<(&str, u64, &str), Vec<u64>> = HashMap::new();
     for e in h.iter() {
         let Event::HttpExchange { key, size, replica, status, replayed, too_large, body_len, body_sha256, cancelled: gone, retry_after } = &e.event
         else {
@@ -62,7 +64,7 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
             (None, _) if replica == "none" => continue,
             (None, _) | (Some(200), None) if !*gone => {
                 unanswered += 1;
-                no_answer.insert((key.as_str(), *size, replica.as_str()));
+                no_answer.entry((key.as_str(), *size, replica.as_str())).or_default().push(e.t_ms);
                 continue;
             }
             (Some(409), _) => {
@@ -147,10 +149,16 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
             // The residue, as the system records it: the first run's replica crashed between
             // the two runs, an attempt of this very request to it got no answer, and the
             // second run holds a newer claim generation that the row ended on (or newer).
+            // The unanswered attempt is the one this run served: sent before the run
+            // committed and before the crash (one sent to the replica while it was down was
+            // refused, and says nothing about a lost answer).
             let residue = r1.is_some_and(|r| {
-                crashes.iter().any(|(t, c)| *c == r && t1 <= t.saturating_add(WINDOW_SLACK_MS) && *t <= t2)
-                    && no_answer.contains(&(*key, *size, r))
-                    && !used.contains(&(*key, *size, r))
+                crashes.iter().any(|(t, c)| {
+                    *c == r
+                        && t1 <= t.saturating_add(WINDOW_SLACK_MS)
+                        && *t <= t2
+                        && no_answer.get(&(*key, *size, r)).is_some_and(|sent| sent.iter().any(|s| *s <= t1.saturating_add(WINDOW_SLACK_MS) && s <= t))
+                }) && !used.contains(&(*key, *size, r))
             }) && matches!((g1, g2), (Some(a), Some(b)) if b > a)
                 && ck.and_then(|c| final_generation.get(c)).is_none_or(|f| Some(*f) >= g2);
             if residue {

@@ -1146,9 +1146,14 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
     unanswered(&mut bad, 21, "e", 10, "cases-1");
     run(&mut bad, 40, "e", 10, 2);
     run(&mut bad, 5_000, "r", 10, 3);
+    // Issue 22.8: the attempt that went unanswered was sent after the crash (refused by a
+    // replica that was down): it is not the answer the first run lost.
+    run(&mut bad, 60, "late", 10, 1);
+    unanswered(&mut bad, 1_000, "late", 10, "cases-1");
+    run(&mut bad, 3_100, "late", 10, 2);
     bad.sort();
     let v = sentinel_integrity(&bad);
-    assert_eq!((v.validity, v.culprits.get("kind:executed_twice")), (Validity::Invalid, Some(&4)), "{v:?}");
+    assert_eq!((v.validity, v.culprits.get("kind:executed_twice")), (Validity::Invalid, Some(&5)), "{v:?}");
     assert_eq!(v.counts["reexecuted_after_claim_expiry"], 1);
     // A 409 without Retry-After, and an unexpected status.
     let mut answers = h.clone();
