@@ -180,11 +180,20 @@ pub enum Event {
     /// A send-queue replica's own word on how one send of a transmission ended
     /// (`send_jobs.finalized`): `result` accepted | refused | failed, and whether its fenced
     /// transition applied (a failed send applied is the fenced retry: the claim is over).
-    SendFinalized { correlation: Uuid, replica: String, result: String, applied: bool },
-    /// financial's database put a claimed send job back in the queue (`in_flight ->
-    /// pending`, the fenced retry), by the harness's own trigger: the database's word on
-    /// what `SendFinalized` says.
-    SendReleased { correlation: Uuid },
+    SendFinalized {
+        correlation: Uuid,
+        replica: String,
+        result: String,
+        applied: bool,
+        /// The claim generation the sender finalized (the line's `generation`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        generation: Option<i64>,
+    },
+    /// financial's database put a claimed send job back in the queue as a retry (`in_flight
+    /// -> pending` with `attempts + 1`, the fenced retry; not a boot sweep), by the harness's
+    /// own trigger: the database's word on what `SendFinalized` says, with the claim
+    /// generation it ended.
+    SendReleased { correlation: Uuid, generation: i64 },
     /// The send queue's timing in this run (#1185): the claim lease and the per-send cap
     /// the financial replicas were given.
     SendQueue { lease_ms: u64, cap_ms: u64 },

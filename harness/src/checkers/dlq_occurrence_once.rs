@@ -6,6 +6,10 @@ use super::*;
 /// no compat mode (nothing corroborates one), and only the faults on the recorder's
 /// path (the database, the broker, a security replica, its link to the database) whose
 /// window reaches past `since`, when the delivery reached `craig.dlx`.
+/// A broker-path dead letter's time is its `x-death` entry's, in whole seconds: up to this
+/// much earlier than it happened.
+const XDEATH_ROUNDING_MS: u64 = 1_000;
+
 pub(super) fn uncorroborated_loss(windows: &[(String, u64, u64)], since: u64) -> Vec<String> {
     let mut tags = vec!["kind:lost".to_owned(), "replica:unknown".to_owned(), "compat:unknown".to_owned()];
     tags.extend(
@@ -36,9 +40,10 @@ pub(super) fn uncorroborated_loss(windows: &[(String, u64, u64)], since: u64) ->
 /// - an audit row of bytes that never reached `craig.dlx` is a violation (a record of
 ///   nothing);
 /// - completed XOR dead-lettered: an envelope that took effect on a consumer (rules,
-///   financial) must not also be dead-lettered from that consumer's queue, unless a replica
-///   of that consumer reported re-running it (`inbox.reprocessed`) after the effect and
-///   before the dead letter;
+///   financial) must not also be dead-lettered from that consumer's queue after it took
+///   effect, unless the #1180 window shows: a replica of that consumer died after the
+///   effect, and then one of its replicas re-ran the envelope (`inbox.reprocessed`) or gave
+///   it up, before the dead letter (dead-lettered first and handled after is a replay);
 /// - #1196: a dead letter names the consumer queue of the replica that gave it up (its
 ///   reject or app-path surface, from the replica's own log), on either path.
 pub fn dlq_occurrence_once(h: &History) -> Verdict {
@@ -251,13 +256,18 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
     }
     // Completed XOR dead-lettered.
     let mut both = 0;
-    // The #1180 window as the system reports it: which replica re-ran which envelope, when.
-    let mut reprocessed: HashMap<Uuid, Vec<(u64, &str)>> = HashMap::new();
+    // The #1180 window as the system reports it: which replica re-ran or gave up which
+    // envelope, and when each replica died (the harness saw the exit).
+    let mut reran: HashMap<Uuid, Vec<(u64, &str)>> = HashMap::new();
+    let crashes: Vec<(u64, &str)> =
+        h.iter().filter_map(|e| if let Event::Crash { replica, .. } = &e.event { Some((e.t_ms, replica.as_str())) } else { None }).collect();
     // Which consumer queue each envelope took effect behind, and when it first did.
     let mut effected: BTreeMap<Uuid, BTreeMap<String, u64>> = BTreeMap::new();
     for e in h.iter() {
         match &e.event {
-            Event::Reprocessed { envelope, replica } => reprocessed.entry(*envelope).or_default().push((e.t_ms, replica)),
+            Event::Reprocessed { envelope, replica } | Event::Rejected { envelope, replica, .. } => {
+                reran.entry(*envelope).or_default().push((e.t_ms, replica))
+            }
             Event::Effect { envelope, service, .. } => {
                 effected.entry(*envelope).or_default().entry(craig_mq::topology::consumer_queue(service)).or_insert(e.t_ms);
             }
@@ -267,21 +277,32 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
     for (env, queues) in &effected {
         let Some(dead) = dead_from.get(env) else { continue };
         for (q, effect_at) in queues {
-            let Some(dead_at) = dead.get(q.as_str()) else { continue };
+            let Some(&dead_at) = dead.get(q.as_str()) else { continue };
+            // The tap's time of a broker-path dead letter is x-death's, whole seconds: up to
+            // a second early.
+            let dead_by = dead_at.saturating_add(XDEATH_ROUNDING_MS + WINDOW_SLACK_MS);
+            if *effect_at > dead_by {
+                // Dead-lettered first, then handled: a replay or redrive (§D4), not this.
+                continue;
+            }
             let service = q.strip_prefix("craig-").and_then(|r| r.strip_suffix(".events")).unwrap_or(q);
-            // Excused only by a redelivery in between, as the system reports it: a replica of
-            // this very consumer re-ran the envelope after it took effect and before it was
-            // dead-lettered (it took effect, the stamp was lost, the re-run failed for good).
-            let in_between = reprocessed.get(env).is_some_and(|runs| {
-                runs.iter().any(|(t, r)| {
-                    service_of(r) == service && *effect_at <= t.saturating_add(WINDOW_SLACK_MS) && *t <= dead_at.saturating_add(WINDOW_SLACK_MS)
-                })
+            // Excused only by the #1180 window as the system shows it: a replica of this
+            // very consumer died after the effect committed (its stamp or ack lost), and then
+            // a replica of it re-ran the envelope (`inbox.reprocessed`) or gave it up for
+            // good, before the dead letter.
+            let window = crashes.iter().any(|(c, r)| {
+                service_of(r) == service
+                    && effect_at.saturating_sub(WINDOW_SLACK_MS) <= *c
+                    && *c <= dead_by
+                    && reran.get(env).is_some_and(|runs| {
+                        runs.iter().any(|(t, by)| service_of(by) == service && c.saturating_sub(WINDOW_SLACK_MS) <= *t && *t <= dead_by)
+                    })
             });
-            if !in_between {
+            if !window {
                 both += 1;
                 v.blame(dead_letter_tags(h, "completed_and_dead_lettered", service, Through::Nothing, 0));
                 v.witness(format!(
-                    "envelope {env} took effect on {service} @{effect_at}ms AND was dead-lettered from {q} @{dead_at}ms, with no redelivery in between"
+                    "envelope {env} took effect on {service} @{effect_at}ms AND was dead-lettered from {q} @{dead_at}ms, with no crash and redelivery in between"
                 ));
             }
         }

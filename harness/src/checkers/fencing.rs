@@ -14,7 +14,8 @@ pub const SEND_CAP_MS: u64 = craig_fleet::send_jobs::SEND_TIMEOUT_SECS * 1000;
 /// - no transmission POSTed twice while a lease was live (unless the first POST's sender
 ///   logged its fenced retry in between, `send_jobs.finalized` failed + applied: its claim was
 ///   over, whenever the partner recorded the POST; excused only where financial's database
-///   also shows the job put back in the queue in that span): a POST answered 409 (it arrived
+///   also shows that claim generation put back in the queue as a retry in that span): a
+///   POST answered 409 (it arrived
 ///   while the partner was still processing the same `craig_correlation_id`), or one sooner
 ///   than [`SEND_LEASE_MS`] after the same transmission was accepted (or sooner than
 ///   [`SEND_CAP_MS`] after a POST the partner never answered), each POST held against the
@@ -37,15 +38,15 @@ pub fn fencing(h: &History) -> Verdict {
     let mut unanswered: HashMap<Uuid, Vec<u64>> = HashMap::new();
     // The senders' own word: a failed send whose fenced retry applied ended that claim;
     // and the database's: the job went back from in_flight to pending then.
-    let mut retried: HashMap<Uuid, Vec<(u64, &str)>> = HashMap::new();
-    let mut released_at: HashMap<Uuid, Vec<u64>> = HashMap::new();
+    let mut retried: HashMap<Uuid, Vec<(u64, &str, Option<i64>)>> = HashMap::new();
+    let mut released_at: HashMap<Uuid, Vec<(u64, i64)>> = HashMap::new();
     for e in h.iter() {
         match &e.event {
             Event::PartnerUnanswered { correlation } => unanswered.entry(*correlation).or_default().push(e.t_ms),
-            Event::SendFinalized { correlation, replica, result, applied: true } if result == "failed" => {
-                retried.entry(*correlation).or_default().push((e.t_ms, replica.as_str()))
+            Event::SendFinalized { correlation, replica, result, applied: true, generation } if result == "failed" => {
+                retried.entry(*correlation).or_default().push((e.t_ms, replica.as_str(), *generation))
             }
-            Event::SendReleased { correlation } => released_at.entry(*correlation).or_default().push(e.t_ms),
+            Event::SendReleased { correlation, generation } => released_at.entry(*correlation).or_default().push((e.t_ms, *generation)),
             _ => {}
         }
     }
@@ -103,12 +104,20 @@ pub fn fencing(h: &History) -> Verdict {
             // word — however late the partner (in a loaded harness) recorded the first.
             // Issue 22.8: on its word only where the database agrees: the job went back to
             // the queue within the same span (the sender logs just after its update commits).
+            // The release must be the claim the sender says it retried: same generation.
             let released = r1.is_some_and(|r1| {
                 retried.get(correlation).is_some_and(|fs| {
-                    fs.iter().any(|(t, r)| *r == r1 && *t > since && *t <= t2.saturating_add(WINDOW_SLACK_MS))
+                    fs.iter().any(|(t, r, g)| {
+                        *r == r1
+                            && *t > since
+                            && *t <= t2.saturating_add(WINDOW_SLACK_MS)
+                            && released_at.get(correlation).is_some_and(|ds| {
+                                ds.iter().any(|(d, dg)| {
+                                    g.is_none_or(|g| g == *dg) && d.saturating_add(WINDOW_SLACK_MS) > since && *d <= t2.saturating_add(WINDOW_SLACK_MS)
+                                })
+                            })
+                    })
                 })
-            }) && released_at.get(correlation).is_some_and(|ts| {
-                ts.iter().any(|t| t.saturating_add(WINDOW_SLACK_MS) > since && *t <= t2.saturating_add(WINDOW_SLACK_MS))
             });
             let live = !released
                 && (s2 == 409 || (s1 == 200 && t2 + WINDOW_SLACK_MS < t1 + lease_ms) || (s1 == 0 && t2 + WINDOW_SLACK_MS < t1 + cap_ms));

@@ -192,14 +192,35 @@ fn an_envelope_both_handled_and_dead_lettered_is_a_violation() {
     h.sort();
     let v = dlq_occurrence_once(&h);
     assert_eq!(v.counts["completed_and_dead_lettered"], 1, "{v:?}");
-    // Issue 22.8: the re-run must be this consumer's, between the effect and the dead letter.
-    for (t, replica) in [(3, "security-1"), (2 + 10 * WINDOW_SLACK_MS, "rules-1")] {
+    // Issue 22.8: only the #1180 window excuses it: this consumer's replica died after the
+    // effect, then one of its replicas re-ran or gave the envelope up, before the dead letter
+    // (x-death's time is whole seconds: up to 1 s early).
+    let crashed = |h: &mut History, t: u64, replica: &str| h.push(t, Event::Crash { replica: replica.into(), consumer: true, how: "SIGKILL".into() });
+    let gave_up = |h: &mut History, t: u64, replica: &str| h.push(t, Event::Rejected { envelope: id(1), replica: replica.into(), compat: vec![] });
+    for (crash, by, rerun, why) in [
+        (None, "rules-1", 1_000, "a re-run with no crash"),
+        (Some(("security-1", 1)), "rules-1", 1_000, "another service's crash"),
+        (Some(("rules-1", 1)), "security-1", 1_000, "another service's re-run"),
+        (Some(("rules-1", 1)), "rules-1", 5_000, "a re-run after the dead letter"),
+    ] {
         let mut other = h.clone();
-        other.push(t, Event::Reprocessed { envelope: id(1), replica: replica.into() });
+        if let Some((r, t)) = crash {
+            crashed(&mut other, t, r);
+        }
+        gave_up(&mut other, rerun, by);
         other.sort();
-        assert_eq!(dlq_occurrence_once(&other).counts["completed_and_dead_lettered"], 1, "a re-run by {replica} @{t}ms excuses nothing");
+        assert_eq!(dlq_occurrence_once(&other).counts["completed_and_dead_lettered"], 1, "{why} excuses nothing");
     }
+    // Handled after it was dead-lettered: a replay (§D4), not this violation.
+    let mut replayed = h.clone();
+    replayed.push(9_000, Event::Effect { envelope: id(1), referral: None, service: "security".into(), replica: Some("security-1".into()) });
+    replayed.push(3_000, Event::DeadLettered { key: "k9".into(), token: Some("xdeath:9".into()), envelope: Some(id(1)), queue: Some("craig-security.events".into()), event_type: None });
+    audited(&mut replayed, "k9", Some("xdeath:9"), "recorded", "a", 2);
+    replayed.sort();
+    assert_eq!(dlq_occurrence_once(&replayed).counts["completed_and_dead_lettered"], 1, "only the rules one: {:?}", dlq_occurrence_once(&replayed).witnesses);
+    crashed(&mut h, 1, "rules-1");
     h.push(3, Event::Reprocessed { envelope: id(1), replica: "rules-1".into() });
+    h.sort();
     assert_eq!(dlq_occurrence_once(&h).validity, Validity::Valid);
 }
 
@@ -1011,7 +1032,7 @@ fn fencing_allows_fenced_retries_and_the_at_least_once_resend() {
     // Recorded as accepted by a partner that ran late, but its sender had timed out and
     // logged its fenced retry: the next POST is that retry, not a second live claim.
     post(&mut h, 400, 6, "financial-2", 200);
-    h.push(900, Event::SendFinalized { correlation: id(6), replica: "financial-2".into(), result: "failed".into(), applied: true });
+    h.push(900, Event::SendFinalized { correlation: id(6), replica: "financial-2".into(), result: "failed".into(), applied: true, generation: Some(1) });
     post(&mut h, 1_500, 6, "financial-2", 200);
     // Accepted, but its sender timed out before the answer: the retry after the cap.
     post(&mut h, 200, 5, "financial-1", 200);
@@ -1022,11 +1043,13 @@ fn fencing_allows_fenced_retries_and_the_at_least_once_resend() {
     // put back in the queue in that span.
     let v = fencing(&h);
     assert_eq!((v.validity, v.counts["double_posts"]), (Validity::Invalid, 1), "{v:?}");
-    let mut elsewhen = h.clone();
-    elsewhen.push(3_000, Event::SendReleased { correlation: id(6) });
-    elsewhen.sort();
-    assert_eq!(fencing(&elsewhen).counts["double_posts"], 1, "a release after the re-send excuses nothing");
-    h.push(895, Event::SendReleased { correlation: id(6) });
+    for (t, generation, why) in [(3_000, 1, "a release after the re-send"), (895, 2, "another claim's release")] {
+        let mut other = h.clone();
+        other.push(t, Event::SendReleased { correlation: id(6), generation });
+        other.sort();
+        assert_eq!(fencing(&other).counts["double_posts"], 1, "{why} excuses nothing");
+    }
+    h.push(895, Event::SendReleased { correlation: id(6), generation: 1 });
     h.sort();
     let v = fencing(&h);
     assert_eq!((v.validity, v.counts["transmissions"], v.counts["double_posts"]), (Validity::Valid, 5, 0), "{v:?}");

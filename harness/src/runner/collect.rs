@@ -209,14 +209,15 @@ async fn collect_exchanges(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
     for (transaction, from, to, at) in flips {
         log.push_at(log.rel_db(at), Event::TransactionStatus { transaction, from, to });
     }
-    let releases: Vec<(Uuid, i64)> = bounded(
+    let releases: Vec<(Uuid, i64, i64)> = bounded(
         COLLECT,
         "reading send-job releases",
-        sqlx::query_as("SELECT correlation_id, (EXTRACT(EPOCH FROM at) * 1000)::int8 FROM chaos_send_job_releases ORDER BY id").fetch_all(pool),
+        sqlx::query_as("SELECT correlation_id, claim_generation, (EXTRACT(EPOCH FROM at) * 1000)::int8 FROM chaos_send_job_releases ORDER BY id")
+            .fetch_all(pool),
     )
     .await?;
-    for (correlation, at) in releases {
-        log.push_at(log.rel_db(at), Event::SendReleased { correlation });
+    for (correlation, generation, at) in releases {
+        log.push_at(log.rel_db(at), Event::SendReleased { correlation, generation });
     }
     Ok(())
 }
@@ -322,7 +323,8 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
             if let (Some(correlation), Some(result), Some(fence)) =
                 (field("correlation_id").and_then(|c| c.parse::<Uuid>().ok()), field("result"), field("fence"))
             {
-                out.push((at(), Event::SendFinalized { correlation, replica: replica.to_owned(), result, applied: fence == "applied" }));
+                let generation = field("generation").and_then(|g| g.parse::<i64>().ok());
+                out.push((at(), Event::SendFinalized { correlation, replica: replica.to_owned(), result, applied: fence == "applied", generation }));
             }
             continue;
         }
@@ -426,7 +428,7 @@ mod tests {
                 (Some(1500), Event::Reprocessed { envelope: env, replica: "cases-1".into() }),
                 (Some(1700), Event::Rejected { envelope: env, replica: "cases-1".into(), compat: vec![] }),
                 (Some(1800), Event::AckedUnrecorded { key: "00ff00ff00ff00ff".into(), replica: "cases-1".into(), compat: vec![] }),
-                (Some(1950), Event::SendFinalized { correlation: env, replica: "cases-1".into(), result: "failed".into(), applied: true }),
+                (Some(1950), Event::SendFinalized { correlation: env, replica: "cases-1".into(), result: "failed".into(), applied: true, generation: Some(2) }),
                 (Some(1900), Event::PruneCycle { replica: "cases-1".into(), kept_pending: 10 }),
                 (Some(2000), Event::ConsumerStarted { replica: "cases-1".into(), concurrency: 32 }),
                 (Some(2100), Event::PaymentAbsorbed { envelope: env, replica: "cases-1".into() }),

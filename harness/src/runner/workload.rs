@@ -546,14 +546,16 @@ async fn record_transaction_transitions(financial: &PgPool) -> anyhow::Result<()
 }
 
 /// A trigger on financial's `exchange_send_jobs` that records every claim the database saw
-/// end back in the queue (`in_flight -> pending`: the sender's fenced retry, issue 22.8), so
-/// `fencing` excuses a re-send on the database's word as well as the sender's log line.
+/// end back in the queue as a retry (`in_flight -> pending` with `attempts + 1`: the
+/// sender's fenced retry, issue 22.8; a pre-#1185 boot sweep touches no `attempts`), with
+/// the claim generation it ended, so `fencing` excuses a re-send on the database's word as
+/// well as the sender's log line.
 async fn record_send_job_releases(financial: &PgPool) -> anyhow::Result<()> {
     execute_all(financial, "installing the send-job release recorder in financial's database", &[
         "CREATE TABLE IF NOT EXISTS chaos_send_job_releases (id bigserial PRIMARY KEY, correlation_id uuid NOT NULL, \
            claim_generation bigint NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())",
         "CREATE OR REPLACE FUNCTION chaos_record_send_job_release() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
-           IF OLD.status = 'in_flight' AND NEW.status = 'pending' THEN \
+           IF OLD.status = 'in_flight' AND NEW.status = 'pending' AND NEW.attempts = OLD.attempts + 1 THEN \
              INSERT INTO chaos_send_job_releases (correlation_id, claim_generation) VALUES (OLD.correlation_id, OLD.claim_generation); \
            END IF; RETURN NEW; END $$",
         "DROP TRIGGER IF EXISTS chaos_send_job_release ON exchange_send_jobs",
