@@ -67,7 +67,7 @@
 //!                           # every 250 ms for duration_ms)
 //! target = "cases-1"        # a replica, "broker", "database", or a link "cases-1->broker"
 //! failpoint = "outbox::after_publish_before_stamp"
-//! at = { failpoint_hit = 3 }  # or { after_ms = N } or { after_writes = N }
+//! at = { failpoint_hit = 3 }  # or { after_ms = N }, { after_writes = N }, { after_published = N }
 //! restart_after_ms = 500
 //!
 //! [[faults]]                # a reject-publish length limit (a policy) on a consumer queue:
@@ -653,6 +653,9 @@ pub enum Trigger {
     AfterMs(u64),
     AfterWrites(u32),
     FailpointHit(u32),
+    /// Once the target replica (or the link's replica) has published N outbox rows: its
+    /// publisher is live (a fault meant for a connected publisher never races its start).
+    AfterPublished(u32),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
@@ -1155,10 +1158,21 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         if matches!(fault.kind, FaultKind::Pause | FaultKind::Toxic | FaultKind::Down | FaultKind::QueueLimit | FaultKind::Terminate | FaultKind::RefuseStaging) && fault.duration_ms.is_none() {
             return Err(err(span, "this fault needs duration_ms (when it heals)".into()));
         }
-        // A fault that could never fire leaves its run without evidence: say so here.
+        if let Trigger::AfterPublished(n) = fault.at {
+            if n == 0 || !matches!(target, FaultTarget::Replica(_) | FaultTarget::Link { .. }) {
+                return Err(err(
+                    key_in(f.span(), "at"),
+                    "after_published = N (N >= 1) times a fault on a replica or its link by that replica's published outbox rows".into(),
+                ));
+            }
+        }
+        // A fault that would not fire when the file says: say so here.
         if let Trigger::AfterWrites(n) = fault.at {
             if n > s.workload.writes {
-                return Err(err(key_in(f.span(), "at"), format!("after_writes = {n} would never fire: the workload makes writes = {} before the faults heal", s.workload.writes)));
+                return Err(err(
+                    key_in(f.span(), "at"),
+                    format!("after_writes = {n} is past the workload's writes = {}: the fault would fire only when the writes end, not after write {n}", s.workload.writes),
+                ));
             }
         }
         if let Some(t) = &fault.toxic {
@@ -1167,7 +1181,9 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
             }
         }
         // The runner restarts a crashed replica once: a second crash of it would never fire.
-        if fault.kind == FaultKind::Crash && s.faults.iter().filter(|g| g.get_ref().kind == FaultKind::Crash && g.get_ref().target == fault.target).count() > 1 {
+        // (Counted among the faults before this one: the error is on the second's line.)
+        let earlier = s.faults.iter().take_while(|g| !std::ptr::eq(*g, f));
+        if fault.kind == FaultKind::Crash && earlier.filter(|g| g.get_ref().kind == FaultKind::Crash && g.get_ref().target == fault.target).count() > 0 {
             return Err(err(span, format!("{}: one crash per replica (a crashed replica is restarted once)", fault.target)));
         }
     }
@@ -1333,14 +1349,19 @@ effect_once = { violate = "compat:pre-d2" }
     fn faults_that_could_never_fire_are_refused_with_their_line() {
         let e = rejected(&GOOD.replace("at = { after_ms = 100 }", "at = { after_writes = 11 }"));
         assert_eq!(e.line, 21, "{e}");
-        assert!(e.reason.starts_with("after_writes = 11 would never fire: the workload makes writes = 10"), "{e}");
+        assert!(e.reason.starts_with("after_writes = 11 is past the workload's writes = 10"), "{e}");
         parse_str(&GOOD.replace("at = { after_ms = 100 }", "at = { after_writes = 10 }")).unwrap();
+        let s = parse_str(&GOOD.replace("at = { after_ms = 100 }", "at = { after_published = 5 }")).unwrap();
+        assert_eq!(s.faults[1].get_ref().at, Trigger::AfterPublished(5));
+        let e = rejected(&GOOD.replace("at = { after_ms = 100 }", "at = { after_published = 0 }"));
+        assert!(e.reason.starts_with("after_published = N (N >= 1)"), "{e}");
         let e = rejected(&GOOD.replace("stream = \"upstream\",", "stream = \"upstream\", toxicity = 1.5,"));
         assert_eq!(e.line, 23, "{e}");
         assert!(e.reason.starts_with("toxicity is a share of the link's connections: 0..=1, not 1.5"), "{e}");
         let again = GOOD.replace("[expect]\n", "[[faults]]\nkind = \"crash\"\ntarget = \"cases-2\"\nfailpoint = \"outbox::after_publish_before_stamp\"\nat = { failpoint_hit = 5 }\n\n[expect]\n");
         let e = rejected(&again);
         assert!(e.reason.starts_with("cases-2: one crash per replica"), "{e}");
+        assert_eq!(e.line, 25, "the second crash's line: {e}");
     }
 
     /// Issue 22: a mutant names one of the build's mutants in the target's own service; a

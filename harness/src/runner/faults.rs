@@ -284,6 +284,36 @@ async fn inject(
         Trigger::AfterWrites(n) => {
             let _ = writes.wait_for(|done| *done >= n).await;
         }
+        Trigger::AfterPublished(n) => {
+            // The publisher is live: the replica logged n rows published (`outbox.published
+            // rows=K`, summed), or give up once the workload is done.
+            let name = match &target {
+                FaultTarget::Replica(r) | FaultTarget::Link { replica: r, .. } => r.clone(),
+                _ => unreachable!("validated: after_published times a replica or its link"),
+            };
+            let r = replicas.get(&name).expect("validated").clone();
+            let path = r.lock().await.log_path().to_path_buf();
+            let mut done_since: Option<Instant> = None;
+            loop {
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                let published: u64 = text
+                    .lines()
+                    .filter(|l| l.contains("event=\"outbox.published\""))
+                    .filter_map(|l| l.split_once(" rows=").and_then(|(_, rest)| rest.split_whitespace().next()?.parse::<u64>().ok()))
+                    .sum();
+                if published >= u64::from(n) {
+                    break;
+                }
+                if *writes.borrow() >= total_writes {
+                    let since = *done_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() > Duration::from_secs(5) {
+                        log.finding(format!("{} {}: {name} published {published} rows, never {n}; not done", f.kind.name(), f.target));
+                        return Ok(());
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
         Trigger::FailpointHit(n) => {
             // Only upgrades and downgrades get here (crashes are armed, not injected): wait
             // for the target's `failpoint.hit` marker, or give up once the workload is done.
