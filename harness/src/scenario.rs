@@ -653,7 +653,7 @@ pub enum Trigger {
     AfterMs(u64),
     AfterWrites(u32),
     FailpointHit(u32),
-    /// Once the target replica (or the link's replica) has published N outbox rows: its
+    /// Once the target replica (or the link's replica) has stamped N outbox rows published: its
     /// publisher is live (a fault meant for a connected publisher never races its start).
     AfterPublished(u32),
 }

@@ -261,22 +261,23 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
     let mut reran: HashMap<Uuid, Vec<(u64, &str)>> = HashMap::new();
     let crashes: Vec<(u64, &str)> =
         h.iter().filter_map(|e| if let Event::Crash { replica, .. } = &e.event { Some((e.t_ms, replica.as_str())) } else { None }).collect();
-    // Which consumer queue each envelope took effect behind, and when it first did.
-    let mut effected: BTreeMap<Uuid, BTreeMap<String, u64>> = BTreeMap::new();
+    // Which consumer queue each envelope took effect behind, when it first did, and the
+    // replica that ran it (when it said).
+    let mut effected: BTreeMap<Uuid, BTreeMap<String, (u64, Option<&str>)>> = BTreeMap::new();
     for e in h.iter() {
         match &e.event {
             Event::Reprocessed { envelope, replica } | Event::Rejected { envelope, replica, .. } => {
                 reran.entry(*envelope).or_default().push((e.t_ms, replica))
             }
-            Event::Effect { envelope, service, .. } => {
-                effected.entry(*envelope).or_default().entry(craig_mq::topology::consumer_queue(service)).or_insert(e.t_ms);
+            Event::Effect { envelope, service, replica, .. } => {
+                effected.entry(*envelope).or_default().entry(craig_mq::topology::consumer_queue(service)).or_insert((e.t_ms, replica.as_deref()));
             }
             _ => {}
         }
     }
     for (env, queues) in &effected {
         let Some(dead) = dead_from.get(env) else { continue };
-        for (q, effect_at) in queues {
+        for (q, (effect_at, ran_on)) in queues {
             let Some(&dead_at) = dead.get(q.as_str()) else { continue };
             // The tap's time of a broker-path dead letter is x-death's, whole seconds: up to
             // a second early.
@@ -286,13 +287,17 @@ pub fn dlq_occurrence_once(h: &History) -> Verdict {
                 continue;
             }
             let service = q.strip_prefix("craig-").and_then(|r| r.strip_suffix(".events")).unwrap_or(q);
-            // Excused only by the #1180 window as the system shows it: a replica of this
-            // very consumer died after the effect committed (its stamp or ack lost), and then
-            // a replica of it re-ran the envelope (`inbox.reprocessed`) or gave it up for
-            // good, before the dead letter.
-            let window = crashes.iter().any(|(c, r)| {
+            // Excused only by the #1180 window as the system shows it: the replica that ran
+            // it (any of this consumer's, where the effect names none) died within the stamp's
+            // due time after the effect committed (its stamp or ack lost), and then a replica
+            // of it re-ran the envelope (`inbox.reprocessed`) or gave it up for good, before
+            // the dead letter. Never for an arbiter-backed consumer (#1179): its arbiter
+            // absorbs a re-run, it does not dead-letter it.
+            let window = !super::effect_once::ARBITER_BACKED.contains(&service) && crashes.iter().any(|(c, r)| {
                 service_of(r) == service
+                    && ran_on.is_none_or(|ran| ran == *r)
                     && effect_at.saturating_sub(WINDOW_SLACK_MS) <= *c
+                    && *c <= effect_at.saturating_add(super::effect_once::STAMP_DUE_MS)
                     && *c <= dead_by
                     && reran.get(env).is_some_and(|runs| {
                         runs.iter().any(|(t, by)| service_of(by) == service && c.saturating_sub(WINDOW_SLACK_MS) <= *t && *t <= dead_by)

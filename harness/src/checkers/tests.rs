@@ -218,6 +218,38 @@ fn an_envelope_both_handled_and_dead_lettered_is_a_violation() {
     audited(&mut replayed, "k9", Some("xdeath:9"), "recorded", "a", 2);
     replayed.sort();
     assert_eq!(dlq_occurrence_once(&replayed).counts["completed_and_dead_lettered"], 1, "only the rules one: {:?}", dlq_occurrence_once(&replayed).witnesses);
+    // A crash long after the effect (past the stamp's due time) is not the window.
+    let due = |crash_at: u64| {
+        let mut x = History::default();
+        started(&mut x, 0, "security-1", &[]);
+        x.push(1, Event::Effect { envelope: id(1), referral: None, service: "rules".into(), replica: Some("rules-1".into()) });
+        x.push(1, Event::DeadLetterStaged { envelope: id(1), service: "rules".into() });
+        x.push(crash_at, Event::Crash { replica: "rules-1".into(), consumer: true, how: "SIGKILL".into() });
+        x.push(crash_at + 1, Event::Rejected { envelope: id(1), replica: "rules-1".into(), compat: vec![] });
+        x.push(2_600, Event::DeadLettered { key: "k1".into(), token: Some("xdeath:1".into()), envelope: Some(id(1)), queue: Some("craig-rules.events".into()), event_type: None });
+        audited(&mut x, "k1", Some("xdeath:1"), "recorded", "a", 1);
+        x.sort();
+        dlq_occurrence_once(&x).counts["completed_and_dead_lettered"]
+    };
+    assert_eq!((due(1_500), due(1 + STAMP_DUE_MS + 1)), (0, 1), "a crash past the stamp's due time is not the window");
+    // The window: rules-1 died after the effect, then gave the envelope up (a failed re-run
+    // logs no inbox.reprocessed, only its surface or reject).
+    let mut failed_rerun = h.clone();
+    crashed(&mut failed_rerun, 1, "rules-1");
+    gave_up(&mut failed_rerun, 2, "rules-1");
+    failed_rerun.sort();
+    assert_eq!(dlq_occurrence_once(&failed_rerun).counts["completed_and_dead_lettered"], 0, "{:?}", dlq_occurrence_once(&failed_rerun).witnesses);
+    // Never for an arbiter-backed consumer (#1179 absorbs, it does not dead-letter).
+    let mut arbiter = History::default();
+    started(&mut arbiter, 0, "security-1", &[]);
+    arbiter.push(1, Event::Effect { envelope: id(2), referral: None, service: "financial".into(), replica: Some("financial-1".into()) });
+    arbiter.push(1, Event::DeadLetterStaged { envelope: id(2), service: "financial".into() });
+    arbiter.push(2, Event::Crash { replica: "financial-1".into(), consumer: true, how: "SIGABRT".into() });
+    arbiter.push(3, Event::Rejected { envelope: id(2), replica: "financial-1".into(), compat: vec![] });
+    arbiter.push(4, Event::DeadLettered { key: "k2".into(), token: Some("dlxcap:2".into()), envelope: Some(id(2)), queue: Some("craig-financial.events".into()), event_type: None });
+    audited(&mut arbiter, "k2", Some("dlxcap:2"), "recorded", "a", 1);
+    arbiter.sort();
+    assert_eq!(dlq_occurrence_once(&arbiter).counts["completed_and_dead_lettered"], 1, "financial is arbiter-backed");
     crashed(&mut h, 1, "rules-1");
     h.push(3, Event::Reprocessed { envelope: id(1), replica: "rules-1".into() });
     h.sort();

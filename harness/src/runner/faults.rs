@@ -285,8 +285,9 @@ async fn inject(
             let _ = writes.wait_for(|done| *done >= n).await;
         }
         Trigger::AfterPublished(n) => {
-            // The publisher is live: the replica logged n rows published (`outbox.published
-            // rows=K`, summed), or give up once the workload is done.
+            // The publisher is live: the replica logged n rows stamped published (one
+            // `outbox.stamped` line per row, on the #1128 path and the pre-1128 one alike), or
+            // give up once the workload is done.
             let name = match &target {
                 FaultTarget::Replica(r) | FaultTarget::Link { replica: r, .. } => r.clone(),
                 _ => unreachable!("validated: after_published times a replica or its link"),
@@ -296,11 +297,7 @@ async fn inject(
             let mut done_since: Option<Instant> = None;
             loop {
                 let text = std::fs::read_to_string(&path).unwrap_or_default();
-                let published: u64 = text
-                    .lines()
-                    .filter(|l| l.contains("event=\"outbox.published\""))
-                    .filter_map(|l| l.split_once(" rows=").and_then(|(_, rest)| rest.split_whitespace().next()?.parse::<u64>().ok()))
-                    .sum();
+                let published = text.lines().filter(|l| l.contains("event=\"outbox.stamped\"")).count() as u64;
                 if published >= u64::from(n) {
                     break;
                 }
