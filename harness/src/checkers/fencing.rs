@@ -105,20 +105,15 @@ pub fn fencing(h: &History) -> Verdict {
             // Issue 22.8: on its word only where the database agrees: the job went back to
             // the queue within the same span (the sender logs just after its update commits).
             // The release must be the claim the sender says it retried: same generation.
-            let released = r1.is_some_and(|r1| {
-                retried.get(correlation).is_some_and(|fs| {
-                    fs.iter().any(|(t, r, g)| {
-                        *r == r1
-                            && *t > since
-                            && *t <= t2.saturating_add(WINDOW_SLACK_MS)
-                            && released_at.get(correlation).is_some_and(|ds| {
-                                ds.iter().any(|(d, dg)| {
-                                    g.is_none_or(|g| g == *dg) && d.saturating_add(WINDOW_SLACK_MS) > since && *d <= t2.saturating_add(WINDOW_SLACK_MS)
-                                })
-                            })
-                    })
-                })
-            });
+            let until = t2.saturating_add(WINDOW_SLACK_MS);
+            let db_released = |g: Option<i64>| {
+                released_at.get(correlation).into_iter().flatten().any(|(d, dg)| g.is_none_or(|g| g == *dg) && d + WINDOW_SLACK_MS > since && *d <= until)
+            };
+            let released = retried
+                .get(correlation)
+                .into_iter()
+                .flatten()
+                .any(|(t, r, g)| Some(*r) == r1 && *t > since && *t <= until && db_released(*g));
             let live = !released
                 && (s2 == 409 || (s1 == 200 && t2 + WINDOW_SLACK_MS < t1 + lease_ms) || (s1 == 0 && t2 + WINDOW_SLACK_MS < t1 + cap_ms));
             if s2 != 409 {

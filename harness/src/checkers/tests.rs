@@ -22,9 +22,20 @@ fn started(h: &mut History, t: u64, replica: &str, compat: &[&str]) {
 /// A dead letter the harness staged (for rules to refuse), seen by the tap: its envelope is
 /// a digest of `key`'s first two bytes, so one key's copies name one envelope.
 fn tapped(h: &mut History, key: &str, token: Option<&str>) {
+    tapped_at(h, 10, key, token);
+}
+
+/// As [`tapped`], the tap seeing it at `t`.
+fn tapped_at(h: &mut History, t: u64, key: &str, token: Option<&str>) {
     let env = key_envelope(key);
     h.push(1, Event::DeadLetterStaged { envelope: env, service: "rules".into() });
-    h.push(10, Event::DeadLettered { key: key.into(), token: token.map(str::to_owned), envelope: Some(env), queue: None, event_type: None });
+    h.push(t, Event::DeadLettered { key: key.into(), token: token.map(str::to_owned), envelope: Some(env), queue: None, event_type: None });
+}
+
+/// Fault `kind` on `target` in force from `from` to `to`.
+fn window(h: &mut History, (from, to): (u64, u64), kind: &str, target: &str) {
+    h.push(from, Event::Fault { kind: kind.into(), target: target.into(), phase: Phase::Start });
+    h.push(to, Event::Fault { kind: kind.into(), target: target.into(), phase: Phase::End });
 }
 
 /// The tap saw envelope `env` dead-lettered from `queue` at `t` (as occurrence `key`,
@@ -124,10 +135,8 @@ fn dlq_occurrence_once_finds_lost_doubled_and_unexplained_rows() {
     started(&mut late, 0, "security-1", &["pre-1181"]);
     late.push(100, Event::Fault { kind: "crash".into(), target: "security-1".into(), phase: Phase::Start });
     late.push(200, Event::Fault { kind: "crash".into(), target: "security-1 restarted".into(), phase: Phase::End });
-    late.push(1, Event::DeadLetterStaged { envelope: key_envelope("k1"), service: "rules".into() });
-    late.push(5_000, Event::DeadLettered { key: "k1".into(), token: Some("xdeath:1".into()), envelope: Some(key_envelope("k1")), queue: None, event_type: None });
-    late.push(6_000, Event::Fault { kind: "kill".into(), target: "broker".into(), phase: Phase::Start });
-    late.push(7_000, Event::Fault { kind: "kill".into(), target: "broker".into(), phase: Phase::End });
+    tapped_at(&mut late, 5_000, "k1", Some("xdeath:1"));
+    window(&mut late, (6_000, 7_000), "kill", "broker");
     audited(&mut late, "k1", None, "tokenless", "a", 1);
     audited(&mut late, "k1", None, "tokenless", "a", 2);
     late.sort();
@@ -1241,15 +1250,13 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
     // replica's link excuses nothing.
     for (kind, target) in [("refuse_staging", "database"), ("terminate", "database"), ("down", "cases-2->database"), ("down", "cases-1->broker")] {
         let mut other = h.clone();
-        other.push(60, Event::Fault { kind: kind.into(), target: target.into(), phase: Phase::Start });
-        other.push(90, Event::Fault { kind: kind.into(), target: target.into(), phase: Phase::End });
+        window(&mut other, (60, 90), kind, target);
         answered_503(&mut other, 80);
         other.sort();
         assert_eq!(sentinel_integrity(&other).culprits.get("kind:unexpected_status"), Some(&1), "{kind} {target} excuses no 503");
     }
     let mut link = h.clone();
-    link.push(60, Event::Fault { kind: "toxic".into(), target: "cases-1->database (reset_peer)".into(), phase: Phase::Start });
-    link.push(90, Event::Fault { kind: "toxic".into(), target: "cases-1->database (reset_peer)".into(), phase: Phase::End });
+    window(&mut link, (60, 90), "toxic", "cases-1->database (reset_peer)");
     answered_503(&mut link, 80);
     link.sort();
     assert_eq!(sentinel_integrity(&link).counts["unavailable_during_database_fault"], 1, "its own link to the database");

@@ -266,6 +266,21 @@ pub(super) fn mutants_only(fps: Option<String>) -> Option<String> {
 /// Held by an upgrade or downgrade from its stop to its replica's restart.
 static ROLLOUT: Mutex<()> = Mutex::const_new(());
 
+/// Poll replica log `path` (every 20 ms) until `reached` holds for its text; false once the
+/// first-phase writes (`total` of them) have been done for 5 s without it.
+async fn in_log(path: &std::path::Path, writes: &watch::Receiver<u32>, total: u32, mut reached: impl FnMut(&str) -> bool) -> bool {
+    let mut done_since: Option<Instant> = None;
+    loop {
+        if reached(&std::fs::read_to_string(path).unwrap_or_default()) {
+            return true;
+        }
+        if *writes.borrow() >= total && done_since.get_or_insert_with(Instant::now).elapsed() > Duration::from_secs(5) {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn inject(
     index: usize,
@@ -294,21 +309,14 @@ async fn inject(
             };
             let r = replicas.get(&name).expect("validated").clone();
             let path = r.lock().await.log_path().to_path_buf();
-            let mut done_since: Option<Instant> = None;
-            loop {
-                let text = std::fs::read_to_string(&path).unwrap_or_default();
-                let published = text.lines().filter(|l| l.contains("event=\"outbox.stamped\"")).count() as u64;
-                if published >= u64::from(n) {
-                    break;
-                }
-                if *writes.borrow() >= total_writes {
-                    let since = *done_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() > Duration::from_secs(5) {
-                        log.finding(format!("{} {}: {name} published {published} rows, never {n}; not done", f.kind.name(), f.target));
-                        return Ok(());
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
+            let mut published = 0;
+            let reached = in_log(&path, &writes, total_writes, |text| {
+                published = text.lines().filter(|l| l.contains("event=\"outbox.stamped\"")).count();
+                published >= n as usize
+            });
+            if !reached.await {
+                log.finding(format!("{} {}: {name} published {published} rows, never {n}; not done", f.kind.name(), f.target));
+                return Ok(());
             }
         }
         Trigger::FailpointHit(n) => {
@@ -317,20 +325,11 @@ async fn inject(
             let fp = f.failpoint.clone().expect("validated");
             let r = replicas.get(&f.target).expect("validated").clone();
             let path = r.lock().await.log_path().to_path_buf();
-            let mut done_since: Option<Instant> = None;
-            loop {
-                let text = std::fs::read_to_string(&path).unwrap_or_default();
-                if text.lines().any(|l| l.contains("event=\"failpoint.hit\"") && l.contains(&format!("failpoint=\"{fp}\""))) {
-                    break;
-                }
-                if *writes.borrow() >= total_writes {
-                    let since = *done_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() > Duration::from_secs(5) {
-                        log.finding(format!("{} {}: failpoint {fp} never reached hit {n}; not done", f.kind.name(), f.target));
-                        return Ok(());
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
+            let marker = format!("failpoint=\"{fp}\"");
+            let hit = in_log(&path, &writes, total_writes, |text| text.lines().any(|l| l.contains("event=\"failpoint.hit\"") && l.contains(&marker)));
+            if !hit.await {
+                log.finding(format!("{} {}: failpoint {fp} never reached hit {n}; not done", f.kind.name(), f.target));
+                return Ok(());
             }
         }
     }
