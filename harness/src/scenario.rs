@@ -611,8 +611,9 @@ pub struct Fault {
     #[serde(default)]
     pub every: Option<u32>,
     /// For `kind = "refuse_staging"`: the table whose inserts are refused, the service's
-    /// `event_outbox` (default: staging fails) or cases' `referrals` (the domain write fails
-    /// after anything staged outside its transaction was committed: a phantom's window).
+    /// `event_outbox` (default: staging fails) or cases' `referrals` or `placements` (the
+    /// domain write fails after anything staged outside its transaction was committed: a
+    /// phantom's window).
     #[serde(default)]
     pub table: Option<String>,
 }
@@ -620,7 +621,7 @@ pub struct Fault {
 /// The tables a `refuse_staging` fault may refuse inserts into, per service.
 pub fn refusable_tables(service: &str) -> &'static [&'static str] {
     match service {
-        "cases" => &["event_outbox", "referrals"],
+        "cases" => &["event_outbox", "referrals", "placements"],
         _ => &["event_outbox"],
     }
 }
@@ -1372,7 +1373,7 @@ effect_once = { violate = "compat:pre-d2" }
         let ok = parse_str(&with("kind = \"mutant\"\ntarget = \"cases-1\"\nfailpoint = \"cases::stage_after_commit\"\nat = { after_ms = 0 }")).unwrap();
         assert_eq!(ok.faults[2].get_ref().kind, FaultKind::Mutant);
         let e = rejected(&with("kind = \"mutant\"\ntarget = \"cases-1\"\nfailpoint = \"cases::nothing\"\nat = { after_ms = 0 }"));
-        assert!(e.reason.contains("unknown mutant \"cases::nothing\"; known: financial::absorb_fails, cases::stage_after_commit, cases::activation_stage_after_commit, cases::stage_before_write"), "{e}");
+        assert!(e.reason.contains("unknown mutant \"cases::nothing\"; known: financial::absorb_fails, cases::stage_after_commit, cases::activation_stage_after_commit, cases::stage_before_write, cases::activation_stage_before_write"), "{e}");
         let e = rejected(&with("kind = \"mutant\"\ntarget = \"rules-1\"\nfailpoint = \"cases::stage_after_commit\"\nat = { after_ms = 0 }"));
         assert!(e.reason.contains("lives in another service than rules-1's"), "{e}");
         for late in ["at = { after_ms = 5 }", "at = { after_writes = 3 }", "at = { after_ms = 0 }\nduration_ms = 100"] {
@@ -1401,7 +1402,7 @@ effect_once = { violate = "compat:pre-d2" }
         assert_eq!(referrals.faults[2].get_ref().refused_table(), "referrals");
         assert_eq!(parse_str(&with(refuse)).unwrap().faults[2].get_ref().refused_table(), "event_outbox");
         let e = rejected(&with(&refuse.replace("every = 3", "every = 3\ntable = \"payments\"")));
-        assert!(e.reason.contains("refuse_staging on cases refuses inserts into one of: event_outbox, referrals, not \"payments\""), "{e}");
+        assert!(e.reason.contains("refuse_staging on cases refuses inserts into one of: event_outbox, referrals, placements, not \"payments\""), "{e}");
     }
 
     #[test]

@@ -254,6 +254,15 @@ async fn activate_placement(
     let envelope = EventEnvelope::new(PLACEMENT_ACTIVATED, "cases", Some(id), payload)
         .expect("static event type and service name are valid");
     let written = async {
+        // Test-only (issue 22): placement.activated commits in a transaction of its own
+        // BEFORE the activation's; an activation that then fails to commit leaves its event
+        // published (a payment for a placement that is not active).
+        let staged_before = craig_mq::crash::mutant("cases::activation_stage_before_write");
+        if staged_before {
+            let mut first = state.pool.begin().await?;
+            publish_in_tx(&mut first, &envelope).await?;
+            first.commit().await?;
+        }
         let mut tx = state.pool.begin().await?;
         let activated: Option<Uuid> = sqlx::query_scalar(
             "INSERT INTO placements (id, referral_id, status, activated_at, care_level, period_start, days) \
@@ -270,6 +279,10 @@ async fn activate_placement(
         .await?;
         if activated.is_none() {
             return Ok(None);
+        }
+        if staged_before {
+            tx.commit().await?;
+            return Ok(Some(envelope.id));
         }
         if craig_mq::crash::mutant("cases::activation_stage_after_commit") {
             // Test-only (issue 22): the activation commits alone, its event in a second transaction.

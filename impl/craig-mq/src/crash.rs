@@ -35,8 +35,14 @@ pub const CRASH_POINTS: &[&str] = &[
 /// | `cases::stage_after_commit` | §D1 broken: the referral commits in one transaction and its event is staged in a second |
 /// | `cases::activation_stage_after_commit` | §D1 broken for activations: the placement turns active in one transaction and `placement.activated` is staged in a second |
 /// | `cases::stage_before_write` | §D1 broken the other way: the referral's event commits in a transaction of its own before the referral's, so a referral that fails to commit leaves its event published (a phantom) |
-pub const MUTANTS: &[&str] =
-    &["financial::absorb_fails", "cases::stage_after_commit", "cases::activation_stage_after_commit", "cases::stage_before_write"];
+/// | `cases::activation_stage_before_write` | the same for activations: `placement.activated` commits in a transaction of its own before the placement turns active, so an activation that fails to commit leaves its event published (a payment for a placement cases does not hold active) |
+pub const MUTANTS: &[&str] = &[
+    "financial::absorb_fails",
+    "cases::stage_after_commit",
+    "cases::activation_stage_after_commit",
+    "cases::stage_before_write",
+    "cases::activation_stage_before_write",
+];
 
 /// Whether mutant `name` is armed (always false without feature `failpoints`). Each time it
 /// changes behaviour it says so (`failpoint.mutant`): the evidence that it fired.
