@@ -7,7 +7,7 @@
 //! processes, sockets and the OS scheduler still decide what overlaps (as TigerBeetle's
 //! Vortex says of itself).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -327,15 +327,56 @@ fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<St
         }
     }
     if f.payments_absorbed > 0 {
-        let absorbed = h.iter().filter(|e| matches!(e.event, Event::PaymentAbsorbed { .. })).count() as u64;
+        let (absorbed, claimed) = absorbed_payments(h);
         if absorbed < f.payments_absorbed {
             why.push(format!(
-                "{absorbed} payment replays absorbed by the arbiter (financial.payment_replay_absorbed), below min_payments_absorbed = {}",
+                "{absorbed} payment replays absorbed by the arbiter against a payment financial's database holds ({claimed} claimed by \
+                 financial.payment_replay_absorbed), below min_payments_absorbed = {}",
                 f.payments_absorbed
             ));
         }
     }
     (!why.is_empty()).then(|| format!("below the activity floor: {}", why.join("; ")))
+}
+
+/// The #1179 absorbs that count towards `min_payments_absorbed` (issue 22: a floor does not
+/// rest on the system's word alone), and how many financial claimed. An absorb
+/// (`financial.payment_replay_absorbed`, the arbiter's own line) counts only when
+/// financial's database, read at the end, holds the payment it absorbed against: a
+/// `payments` row of the same envelope, or of the placement that envelope was staged for,
+/// made before the line (`ABSORB_ROUNDING_MS` for the log's and the database's clocks). An
+/// arbiter that says "absorbed" with no payment behind it exercised nothing.
+fn absorbed_payments(h: &History) -> (u64, u64) {
+    const ABSORB_ROUNDING_MS: u64 = 250;
+    let mut placement_of: HashMap<Uuid, Uuid> = HashMap::new();
+    let mut paid_envelope: HashMap<Uuid, u64> = HashMap::new();
+    let mut paid_placement: HashMap<Uuid, u64> = HashMap::new();
+    for e in h.iter() {
+        match &e.event {
+            Event::Staged { envelope, referral: Some(p), service, .. } if service == "cases" => {
+                placement_of.insert(*envelope, *p);
+            }
+            Event::Effect { envelope, referral, service, .. } if service == "financial" => {
+                let first = paid_envelope.entry(*envelope).or_insert(e.t_ms);
+                *first = (*first).min(e.t_ms);
+                if let Some(p) = referral {
+                    let first = paid_placement.entry(*p).or_insert(e.t_ms);
+                    *first = (*first).min(e.t_ms);
+                }
+            }
+            _ => {}
+        }
+    }
+    let (mut absorbed, mut claimed) = (0, 0);
+    for e in h.iter() {
+        let Event::PaymentAbsorbed { envelope, .. } = &e.event else { continue };
+        claimed += 1;
+        let before = |t: Option<&u64>| t.is_some_and(|&t| t <= e.t_ms + ABSORB_ROUNDING_MS);
+        if before(paid_envelope.get(envelope)) || before(placement_of.get(envelope).and_then(|p| paid_placement.get(p))) {
+            absorbed += 1;
+        }
+    }
+    (absorbed, claimed)
 }
 
 /// Mark the result inconclusive for `why`; every reason found is reported, in the order
@@ -740,6 +781,42 @@ mod tests {
         write(&mut thin, 40, 3, Outcome::Failed);
         let why = below_floor(&s, &thin, &metrics).unwrap();
         assert!(why.contains("1 writes acknowledged, below min_acknowledged = 2"), "{why}");
+    }
+
+    /// Issue 22: the arbiter's own "absorbed" line counts only with the payment it absorbed
+    /// against in financial's database, made before the line (same envelope, or the
+    /// placement that envelope was staged for).
+    #[test]
+    fn an_absorb_counts_only_with_the_payment_it_absorbed_against() {
+        let (env, other, placement) = (Uuid::from_u128(1), Uuid::from_u128(2), Uuid::from_u128(9));
+        let absorbed = |h: &mut History, t| h.push(t, Event::PaymentAbsorbed { envelope: env, replica: "financial-1".into() });
+        let paid = |h: &mut History, t, envelope| {
+            h.push(t, Event::Effect { envelope, referral: Some(placement), service: "financial".into(), replica: Some("financial-1".into()) })
+        };
+        // Claimed with no payment anywhere: nothing was exercised.
+        let mut h = History::default();
+        absorbed(&mut h, 100);
+        assert_eq!(absorbed_payments(&h), (0, 1));
+        // The payment of the same envelope, but made only after the line: not what it absorbed against.
+        paid(&mut h, 2000, env);
+        assert_eq!(absorbed_payments(&h), (0, 1));
+        // The payment of the same envelope before the line (within the clocks' rounding).
+        let mut h = History::default();
+        paid(&mut h, 300, env);
+        absorbed(&mut h, 100);
+        assert_eq!(absorbed_payments(&h), (1, 1));
+        // A replay under another envelope of the same placement: the placement's payment counts.
+        let mut h = History::default();
+        h.push(5, Event::Staged { envelope: env, referral: Some(placement), service: "cases".into(), published: true, attempts: 1, last_error: None });
+        paid(&mut h, 50, other);
+        absorbed(&mut h, 100);
+        assert_eq!(absorbed_payments(&h), (1, 1));
+        // A payment of another placement is no corroboration.
+        let mut h = History::default();
+        h.push(5, Event::Staged { envelope: env, referral: Some(Uuid::from_u128(8)), service: "cases".into(), published: true, attempts: 1, last_error: None });
+        paid(&mut h, 50, other);
+        absorbed(&mut h, 100);
+        assert_eq!(absorbed_payments(&h), (0, 1));
     }
 
     #[test]
