@@ -349,7 +349,14 @@ impl History {
     /// target as the scenario names it (`fault:toxic cases-1->broker`, `fault:kill broker`,
     /// `fault:crash cases-1`); a window still open at the end runs to `u64::MAX`.
     pub fn fault_windows(&self) -> Vec<(String, u64, u64)> {
-        let mut out: Vec<(String, u64, u64)> = Vec::new();
+        self.fault_spans().into_iter().map(|(tag, _, from, to)| (tag, from, to)).collect()
+    }
+
+    /// [`History::fault_windows`] with each window's report label (its start's `target`,
+    /// e.g. `cases-1->database (timeout downstream)`): what the fault did, where the cause
+    /// tag says only where.
+    pub fn fault_spans(&self) -> Vec<(String, String, u64, u64)> {
+        let mut out: Vec<(String, String, u64, u64)> = Vec::new();
         let mut open: Vec<(String, usize)> = Vec::new();
         for e in &self.entries {
             let Event::Fault { kind, target, phase } = &e.event else { continue };
@@ -361,12 +368,12 @@ impl History {
             match phase {
                 Phase::Start => {
                     open.push((tag.clone(), out.len()));
-                    out.push((tag, e.t_ms, u64::MAX));
+                    out.push((tag, target.clone(), e.t_ms, u64::MAX));
                 }
                 Phase::End => {
                     if let Some(k) = open.iter().position(|(t, _)| *t == tag) {
                         let (_, i) = open.remove(k);
-                        out[i].2 = e.t_ms;
+                        out[i].3 = e.t_ms;
                     }
                 }
             }

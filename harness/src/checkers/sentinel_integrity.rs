@@ -2,16 +2,33 @@
 
 use super::*;
 
-/// Whether fault `tag` (in force at the answer) leaves `replica` without its database: the
-/// server killed or paused, or this replica's own link to it down or toxic. A fault that
-/// leaves the server answering (`refuse_staging`, which refuses outbox or referral inserts
-/// an export never makes; `terminate`, which cuts only the connections its
-/// `application_name` names, never the request pool's) or cuts another replica's link
-/// excuses no 503.
-fn cuts_off_database(tag: &str, replica: &str) -> bool {
+/// At this much delay per chunk or more, a latency toxic on a replica's database link
+/// starves its requests: an export's round trips (claim, handler, finalize: more than five)
+/// then hold each pooled connection past the node's 5 s acquire timeout, and the requests
+/// queued behind them honestly answer 503. Below it the database still answers in time.
+const CUT_LATENCY_MS: u64 = 1000;
+
+/// Whether fault `tag` (labelled `label` in the report, in force at the answer) leaves
+/// `replica` without its database: the server killed or paused, this replica's own link to it
+/// down, or a toxic on that link that breaks its connections (`timeout`, `reset_peer`,
+/// `limit_data`) or delays them past [`CUT_LATENCY_MS`]. A toxic that only slows or slices
+/// the bytes (`bandwidth`, `slicer`, `slow_close`, a shorter latency), a fault that leaves
+/// the server answering (`refuse_staging`, which refuses outbox or referral inserts an export
+/// never makes; `terminate`, which cuts only the connections its `application_name` names,
+/// never the request pool's) or one on another replica's link excuses no 503.
+fn cuts_off_database(tag: &str, label: &str, replica: &str) -> bool {
+    let own_link = |link: &str| link.strip_prefix(replica) == Some("->database");
     match tag.strip_prefix("fault:").and_then(|t| t.split_once(' ')) {
         Some(("kill" | "pause", "database")) => true,
-        Some(("down" | "toxic", link)) => link.strip_prefix(replica) == Some("->database"),
+        Some(("down", link)) => own_link(link),
+        Some(("toxic", link)) if own_link(link) => {
+            let what = label.split_once(" (").map_or("", |(_, rest)| rest.trim_end_matches(')'));
+            match what.split_whitespace().collect::<Vec<_>>().as_slice() {
+                ["timeout" | "reset_peer" | "limit_data", ..] => true,
+                ["latency", ms, ..] => ms.strip_suffix("ms").and_then(|n| n.parse::<u64>().ok()).is_some_and(|n| n >= CUT_LATENCY_MS),
+                _ => false,
+            }
+        }
         _ => false,
     }
 }
@@ -49,7 +66,7 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
     // A 503 is the honest answer while the replica's database is out of reach (killed,
     // paused, its link cut: `cuts_off_database`): excused only inside such a fault's window, by the harness's
     // own record of it; the key must still end answered (`never_answered` below).
-    let windows = h.fault_windows();
+    let spans = h.fault_spans();
     let mut unavailable = 0;
     // (key, size, replica) of every attempt that was sent and got no (complete) answer, with
     // when each was sent.
@@ -99,7 +116,12 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
                     if *replayed { "wrong_replay" } else { "wrong_live" }
                 }
             }
-            (Some(503), _) if faults_on(&windows, replica, e.t_ms).iter().any(|tag| cuts_off_database(tag, replica)) =>
+            (Some(503), _)
+                if spans.iter().any(|(tag, label, from, to)| {
+                    from.saturating_sub(WINDOW_SLACK_MS) <= e.t_ms
+                        && e.t_ms <= to.saturating_add(WINDOW_SLACK_MS)
+                        && cuts_off_database(tag, label, replica)
+                }) =>
             {
                 unavailable += 1;
                 continue;

@@ -70,6 +70,15 @@ pub enum ToxicKind {
 }
 
 impl ToxicKind {
+    /// How a report names it: the type, and for `latency` the most it delays a chunk
+    /// (`latency 1200ms`), which says whether it can starve a request of its database.
+    pub fn label(&self) -> String {
+        match self {
+            ToxicKind::Latency { latency, jitter } => format!("latency {}ms", latency.saturating_add(*jitter)),
+            other => other.type_name().to_owned(),
+        }
+    }
+
     pub fn type_name(&self) -> &'static str {
         match self {
             ToxicKind::Latency { .. } => "latency",
@@ -134,6 +143,16 @@ impl Toxic {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The report's label says what a toxic does to a request (sentinel_integrity reads it):
+    /// a latency toxic's most delay per chunk, the type for the rest.
+    #[test]
+    fn a_label_names_the_type_and_a_latency_its_most_delay() {
+        assert_eq!(ToxicKind::Latency { latency: 800, jitter: 400 }.label(), "latency 1200ms");
+        assert_eq!(ToxicKind::Latency { latency: u64::MAX, jitter: 1 }.label(), format!("latency {}ms", u64::MAX));
+        assert_eq!(ToxicKind::Timeout { timeout: 0 }.label(), "timeout");
+        assert_eq!(ToxicKind::ResetPeer { timeout: 5 }.label(), "reset_peer");
+    }
 
     #[test]
     fn parses_toxiproxy_json_and_fills_defaults() {

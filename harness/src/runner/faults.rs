@@ -636,7 +636,7 @@ pub(crate) fn label(f: &Fault) -> String {
         (_, FaultKind::Terminate) => {
             format!("{} ({})", f.target, f.application_name.as_deref().unwrap_or(craig_mq::outbox::notify::APPLICATION_NAME))
         }
-        (Some(t), FaultKind::Toxic) => format!("{} ({} {})", f.target, t.kind.type_name(), t.stream.as_str()),
+        (Some(t), FaultKind::Toxic) => format!("{} ({} {})", f.target, t.kind.label(), t.stream.as_str()),
         (_, FaultKind::QueueLimit) => {
             // "broker (craig-rules.events max-length 20, reject-publish)": the cause tag is
             // `fault:queue_limit broker`, as the scenario targets it.
