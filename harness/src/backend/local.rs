@@ -128,6 +128,26 @@ mod port_tests {
         assert!(!port_taken("not ready after 30s"));
     }
 
+    /// A node that loads definitions at boot makes no default user: the boot file must hold
+    /// the vhost, the admin the harness connects as, and every fleet account with the very
+    /// password `accounts()` hands out (so it needs no import of its own).
+    #[test]
+    fn the_boot_definitions_hold_the_admin_and_every_fleet_account() {
+        let root = Path::new("/tmp/craig-chaos-test-root");
+        let defs = boot_definitions(root, 12345).unwrap();
+        assert_eq!(defs["vhosts"], serde_json::json!([{ "name": "/" }]));
+        let users = defs["users"].as_array().unwrap();
+        assert_eq!(users[0]["name"], "guest");
+        assert_eq!(users[0]["tags"], serde_json::json!(["administrator"]));
+        assert_eq!(users[0]["password_hash"], craig_sandbox::password_hash("guest", "guest").as_str());
+        let fleet = super::super::fleet_accounts();
+        let (accounts, urls) = account_definitions(root, 12345, &fleet).unwrap();
+        assert_eq!(&users[1..], accounts["users"].as_array().unwrap().as_slice());
+        assert_eq!(defs["permissions"].as_array().unwrap().len(), fleet.len() + 1);
+        assert_eq!(urls.len(), fleet.len());
+        assert!(urls.iter().all(|u| u.ends_with("@127.0.0.1:12345/%2f")), "{urls:?}");
+    }
+
     #[test]
     fn private_server_ports_stay_out_of_the_ephemeral_range() {
         assert_eq!(non_ephemeral(32768, 60999), (10_000, 32768));
@@ -274,18 +294,35 @@ impl LocalBackend {
         std::fs::create_dir_all(&root).map_err(|e| io("creating", e))?;
         let mut backend = None;
         let result = async {
-            let pg = pg_server(&root)?;
-            let rmq = rmq_server(&root)?;
+            // RabbitMQ's start is the longest (seconds of Erlang boot, CPU-bound): it goes
+            // first, with the run's accounts in its boot definitions, and PostgreSQL's
+            // initdb (about a second) runs while it boots.
+            let (mut rmq, rmq_port) = rmq_server(&root)?;
+            rmq.spawn()?;
+            let initdb = {
+                let root = root.clone();
+                tokio::task::spawn_blocking(move || pg_server(&root)).await
+            };
+            let (pg, pg_port) = match initdb {
+                Ok(Ok(pg)) => pg,
+                Ok(Err(e)) => {
+                    rmq.kill_now();
+                    return Err(e);
+                }
+                Err(e) => {
+                    rmq.kill_now();
+                    return Err(BackendError::failed("running initdb", e));
+                }
+            };
             let b = backend.insert(LocalBackend {
-                pg_port: pg.1,
-                pg: pg.0,
-                rmq_port: rmq.1,
-                rmq: rmq.0,
+                pg_port,
+                pg,
+                rmq_port,
+                rmq,
                 root: root.clone(),
                 services: services.iter().map(|s| s.to_string()).collect(),
                 stopped: false,
             });
-            b.rmq.spawn()?;
             b.pg.spawn()?;
             b.wait_ready(Target::Database, Duration::from_secs(30)).await?;
             super::create_databases(b.pg_port, &b.services).await?;
@@ -317,16 +354,17 @@ impl LocalBackend {
         self.rabbitmqctl(&["clear_policy", name]).await.map(drop)
     }
 
-    /// One account per service on the private broker's vhost (ADR-022 #1202), made in ONE
-    /// `rabbitmqctl import_definitions` and each checked to log in; their AMQP URLs.
+    /// One account per service on the private broker's vhost (ADR-022 #1202), each checked
+    /// to log in; their AMQP URLs. The fleet's own accounts were in the node's boot
+    /// definitions (`rmq_server`); any others are made in ONE `rabbitmqctl
+    /// import_definitions` (an Erlang VM of its own: about a second).
     pub async fn accounts(&self, accounts: &[craig_sandbox::Account]) -> Result<Vec<String>, BackendError> {
-        let admin = self.endpoints().amqp_url;
-        let root = self.root.display().to_string();
-        let (defs, urls) = craig_sandbox::definitions(accounts, "/", &admin, |name| craig_sandbox::sandbox_name(&format!("{root}/{name}")))
-            .map_err(|e| BackendError::failed("service account URL", e))?;
-        let file = self.root.join("accounts.json");
-        std::fs::write(&file, defs.to_string()).map_err(|e| BackendError::failed(format!("writing {}", file.display()), e))?;
-        self.rabbitmqctl(&["import_definitions", &file.display().to_string()]).await?;
+        let (defs, urls) = account_definitions(&self.root, self.rmq_port, accounts)?;
+        if accounts != super::fleet_accounts().as_slice() {
+            let file = self.root.join("accounts.json");
+            std::fs::write(&file, defs.to_string()).map_err(|e| BackendError::failed(format!("writing {}", file.display()), e))?;
+            self.rabbitmqctl(&["import_definitions", &file.display().to_string()]).await?;
+        }
         craig_sandbox::wait_logins(&urls).await.map_err(|e| BackendError::failed("creating the service accounts", e))?;
         Ok(urls)
     }
@@ -541,6 +579,33 @@ fn pg_server(root: &Path) -> Result<(Server, u16), BackendError> {
     Ok((server, port))
 }
 
+/// The definitions making `accounts` on the node under `root` listening on `port` (their
+/// passwords derived from `root`), and their AMQP URLs.
+fn account_definitions(root: &Path, port: u16, accounts: &[craig_sandbox::Account]) -> Result<(serde_json::Value, Vec<String>), BackendError> {
+    let admin = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
+    let root = root.display().to_string();
+    craig_sandbox::definitions(accounts, "/", &admin, |name| craig_sandbox::sandbox_name(&format!("{root}/{name}")))
+        .map_err(|e| BackendError::failed("service account URL", e))
+}
+
+/// What a fresh node holds before anything else connects (`load_definitions`): the vhost
+/// `/`, the admin `guest` (a node that loads definitions at boot makes no default user)
+/// and the fleet's service accounts (ADR-022 #1202), so no `rabbitmqctl` call (an Erlang VM
+/// of its own) is needed to make them.
+fn boot_definitions(root: &Path, port: u16) -> Result<serde_json::Value, BackendError> {
+    let (accounts, _) = account_definitions(root, port, &super::fleet_accounts())?;
+    let mut users = vec![serde_json::json!({
+        "name": "guest",
+        "password_hash": craig_sandbox::password_hash("guest", "guest"),
+        "hashing_algorithm": "rabbit_password_hashing_sha256",
+        "tags": ["administrator"],
+    })];
+    let mut permissions = vec![serde_json::json!({ "user": "guest", "vhost": "/", "configure": ".*", "write": ".*", "read": ".*" })];
+    users.extend(accounts["users"].as_array().cloned().unwrap_or_default());
+    permissions.extend(accounts["permissions"].as_array().cloned().unwrap_or_default());
+    Ok(serde_json::json!({ "vhosts": [{ "name": "/" }], "users": users, "permissions": permissions }))
+}
+
 fn rmq_server(root: &Path) -> Result<(Server, u16), BackendError> {
     let script = rabbitmq_script()?;
     let dir = root.join("rabbitmq");
@@ -549,7 +614,14 @@ fn rmq_server(root: &Path) -> Result<(Server, u16), BackendError> {
     }
     let (port, dist) = (free_port()?, free_port()?);
     let conf = dir.join("rabbitmq.conf");
-    std::fs::write(&conf, format!("listeners.tcp.default = 127.0.0.1:{port}\nloopback_users = none\n"))
+    let definitions = dir.join("definitions.json");
+    std::fs::write(&definitions, boot_definitions(root, port)?.to_string())
+        .and_then(|()| {
+            std::fs::write(
+                &conf,
+                format!("listeners.tcp.default = 127.0.0.1:{port}\nloopback_users = none\nload_definitions = {}\n", definitions.display()),
+            )
+        })
         .and_then(|()| std::fs::write(dir.join("enabled_plugins"), "[].\n"))
         .and_then(|()| std::fs::write(dir.join("rabbitmq-env.conf"), ""))
         .map_err(|e| BackendError::failed("writing rabbitmq config", e))?;

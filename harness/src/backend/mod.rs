@@ -155,6 +155,14 @@ impl Endpoints {
     }
 }
 
+/// The fleet's broker accounts, one per service (ADR-022 #1202), in `craig_fleet::service::ALL`'s order.
+pub(crate) fn fleet_accounts() -> Vec<craig_sandbox::Account> {
+    craig_fleet::access::accounts()
+        .into_iter()
+        .map(|(_, user, p)| craig_sandbox::Account { name: user, configure: p.configure, write: p.write, read: p.read })
+        .collect()
+}
+
 /// `CREATE DATABASE` for each service on a fresh server (admin database `postgres`).
 pub(crate) async fn create_databases(pg_port: u16, services: &[String]) -> Result<(), BackendError> {
     use sqlx::Connection as _;
@@ -251,10 +259,7 @@ impl Backend {
     /// `craig_fleet::access`), in `craig_fleet::service::ALL` order: each one's AMQP URL.
     /// The admin URL of [`endpoints`](Self::endpoints) stays the operator's.
     pub async fn service_accounts(&mut self) -> Result<Vec<(String, String)>, BackendError> {
-        let accounts: Vec<craig_sandbox::Account> = craig_fleet::access::accounts()
-            .into_iter()
-            .map(|(_, user, p)| craig_sandbox::Account { name: user, configure: p.configure, write: p.write, read: p.read })
-            .collect();
+        let accounts = fleet_accounts();
         let urls = match self {
             Backend::Local(b) => b.accounts(&accounts).await?,
             Backend::External(b) => b.accounts(&accounts).await?,

@@ -45,7 +45,7 @@ pub struct Sandbox {
 
 /// One broker account for [`Sandbox::add_users`]: a name (prefixed with the sandbox's)
 /// and its permission regexes on the sandbox's vhost.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Account {
     pub name: String,
     pub configure: String,
