@@ -198,14 +198,8 @@ async fn render_metrics() -> axum::response::Response {
 /// `pre-d5` a map in this process; the claim's life `CRAIG_IDEMPOTENCY_CLAIM_SECS` (1..=30,
 /// 30 in production; a harness shortens it to see a claim expire).
 fn idempotency_layer(opts: &NodeOptions, service: Service, pool: &PgPool) -> anyhow::Result<craig_api::idempotency::IdempotencyLayer> {
-    use craig_api::idempotency::{CLAIM_TTL, Config, IdempotencyLayer, Store};
-    let claim_secs = match std::env::var("CRAIG_IDEMPOTENCY_CLAIM_SECS") {
-        Err(_) => CLAIM_TTL.as_secs(),
-        Ok(v) => match v.trim().parse::<u64>() {
-            Ok(n) if (1..=CLAIM_TTL.as_secs()).contains(&n) => n,
-            _ => anyhow::bail!("CRAIG_IDEMPOTENCY_CLAIM_SECS={v:?} must be a whole number of seconds, 1..={}", CLAIM_TTL.as_secs()),
-        },
-    };
+    use craig_api::idempotency::{Config, IdempotencyLayer, Store};
+    let claim_secs = claim_secs(std::env::var("CRAIG_IDEMPOTENCY_CLAIM_SECS").ok().as_deref())?;
     let mut cfg = Config::new(JwtKey::new(&opts.jwt_secret), service.audience());
     cfg.claim_ttl = Duration::from_secs(claim_secs);
     // CRAIG_IDEMPOTENCY_TTL_HOURS decides a row's life (issue 21.6); 0 only switches its
@@ -218,6 +212,19 @@ fn idempotency_layer(opts: &NodeOptions, service: Service, pool: &PgPool) -> any
     cfg.pre_1184 = opts.compat.has(Compat::Pre1184);
     let store = if opts.compat.has(Compat::PreD5) { Store::memory() } else { Store::postgres(pool.clone()) };
     Ok(IdempotencyLayer::new(cfg, store))
+}
+
+/// `CRAIG_IDEMPOTENCY_CLAIM_SECS` (`value`; unset: §D5's 30 s): a whole number of seconds,
+/// 1..=30. A claim may be shortened for a harness to see it expire, never lengthened past
+/// the ADR's 30 s nor set to 0 (every claim expired at birth: a live winner's key re-claimed
+/// by the next request, its handler run twice).
+fn claim_secs(value: Option<&str>) -> anyhow::Result<u64> {
+    use craig_api::idempotency::CLAIM_TTL;
+    let Some(v) = value else { return Ok(CLAIM_TTL.as_secs()) };
+    match v.trim().parse::<u64>() {
+        Ok(n) if (1..=CLAIM_TTL.as_secs()).contains(&n) => Ok(n),
+        _ => anyhow::bail!("CRAIG_IDEMPOTENCY_CLAIM_SECS={v:?} must be a whole number of seconds, 1..={}", CLAIM_TTL.as_secs()),
+    }
 }
 
 /// Run until `shutdown` is cancelled, then drain and return.
@@ -428,4 +435,22 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
     pool.close().await;
     tracing::info!(event = "node.stopped", %service);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::claim_secs;
+
+    /// §D5's claim life: unset is 30 s; 1..=30 may be set; 0, past 30 and anything not a
+    /// whole number of seconds refuse to start, naming the variable and the range.
+    #[test]
+    fn the_claim_life_is_one_to_thirty_seconds_or_the_node_refuses_to_start() {
+        assert_eq!(claim_secs(None).unwrap(), 30);
+        assert_eq!(claim_secs(Some("1")).unwrap(), 1);
+        assert_eq!(claim_secs(Some(" 30 ")).unwrap(), 30);
+        for bad in ["0", "31", "18446744073709551616", "-1", "2.5", "", "thirty"] {
+            let e = claim_secs(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("CRAIG_IDEMPOTENCY_CLAIM_SECS") && e.contains("1..=30"), "{bad:?}: {e}");
+        }
+    }
 }
