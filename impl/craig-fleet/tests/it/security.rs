@@ -663,10 +663,25 @@ async fn captured_dead_letters_are_redriven_into_the_audit_once() {
 /// no threshold event, because the rows carried no event type. The event type of a dead
 /// letter whose envelope cannot be read is the routing key it was first published with
 /// (`x-death`'s `routing-keys`): exactly one threshold event, at the 11th.
+///
+/// Each one also raises the operator's signal, the `security.dlq.quarantined` error line
+/// (§Amendment #1197: "the error!-per-quarantine log line"), and a well-formed dead letter
+/// raises none (a mutation test found nothing held that line to malformed ones).
 #[tokio::test]
 async fn a_burst_of_unparseable_dead_letters_crosses_the_threshold_once() {
     let fleet = Fleet::new("dlq-unparseable-burst", &[Service::Security]).await;
     let pool = fleet.pool(Service::Security).await;
+    // This test's own log (a current-thread runtime: every event is emitted on this thread).
+    let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+    let sink = lines.clone();
+    let _logs = tracing::subscriber::set_default(
+        tracing_subscriber::fmt().with_ansi(false).with_writer(move || LogSink(sink.clone())).finish(),
+    );
+    let quarantined = || String::from_utf8_lossy(&lines.lock().unwrap()).matches("event=\"security.dlq.quarantined\"").count();
+    let well_formed = broker_dead_letter("case.referral_created");
+    assert_eq!(security::record_dead_letter(&pool, &well_formed, RecorderMode::default()).await.unwrap().recorded, Recorded::Recorded);
+    assert_eq!(quarantined(), 0, "a well-formed dead letter is no quarantine");
+    sqlx::query("DELETE FROM dead_letter_audit").execute(&pool).await.unwrap();
     let now = Utc::now().timestamp() as u64;
     let mut fired = Vec::new();
     for i in 0..13 {
@@ -691,6 +706,7 @@ async fn a_burst_of_unparseable_dead_letters_crosses_the_threshold_once() {
         }
     }
     assert_eq!(fired, vec![(11, Some(11))], "one threshold event, at the 11th");
+    assert_eq!(quarantined(), 13, "one error line per malformed dead letter");
     let events = threshold_events(&pool).await;
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0]["event_type"], "case.referral_created");
@@ -698,6 +714,19 @@ async fn a_burst_of_unparseable_dead_letters_crosses_the_threshold_once() {
     assert_eq!(types, vec![Some("case.referral_created".to_owned())]);
     pool.close().await;
     fleet.finish().await;
+}
+
+/// A `tracing_subscriber` writer appending to a shared buffer (a test's own log).
+struct LogSink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogSink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Issue 21.1 (audit): the way back runs where operators find it. A security node re-reads
