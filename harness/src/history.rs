@@ -357,7 +357,8 @@ impl History {
     /// tag says only where.
     pub fn fault_spans(&self) -> Vec<(String, String, u64, u64)> {
         let mut out: Vec<(String, String, u64, u64)> = Vec::new();
-        let mut open: Vec<(String, usize)> = Vec::new();
+        // (tag, label, index) of every window still open.
+        let mut open: Vec<(String, String, usize)> = Vec::new();
         for e in &self.entries {
             let Event::Fault { kind, target, phase } = &e.event else { continue };
             let base = target.split(" (").next().unwrap_or(target);
@@ -367,12 +368,16 @@ impl History {
             let tag = format!("fault:{kind} {base}");
             match phase {
                 Phase::Start => {
-                    open.push((tag.clone(), out.len()));
+                    open.push((tag.clone(), target.clone(), out.len()));
                     out.push((tag, target.clone(), e.t_ms, u64::MAX));
                 }
                 Phase::End => {
-                    if let Some(k) = open.iter().position(|(t, _)| *t == tag) {
-                        let (_, i) = open.remove(k);
+                    // The window its own label opened first (two toxics on one link are two
+                    // windows, each closed by its own end), else the first of its tag (a
+                    // crash ends as "<replica> restarted").
+                    let k = open.iter().position(|(t, l, _)| *t == tag && l == target).or_else(|| open.iter().position(|(t, ..)| *t == tag));
+                    if let Some(k) = k {
+                        let (.., i) = open.remove(k);
                         out[i].3 = e.t_ms;
                     }
                 }
@@ -442,6 +447,27 @@ mod tests {
             Some("pre-1128".into()), Some("pre-1128".into()), Some(String::new()), Some(String::new()), Some("pre-1128".into())
         ));
         assert_eq!(h.compat_at("cases-2", 10), None);
+    }
+
+    /// Two toxics on one link are two windows, each closed by its own end (a checker reads
+    /// the label: a timeout's window must not stay open on a latency's end), and a crash's
+    /// window is closed by its restart.
+    #[test]
+    fn each_window_is_closed_by_its_own_end() {
+        let mut h = History::default();
+        let fault = |h: &mut History, t, kind: &str, target: &str, phase| h.push(t, Event::Fault { kind: kind.into(), target: target.into(), phase });
+        fault(&mut h, 10, "toxic", "cases-1->database (latency 100ms downstream)", Phase::Start);
+        fault(&mut h, 20, "toxic", "cases-1->database (timeout upstream)", Phase::Start);
+        fault(&mut h, 30, "toxic", "cases-1->database (timeout upstream)", Phase::End);
+        fault(&mut h, 40, "crash", "rules-1 at inbox::after_handler_before_stamp", Phase::Start);
+        fault(&mut h, 50, "toxic", "cases-1->database (latency 100ms downstream)", Phase::End);
+        fault(&mut h, 60, "crash", "rules-1 restarted", Phase::End);
+        let tag = "fault:toxic cases-1->database".to_owned();
+        assert_eq!(h.fault_spans(), vec![
+            (tag.clone(), "cases-1->database (latency 100ms downstream)".into(), 10, 50),
+            (tag, "cases-1->database (timeout upstream)".into(), 20, 30),
+            ("fault:crash rules-1".into(), "rules-1 at inbox::after_handler_before_stamp".into(), 40, 60),
+        ]);
     }
 
     #[test]

@@ -256,6 +256,14 @@ impl Server {
     }
 }
 
+/// A server never outlives its owner: a start cancelled before the backend holds it (a
+/// bounded start timing out while initdb runs) kills it too.
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill_now();
+    }
+}
+
 pub struct LocalBackend {
     root: PathBuf,
     pg: Server,

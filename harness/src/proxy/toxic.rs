@@ -70,8 +70,8 @@ pub enum ToxicKind {
 }
 
 impl ToxicKind {
-    /// How a report names it: the type, and for `latency` the most it delays a chunk
-    /// (`latency 1200ms`), which says whether it can starve a request of its database.
+    /// How a report names it: the type (which the checkers read), and for `latency` the
+    /// most it delays a chunk (`latency 1200ms`), for the reader.
     pub fn label(&self) -> String {
         match self {
             ToxicKind::Latency { latency, jitter } => format!("latency {}ms", latency.saturating_add(*jitter)),
