@@ -168,13 +168,20 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
             // The unanswered attempt is the one this run served: sent before the run
             // committed and before the crash (one sent to the replica while it was down was
             // refused, and says nothing about a lost answer).
+            //
+            // §D5's other residue ("if the sentinel finalize ITSELF fails the row stays
+            // processing and claim-expiry recovery can still re-execute"): the run committed
+            // while a fault cut its replica off the database (the finalize follows the commit
+            // at once), and the attempt it served got no answer.
+            let unanswered_by = |r: &str, before: u64| {
+                no_answer.get(&(*key, *size, r)).is_some_and(|sent| sent.iter().any(|s| *s <= t1.saturating_add(WINDOW_SLACK_MS) && *s <= before))
+            };
             let residue = r1.is_some_and(|r| {
-                crashes.iter().any(|(t, c)| {
-                    *c == r
-                        && t1 <= t.saturating_add(WINDOW_SLACK_MS)
-                        && *t <= t2
-                        && no_answer.get(&(*key, *size, r)).is_some_and(|sent| sent.iter().any(|s| *s <= t1.saturating_add(WINDOW_SLACK_MS) && s <= t))
-                }) && !used.contains(&(*key, *size, r))
+                let crashed = crashes.iter().any(|(t, c)| *c == r && t1 <= t.saturating_add(WINDOW_SLACK_MS) && *t <= t2 && unanswered_by(r, *t));
+                let cut_off = spans.iter().any(|(tag, label, from, to)| {
+                    from.saturating_sub(WINDOW_SLACK_MS) <= t1 && t1 <= to.saturating_add(WINDOW_SLACK_MS) && cuts_off_database(tag, label, r)
+                }) && unanswered_by(r, t2);
+                (crashed || cut_off) && !used.contains(&(*key, *size, r))
             }) && matches!((g1, g2), (Some(a), Some(b)) if b > a)
                 && ck.and_then(|c| final_generation.get(c)).is_none_or(|f| Some(*f) >= g2);
             if residue {

@@ -1219,6 +1219,30 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
     let v = sentinel_integrity(&bad);
     assert_eq!((v.validity, v.culprits.get("kind:executed_twice")), (Validity::Invalid, Some(&5)), "{v:?}");
     assert_eq!(v.counts["reexecuted_after_claim_expiry"], 1);
+    // §D5's other residue (found by the property run: cases-1's database link down 6 ms
+    // after the run): the finalize itself failed, so the row stayed processing and the
+    // retry after the claim's expiry re-ran it. Excused only with the cut in force at the
+    // run's commit and the attempt it served unanswered; a cut that began later, or one on
+    // another replica's link, excuses nothing.
+    let residue = |cut: (u64, u64), link: &str, answered: bool| {
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", &[]);
+        window(&mut h, cut, "down", link);
+        run(&mut h, 60, "f", 10, 1);
+        if answered {
+            answer(&mut h, 61, "cases-1", "f", 10, false, false, &body(10));
+        } else {
+            unanswered(&mut h, 55, "f", 10, "cases-1");
+        }
+        run(&mut h, 30_778, "f", 10, 2);
+        h.sort();
+        let v = sentinel_integrity(&h);
+        (v.counts["reexecuted_after_claim_expiry"], v.culprits.get("kind:executed_twice").copied())
+    };
+    assert_eq!(residue((66, 1_162), "cases-1->database", false), (1, None), "cut just after the commit: the finalize failed");
+    assert_eq!(residue((2_000, 3_000), "cases-1->database", false), (0, Some(1)), "a cut that began later");
+    assert_eq!(residue((66, 1_162), "cases-2->database", false), (0, Some(1)), "another replica's link");
+    assert_eq!(residue((66, 1_162), "cases-1->database", true), (0, Some(1)), "the attempt was answered");
     // A 409 without Retry-After, and an unexpected status.
     let mut answers = h.clone();
     for (status, retry_after) in [(409, None), (503, None)] {
