@@ -27,6 +27,14 @@ fn cuts_off_database(tag: &str, label: &str, replica: &str) -> bool {
     }
 }
 
+/// Whether a fault of `spans` (`History::fault_spans`) cut `replica` off its database at
+/// `t` (`cuts_off_database`, with the windows' slack).
+fn cut_off_at(spans: &[(String, String, u64, u64)], replica: &str, t: u64) -> bool {
+    spans.iter().any(|(tag, label, from, to)| {
+        from.saturating_sub(WINDOW_SLACK_MS) <= t && t <= to.saturating_add(WINDOW_SLACK_MS) && cuts_off_database(tag, label, replica)
+    })
+}
+
 /// §D5 as the clients and the database saw it (`kind = "exports"`):
 ///
 /// - **runs**: the handler ran at most once per key and query (`exports` rows by key and
@@ -110,12 +118,7 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
                     if *replayed { "wrong_replay" } else { "wrong_live" }
                 }
             }
-            (Some(503), _)
-                if spans.iter().any(|(tag, label, from, to)| {
-                    from.saturating_sub(WINDOW_SLACK_MS) <= e.t_ms
-                        && e.t_ms <= to.saturating_add(WINDOW_SLACK_MS)
-                        && cuts_off_database(tag, label, replica)
-                }) =>
+            (Some(503), _) if cut_off_at(&spans, replica, e.t_ms) =>
             {
                 unavailable += 1;
                 continue;
@@ -178,9 +181,7 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
             };
             let residue = r1.is_some_and(|r| {
                 let crashed = crashes.iter().any(|(t, c)| *c == r && t1 <= t.saturating_add(WINDOW_SLACK_MS) && *t <= t2 && unanswered_by(r, *t));
-                let cut_off = spans.iter().any(|(tag, label, from, to)| {
-                    from.saturating_sub(WINDOW_SLACK_MS) <= t1 && t1 <= to.saturating_add(WINDOW_SLACK_MS) && cuts_off_database(tag, label, r)
-                }) && unanswered_by(r, t2);
+                let cut_off = cut_off_at(&spans, r, t1) && unanswered_by(r, t2);
                 (crashed || cut_off) && !used.contains(&(*key, *size, r))
             }) && matches!((g1, g2), (Some(a), Some(b)) if b > a)
                 && ck.and_then(|c| final_generation.get(c)).is_none_or(|f| Some(*f) >= g2);

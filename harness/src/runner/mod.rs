@@ -357,11 +357,12 @@ fn absorbed_payments(h: &History) -> (u64, u64) {
                 placement_of.insert(*envelope, *p);
             }
             Event::Effect { envelope, referral, service, .. } if service == "financial" => {
-                let first = paid_envelope.entry(*envelope).or_insert(e.t_ms);
-                *first = (*first).min(e.t_ms);
+                let earliest = |m: &mut HashMap<Uuid, u64>, k: Uuid| {
+                    m.entry(k).and_modify(|t| *t = (*t).min(e.t_ms)).or_insert(e.t_ms);
+                };
+                earliest(&mut paid_envelope, *envelope);
                 if let Some(p) = referral {
-                    let first = paid_placement.entry(*p).or_insert(e.t_ms);
-                    *first = (*first).min(e.t_ms);
+                    earliest(&mut paid_placement, *p);
                 }
             }
             _ => {}
