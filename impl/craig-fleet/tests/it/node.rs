@@ -21,7 +21,11 @@ fn referral_envelope() -> EventEnvelope {
 /// node's `/metrics` text.
 async fn deliver_twice(label: &str, compat: &[&str]) -> (i64, String) {
     let fleet = Fleet::new(label, &[Service::Rules]).await;
-    let node = fleet.start(Service::Rules, &[], compat).await;
+    // One handler at a time, so deliveries finish in order and "the marker is evaluated"
+    // means both copies before it were handled. With the default (32 at once) the marker
+    // could commit while the second copy was still running, and the count read below saw
+    // one row where pre-d2 makes two (seen under three test threads).
+    let node = fleet.start(Service::Rules, &[("CRAIG_CONSUMER_CONCURRENCY", "1")], compat).await;
     let pool = fleet.pool(Service::Rules).await;
     fleet.wait_for_queues(&["craig-rules.events"]).await;
 
