@@ -197,6 +197,9 @@ pub enum Event {
     /// The send queue's timing in this run (#1185): the claim lease and the per-send cap
     /// the financial replicas were given.
     SendQueue { lease_ms: u64, cap_ms: u64 },
+    /// The §D5 claim's life in this run (`CRAIG_IDEMPOTENCY_CLAIM_SECS` as the cases
+    /// replicas were given it): no key can be re-claimed sooner after its claim was taken.
+    ClaimLife { ttl_ms: u64 },
     /// financial staged `exchange.<outcome>` (sent | failed) for a send job, by `replica`
     /// (from the event's payload), read from its outbox at the end.
     Exchanged {

@@ -44,8 +44,13 @@ fn cut_off_at(spans: &[(String, String, u64, u64)], replica: &str, t: u64) -> bo
 ///   `exports` row names it) crashed between the two runs, an attempt of this very request
 ///   (key, size) to that replica, sent before the run committed and before the crash, got
 ///   no answer (one re-run excused per key, size and replica), and
-///   the later run holds a newer claim generation, the one the row ended on. Anything else
-///   is `kind:executed_twice`.
+///   the later run holds a newer claim generation, the one the row ended on. §D5's other
+///   residue, a sentinel finalize that itself fails, is excused the same way when a fault
+///   cut the run's replica off its database at the run's commit (`cut_off_at`) and an
+///   attempt it could have served (unanswered, or a live 200: a failed finalize still
+///   relays the body) went out before the run. Both only for a re-run no sooner than that
+///   attempt plus the claim's life (`Event::ClaimLife`: nothing is re-claimable sooner).
+///   Anything else is `kind:executed_twice`.
 /// - **rows**: no `succeeded` row has an empty body unless its handler's body was empty
 ///   (`kind:emptied_body`, #1183's poisoned rows).
 /// - **answers**: every 200 a client read whole carries exactly the bytes the handler
@@ -73,12 +78,21 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
     // (key, size, replica) of every attempt that was sent and got no (complete) answer, with
     // when each was sent.
     let mut no_answer: HashMap<(&str, u64, &str), Vec<u64>> = HashMap::new();
+    // (key, size, replica) of every attempt a handler run could have served, with when each
+    // was sent: no answer, the client gone, or a live (not replayed) 200. A finalize that
+    // fails after the handler committed still serves the live answer (the middleware logs
+    // `idempotency.finalize_unknown` and relays the body), so §D5's finalize residue may
+    // follow an answered attempt.
+    let mut servable: HashMap<(&str, u64, &str), Vec<u64>> = HashMap::new();
     for e in h.iter() {
         let Event::HttpExchange { key, size, replica, status, replayed, too_large, body_len, body_sha256, cancelled: gone, retry_after } = &e.event
         else {
             continue;
         };
         let compat = h.compat_at(replica, e.t_ms);
+        if replica != "none" && (status.is_none() || (*status == Some(200) && !*replayed)) {
+            servable.entry((key.as_str(), *size, replica.as_str())).or_default().push(e.t_ms);
+        }
         let kind = match (status, body_sha256) {
             (None, _) if replica == "none" => continue,
             (None, _) | (Some(200), None) if !*gone => {
@@ -156,6 +170,12 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
             }
         }
     }
+    // The claim's life in this run (production's unless the scenario shortened it): a key
+    // is re-claimable only that long after its claim, itself taken after the request was sent.
+    let claim_ms = h
+        .iter()
+        .find_map(|e| if let Event::ClaimLife { ttl_ms } = e.event { Some(ttl_ms) } else { None })
+        .unwrap_or(craig_api::idempotency::CLAIM_TTL.as_millis() as u64);
     let crashes: Vec<(u64, &str)> =
         h.iter().filter_map(|e| if let Event::Crash { replica, .. } = &e.event { Some((e.t_ms, replica.as_str())) } else { None }).collect();
     let (mut total_runs, mut excused) = (0, 0);
@@ -175,13 +195,24 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
             // §D5's other residue ("if the sentinel finalize ITSELF fails the row stays
             // processing and claim-expiry recovery can still re-execute"): the run committed
             // while a fault cut its replica off the database (the finalize follows the commit
-            // at once), and the attempt it served got no answer.
+            // at once), and the attempt it served went out before the run (answered live or
+            // not: a failed finalize still relays the handler's body).
+            //
+            // Either way the re-run came no sooner than the served attempt's send plus the
+            // claim's life: the claim was taken after that send and could be re-claimed only
+            // once expired (a re-run sooner is a fencing bug, never the residue).
+            let expired = |s: u64| s.saturating_add(claim_ms) <= t2.saturating_add(WINDOW_SLACK_MS);
             let unanswered_by = |r: &str, before: u64| {
-                no_answer.get(&(*key, *size, r)).is_some_and(|sent| sent.iter().any(|s| *s <= t1.saturating_add(WINDOW_SLACK_MS) && *s <= before))
+                no_answer
+                    .get(&(*key, *size, r))
+                    .is_some_and(|sent| sent.iter().any(|s| *s <= t1.saturating_add(WINDOW_SLACK_MS) && *s <= before && expired(*s)))
+            };
+            let served_by = |r: &str| {
+                servable.get(&(*key, *size, r)).is_some_and(|sent| sent.iter().any(|s| *s <= t1.saturating_add(WINDOW_SLACK_MS) && expired(*s)))
             };
             let residue = r1.is_some_and(|r| {
                 let crashed = crashes.iter().any(|(t, c)| *c == r && t1 <= t.saturating_add(WINDOW_SLACK_MS) && *t <= t2 && unanswered_by(r, *t));
-                let cut_off = cut_off_at(&spans, r, t1) && unanswered_by(r, t2);
+                let cut_off = cut_off_at(&spans, r, t1) && served_by(r);
                 (crashed || cut_off) && !used.contains(&(*key, *size, r))
             }) && matches!((g1, g2), (Some(a), Some(b)) if b > a)
                 && ck.and_then(|c| final_generation.get(c)).is_none_or(|f| Some(*f) >= g2);

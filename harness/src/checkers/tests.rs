@@ -1178,6 +1178,8 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
     let cap = craig_api::idempotency::RESPONSE_BODY_CAP as u64;
     let body = |n: u64| craig_fleet::cases::export_body(n as usize);
     let mut h = History::default();
+    // The scenarios' short claim (3 s): the residue's re-run below comes after it.
+    h.push(0, Event::ClaimLife { ttl_ms: 3_000 });
     started(&mut h, 0, "cases-1", &[]);
     run(&mut h, 10, "a", 10, 1);
     answer(&mut h, 11, "cases-1", "a", 10, false, false, &body(10));
@@ -1219,30 +1221,52 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
     let v = sentinel_integrity(&bad);
     assert_eq!((v.validity, v.culprits.get("kind:executed_twice")), (Validity::Invalid, Some(&5)), "{v:?}");
     assert_eq!(v.counts["reexecuted_after_claim_expiry"], 1);
+    // A re-run sooner than the claim's life after the attempt is never the residue: the
+    // claim could not have expired (here production's 30 s: no ClaimLife recorded).
+    let mut soon = History::default();
+    started(&mut soon, 0, "cases-1", &[]);
+    run(&mut soon, 60, "r", 10, 1);
+    unanswered(&mut soon, 55, "r", 10, "cases-1");
+    soon.push(62, Event::Crash { replica: "cases-1".into(), consumer: false, how: "SIGABRT".into() });
+    run(&mut soon, 3_100, "r", 10, 2);
+    soon.sort();
+    let v = sentinel_integrity(&soon);
+    assert_eq!((v.counts["reexecuted_after_claim_expiry"], v.culprits.get("kind:executed_twice")), (0, Some(&1)), "{v:?}");
     // §D5's other residue (found by the property run: cases-1's database link down 6 ms
     // after the run): the finalize itself failed, so the row stayed processing and the
-    // retry after the claim's expiry re-ran it. Excused only with the cut in force at the
-    // run's commit and the attempt it served unanswered; a cut that began later, or one on
-    // another replica's link, excuses nothing.
-    let residue = |cut: (u64, u64), link: &str, answered: bool| {
+    // retry after the claim's expiry re-ran it. The failed finalize still relays the live
+    // body, so the attempt it served may be answered (a replayed run at 7820b51's rule,
+    // which asked for no answer, was red for it). Excused only with the cut in force at the
+    // run's commit, that attempt sent before the run, and the re-run a claim's life after
+    // it; a cut that began later, one on another replica's link, a re-run sooner, or an
+    // attempt answered by a replay or a 409 only, excuses nothing.
+    let residue = |cut: (u64, u64), link: &str, attempt: &str, rerun: u64| {
         let mut h = History::default();
+        h.push(0, Event::ClaimLife { ttl_ms: 30_000 });
         started(&mut h, 0, "cases-1", &[]);
         window(&mut h, cut, "down", link);
         run(&mut h, 60, "f", 10, 1);
-        if answered {
-            answer(&mut h, 61, "cases-1", "f", 10, false, false, &body(10));
-        } else {
-            unanswered(&mut h, 55, "f", 10, "cases-1");
+        match attempt {
+            "live" => answer(&mut h, 55, "cases-1", "f", 10, false, false, &body(10)),
+            "replayed" => answer(&mut h, 55, "cases-1", "f", 10, true, false, &body(10)),
+            "409" => h.push(55, Event::HttpExchange { key: "f".into(), size: 10, replica: "cases-1".into(), status: Some(409), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after: Some(1) }),
+            "after" => answer(&mut h, 400, "cases-1", "f", 10, false, false, &body(10)),
+            _ => unanswered(&mut h, 55, "f", 10, "cases-1"),
         }
-        run(&mut h, 30_778, "f", 10, 2);
+        run(&mut h, rerun, "f", 10, 2);
         h.sort();
         let v = sentinel_integrity(&h);
         (v.counts["reexecuted_after_claim_expiry"], v.culprits.get("kind:executed_twice").copied())
     };
-    assert_eq!(residue((66, 1_162), "cases-1->database", false), (1, None), "cut just after the commit: the finalize failed");
-    assert_eq!(residue((2_000, 3_000), "cases-1->database", false), (0, Some(1)), "a cut that began later");
-    assert_eq!(residue((66, 1_162), "cases-2->database", false), (0, Some(1)), "another replica's link");
-    assert_eq!(residue((66, 1_162), "cases-1->database", true), (0, Some(1)), "the attempt was answered");
+    let down = "cases-1->database";
+    assert_eq!(residue((66, 1_162), down, "none", 30_778), (1, None), "cut just after the commit: the finalize failed");
+    assert_eq!(residue((66, 1_162), down, "live", 30_778), (1, None), "the failed finalize relayed the live answer");
+    assert_eq!(residue((2_000, 3_000), down, "none", 30_778), (0, Some(1)), "a cut that began later");
+    assert_eq!(residue((66, 1_162), "cases-2->database", "live", 30_778), (0, Some(1)), "another replica's link");
+    assert_eq!(residue((66, 1_162), down, "live", 29_000), (0, Some(1)), "a re-run before the claim could expire");
+    assert_eq!(residue((66, 1_162), down, "replayed", 30_778), (0, Some(1)), "a replay serves no run");
+    assert_eq!(residue((66, 1_162), down, "409", 30_778), (0, Some(1)), "a 409 serves no run");
+    assert_eq!(residue((66, 1_162), down, "after", 30_778), (0, Some(1)), "an attempt sent after the run");
     // A 409 without Retry-After, and an unexpected status.
     let mut answers = h.clone();
     for (status, retry_after) in [(409, None), (503, None)] {
