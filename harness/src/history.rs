@@ -197,9 +197,6 @@ pub enum Event {
     /// The send queue's timing in this run (#1185): the claim lease and the per-send cap
     /// the financial replicas were given.
     SendQueue { lease_ms: u64, cap_ms: u64 },
-    /// The §D5 claim's life in this run (`CRAIG_IDEMPOTENCY_CLAIM_SECS` as the cases
-    /// replicas were given it): no key can be re-claimed sooner after its claim was taken.
-    ClaimLife { ttl_ms: u64 },
     /// financial staged `exchange.<outcome>` (sent | failed) for a send job, by `replica`
     /// (from the event's payload), read from its outbox at the end.
     Exchanged {
@@ -268,6 +265,10 @@ pub enum Event {
         #[serde(default)]
         replica: Option<String>,
     },
+    /// One version of a cases `idempotency_responses` row, as the harness's trigger recorded
+    /// it when it was written (`chaos_claim_versions`): a claim (`processing`, with its
+    /// expiry) or a finalize, under `generation`.
+    ClaimVersion { cache_key: String, generation: i64, status: String, claim_expires_ms: Option<u64> },
     /// A cases `idempotency_responses` row at the end.
     IdempotencyRow { cache_key: String, status: String, status_code: Option<i16>, body_len: Option<i64>, body_too_large: bool, generation: i64 },
 }

@@ -1,4 +1,4 @@
-//! `sentinel_integrity`, ADR-022 §D5 with #1182/#1183/#1184/#1194: one handler run per key and query, no emptied rows, every byte a client read is its request's, every key answered after the heal. Excused: the claim-expiry residue, only as the system records it (crash, unanswered attempt, newer generation).
+//! `sentinel_integrity`, ADR-022 §D5 with #1182/#1183/#1184/#1194: one handler run per key and query, no emptied rows, every byte a client read is its request's, every key answered after the heal. Excused: the claim-expiry residue (a winner that crashed, or whose finalize failed under a fault cutting it off its database), only as the harness and the database record it (the crash or the fault, the attempt it served, a generation that never left `processing` and one re-claimed only after that claim expired).
 
 use super::*;
 
@@ -48,8 +48,9 @@ fn cut_off_at(spans: &[(String, String, u64, u64)], replica: &str, t: u64) -> bo
 ///   residue, a sentinel finalize that itself fails, is excused the same way when a fault
 ///   cut the run's replica off its database at the run's commit (`cut_off_at`) and an
 ///   attempt it could have served (unanswered, or a live 200: a failed finalize still
-///   relays the body) went out before the run. Both only for a re-run no sooner than that
-///   attempt plus the claim's life (`Event::ClaimLife`: nothing is re-claimable sooner).
+///   relays the body) went out before the run. Both only as the database recorded it
+///   (`Event::ClaimVersion`, the harness's trigger): the first run's generation never left
+///   `processing`, and the re-run's was claimed no sooner than that claim expired.
 ///   Anything else is `kind:executed_twice`.
 /// - **rows**: no `succeeded` row has an empty body unless its handler's body was empty
 ///   (`kind:emptied_body`, #1183's poisoned rows).
@@ -170,12 +171,22 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
             }
         }
     }
-    // The claim's life in this run (production's unless the scenario shortened it): a key
-    // is re-claimable only that long after its claim, itself taken after the request was sent.
-    let claim_ms = h
-        .iter()
-        .find_map(|e| if let Event::ClaimLife { ttl_ms } = e.event { Some(ttl_ms) } else { None })
-        .unwrap_or(craig_api::idempotency::CLAIM_TTL.as_millis() as u64);
+    // Every claim generation of every cache key as the database wrote it (the harness's
+    // trigger, `Event::ClaimVersion`): when it was claimed, when that claim expires, and
+    // whether a finalize ever applied to it (any version under it not `processing`).
+    let mut claims: HashMap<(&str, i64), (u64, Option<u64>, bool)> = HashMap::new();
+    for e in h.iter() {
+        if let Event::ClaimVersion { cache_key, generation, status, claim_expires_ms } = &e.event {
+            let c = claims.entry((cache_key.as_str(), *generation)).or_insert((e.t_ms, *claim_expires_ms, false));
+            if status == "processing" {
+                if e.t_ms < c.0 {
+                    (c.0, c.1) = (e.t_ms, *claim_expires_ms);
+                }
+            } else {
+                c.2 = true;
+            }
+        }
+    }
     let crashes: Vec<(u64, &str)> =
         h.iter().filter_map(|e| if let Event::Crash { replica, .. } = &e.event { Some((e.t_ms, replica.as_str())) } else { None }).collect();
     let (mut total_runs, mut excused) = (0, 0);
@@ -198,23 +209,24 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
             // at once), and the attempt it served went out before the run (answered live or
             // not: a failed finalize still relays the handler's body).
             //
-            // Either way the re-run came no sooner than the served attempt's send plus the
-            // claim's life: the claim was taken after that send and could be re-claimed only
-            // once expired (a re-run sooner is a fencing bug, never the residue).
-            let expired = |s: u64| s.saturating_add(claim_ms) <= t2.saturating_add(WINDOW_SLACK_MS);
+            // Either way the database must say so too: the first run's generation never
+            // left `processing` (no finalize applied to it: the winner died, or its finalize
+            // failed), and the re-run's generation was claimed no sooner than that claim
+            // expired (a sooner re-claim is a fencing bug, never the residue).
+            let stranded = ck.is_some_and(|c| match (g1.and_then(|g| claims.get(&(c, g))), g2.and_then(|g| claims.get(&(c, g)))) {
+                (Some((_, Some(expires), finalized)), Some((reclaimed, ..))) => !finalized && reclaimed >= expires,
+                _ => false,
+            });
             let unanswered_by = |r: &str, before: u64| {
-                no_answer
-                    .get(&(*key, *size, r))
-                    .is_some_and(|sent| sent.iter().any(|s| *s <= t1.saturating_add(WINDOW_SLACK_MS) && *s <= before && expired(*s)))
+                no_answer.get(&(*key, *size, r)).is_some_and(|sent| sent.iter().any(|s| *s <= t1.saturating_add(WINDOW_SLACK_MS) && *s <= before))
             };
-            let served_by = |r: &str| {
-                servable.get(&(*key, *size, r)).is_some_and(|sent| sent.iter().any(|s| *s <= t1.saturating_add(WINDOW_SLACK_MS) && expired(*s)))
-            };
+            let served_by = |r: &str| servable.get(&(*key, *size, r)).is_some_and(|sent| sent.iter().any(|s| *s <= t1.saturating_add(WINDOW_SLACK_MS)));
             let residue = r1.is_some_and(|r| {
                 let crashed = crashes.iter().any(|(t, c)| *c == r && t1 <= t.saturating_add(WINDOW_SLACK_MS) && *t <= t2 && unanswered_by(r, *t));
                 let cut_off = cut_off_at(&spans, r, t1) && served_by(r);
                 (crashed || cut_off) && !used.contains(&(*key, *size, r))
-            }) && matches!((g1, g2), (Some(a), Some(b)) if b > a)
+            }) && stranded
+                && matches!((g1, g2), (Some(a), Some(b)) if b > a)
                 && ck.and_then(|c| final_generation.get(c)).is_none_or(|f| Some(*f) >= g2);
             if residue {
                 excused += 1;

@@ -1165,21 +1165,27 @@ fn run(h: &mut History, t: u64, key: &str, size: u64, generation: i64) {
     });
 }
 
+/// The harness's trigger saw the §D5 row of (`key`, `size`) written under `generation` with
+/// `status` at `t`, its claim expiring at `expires` (`run`'s cache key).
+fn claim(h: &mut History, t: u64, key: &str, size: u64, generation: i64, status: &str, expires: u64) {
+    h.push(t, Event::ClaimVersion { cache_key: format!("ck-{key}-{size}"), generation, status: status.into(), claim_expires_ms: Some(expires) });
+}
+
 fn unanswered(h: &mut History, t: u64, key: &str, size: u64, replica: &str) {
     h.push(t, Event::unanswered_exchange(key, size, replica));
 }
 
 /// §D5: the current middleware's answers (live, replay, over-cap live, sentinel replay)
-/// hold; the claim-expiry residue is excused only with a re-claim, a crash and an
-/// unanswered attempt, once per crash; pre-1183's emptied bodies, pre-1184's wrong
+/// hold; the claim-expiry residue is excused only with a re-claim after the claim expired
+/// and a generation never finalized (the database's record), a crash and an unanswered
+/// attempt (or a fault cutting the replica off its database and an attempt it served),
+/// once per replica; pre-1183's emptied bodies, pre-1184's wrong
 /// replay, pre-d5's second run and a sentinel on a small body are violations of their kind.
 #[test]
 fn sentinel_integrity_judges_runs_rows_and_answers() {
     let cap = craig_api::idempotency::RESPONSE_BODY_CAP as u64;
     let body = |n: u64| craig_fleet::cases::export_body(n as usize);
     let mut h = History::default();
-    // The scenarios' short claim (3 s): the residue's re-run below comes after it.
-    h.push(0, Event::ClaimLife { ttl_ms: 3_000 });
     started(&mut h, 0, "cases-1", &[]);
     run(&mut h, 10, "a", 10, 1);
     answer(&mut h, 11, "cases-1", "a", 10, false, false, &body(10));
@@ -1189,9 +1195,14 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
     answer(&mut h, 40, "cases-1", "big", cap + 1, true, true, b"");
     h.push(50, Event::IdempotencyRow { cache_key: "ck-a-10".into(), status: "succeeded".into(), status_code: Some(200), body_len: Some(10), body_too_large: false, generation: 1 });
     // The residue: cases-1 died after committing "r", the retry re-claimed (generation 2).
+    // The database's record of it (the harness's trigger): generation 1 claimed with a 3 s
+    // claim and never finalized, generation 2 claimed once it expired, then finalized.
     run(&mut h, 60, "r", 10, 1);
     unanswered(&mut h, 61, "r", 10, "cases-1");
     h.push(62, Event::Crash { replica: "cases-1".into(), consumer: false, how: "SIGABRT".into() });
+    claim(&mut h, 59, "r", 10, 1, "processing", 3_059);
+    claim(&mut h, 3_090, "r", 10, 2, "processing", 6_090);
+    claim(&mut h, 3_150, "r", 10, 2, "succeeded", 6_090);
     run(&mut h, 3_100, "r", 10, 2);
     h.push(3_200, Event::IdempotencyRow { cache_key: "ck-r-10".into(), status: "succeeded".into(), status_code: Some(200), body_len: Some(10), body_too_large: false, generation: 2 });
     answer(&mut h, 3_101, "cases-2", "r", 10, false, false, &body(10));
@@ -1221,30 +1232,40 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
     let v = sentinel_integrity(&bad);
     assert_eq!((v.validity, v.culprits.get("kind:executed_twice")), (Validity::Invalid, Some(&5)), "{v:?}");
     assert_eq!(v.counts["reexecuted_after_claim_expiry"], 1);
-    // A re-run sooner than the claim's life after the attempt is never the residue: the
-    // claim could not have expired (here production's 30 s: no ClaimLife recorded).
-    let mut soon = History::default();
-    started(&mut soon, 0, "cases-1", &[]);
-    run(&mut soon, 60, "r", 10, 1);
-    unanswered(&mut soon, 55, "r", 10, "cases-1");
-    soon.push(62, Event::Crash { replica: "cases-1".into(), consumer: false, how: "SIGABRT".into() });
-    run(&mut soon, 3_100, "r", 10, 2);
-    soon.sort();
-    let v = sentinel_integrity(&soon);
-    assert_eq!((v.counts["reexecuted_after_claim_expiry"], v.culprits.get("kind:executed_twice")), (0, Some(&1)), "{v:?}");
+    // The database must say it too: a re-claim before generation 1's claim expired (a
+    // fencing bug), a generation 1 that was finalized, or no record at all, excuses nothing.
+    for (what, versions) in [
+        ("re-claimed before the claim expired", vec![(59, 1, "processing", 3_059), (1_000, 2, "processing", 4_000)]),
+        ("the first generation was finalized", vec![(59, 1, "processing", 3_059), (70, 1, "succeeded", 3_059), (3_090, 2, "processing", 6_090)]),
+        ("no record", vec![]),
+    ] {
+        let mut db = History::default();
+        started(&mut db, 0, "cases-1", &[]);
+        run(&mut db, 60, "r", 10, 1);
+        unanswered(&mut db, 61, "r", 10, "cases-1");
+        db.push(62, Event::Crash { replica: "cases-1".into(), consumer: false, how: "SIGABRT".into() });
+        for (t, g, status, expires) in versions {
+            claim(&mut db, t, "r", 10, g, status, expires);
+        }
+        run(&mut db, 3_100, "r", 10, 2);
+        db.sort();
+        let v = sentinel_integrity(&db);
+        assert_eq!((v.counts["reexecuted_after_claim_expiry"], v.culprits.get("kind:executed_twice")), (0, Some(&1)), "{what}: {v:?}");
+    }
     // §D5's other residue (found by the property run: cases-1's database link down 6 ms
     // after the run): the finalize itself failed, so the row stayed processing and the
     // retry after the claim's expiry re-ran it. The failed finalize still relays the live
     // body, so the attempt it served may be answered (a replayed run at 7820b51's rule,
     // which asked for no answer, was red for it). Excused only with the cut in force at the
-    // run's commit, that attempt sent before the run, and the re-run a claim's life after
-    // it; a cut that began later, one on another replica's link, a re-run sooner, or an
-    // attempt answered by a replay or a 409 only, excuses nothing.
+    // run's commit, that attempt sent before the run, and the database's record of a
+    // generation 1 never finalized and a generation 2 claimed after it expired; a cut that
+    // began later, one on another replica's link, a re-claim sooner, or an attempt answered
+    // by a replay or a 409 only, excuses nothing.
     let residue = |cut: (u64, u64), link: &str, attempt: &str, rerun: u64| {
         let mut h = History::default();
-        h.push(0, Event::ClaimLife { ttl_ms: 30_000 });
         started(&mut h, 0, "cases-1", &[]);
         window(&mut h, cut, "down", link);
+        claim(&mut h, 56, "f", 10, 1, "processing", 30_056);
         run(&mut h, 60, "f", 10, 1);
         match attempt {
             "live" => answer(&mut h, 55, "cases-1", "f", 10, false, false, &body(10)),
@@ -1253,6 +1274,7 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
             "after" => answer(&mut h, 400, "cases-1", "f", 10, false, false, &body(10)),
             _ => unanswered(&mut h, 55, "f", 10, "cases-1"),
         }
+        claim(&mut h, rerun - 5, "f", 10, 2, "processing", rerun + 29_995);
         run(&mut h, rerun, "f", 10, 2);
         h.sort();
         let v = sentinel_integrity(&h);
@@ -1262,8 +1284,9 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
     assert_eq!(residue((66, 1_162), down, "none", 30_778), (1, None), "cut just after the commit: the finalize failed");
     assert_eq!(residue((66, 1_162), down, "live", 30_778), (1, None), "the failed finalize relayed the live answer");
     assert_eq!(residue((2_000, 3_000), down, "none", 30_778), (0, Some(1)), "a cut that began later");
-    assert_eq!(residue((66, 1_162), "cases-2->database", "live", 30_778), (0, Some(1)), "another replica's link");
-    assert_eq!(residue((66, 1_162), down, "live", 29_000), (0, Some(1)), "a re-run before the claim could expire");
+    assert_eq!(residue((66, 1_162), "cases-2->database", "none", 30_778), (0, Some(1)), "another replica's link");
+    assert_eq!(residue((66, 1_162), "cases-2->database", "live", 30_778), (0, Some(1)), "another replica's link, answered");
+    assert_eq!(residue((66, 1_162), down, "live", 29_000), (0, Some(1)), "re-claimed before the claim expired");
     assert_eq!(residue((66, 1_162), down, "replayed", 30_778), (0, Some(1)), "a replay serves no run");
     assert_eq!(residue((66, 1_162), down, "409", 30_778), (0, Some(1)), "a 409 serves no run");
     assert_eq!(residue((66, 1_162), down, "after", 30_778), (0, Some(1)), "an attempt sent after the run");

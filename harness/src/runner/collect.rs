@@ -123,9 +123,8 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
     Ok(())
 }
 
-/// financial's send queue (#1185): every `exchange.sent` / `exchange.failed` it staged, and
-/// every transaction status change the harness's trigger recorded.
-/// cases' exports (one row per handler execution) and its §D5 rows.
+/// cases' exports (one row per handler execution), its §D5 rows, and every version of
+/// them the harness's trigger recorded (`chaos_claim_versions`).
 async fn collect_idempotency(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
     let runs: Vec<(Option<String>, Option<String>, i64, Option<i64>, Option<String>, i64, Option<String>)> = bounded(
         COLLECT,
@@ -150,6 +149,19 @@ async fn collect_idempotency(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
     .await?;
     for (cache_key, status, status_code, body_len, body_too_large, generation) in rows {
         log.push(Event::IdempotencyRow { cache_key, status, status_code, body_len, body_too_large, generation });
+    }
+    let versions: Vec<(String, i64, String, Option<i64>, i64)> = bounded(
+        COLLECT,
+        "reading the recorded claim versions",
+        sqlx::query_as(
+            "SELECT cache_key, claim_generation, status, (EXTRACT(EPOCH FROM claim_expires_at) * 1000)::int8, \
+               (EXTRACT(EPOCH FROM at) * 1000)::int8 FROM chaos_claim_versions ORDER BY id",
+        )
+        .fetch_all(pool),
+    )
+    .await?;
+    for (cache_key, generation, status, expires, at) in versions {
+        log.push_at(log.rel_db(at), Event::ClaimVersion { cache_key, generation, status, claim_expires_ms: expires.map(|e| log.rel_db(e)) });
     }
     Ok(())
 }

@@ -594,7 +594,6 @@ async fn drive(
 
     log.rebase();
     log.measure_db_clock(&cases_pool).await;
-    log.push_at(0, Event::ClaimLife { ttl_ms: s.settings.idempotency_claim_secs * 1000 });
     if partner.is_some() {
         log.push_at(0, Event::SendQueue { lease_ms: s.settings.send_lease_secs * 1000, cap_ms: s.settings.send_timeout_secs * 1000 });
     }

@@ -38,6 +38,7 @@ impl Staged {
         for pool in pools.values() {
             record_pending_deletes(pool).await?;
         }
+        record_claim_versions(cases).await?;
         if let Some(security) = pools.get("security") {
             record_staging_transactions(security).await?;
         }
@@ -541,6 +542,26 @@ async fn record_transaction_transitions(financial: &PgPool) -> anyhow::Result<()
            END IF; RETURN NEW; END $$",
         "DROP TRIGGER IF EXISTS chaos_transition ON exchange_transactions",
         "CREATE TRIGGER chaos_transition AFTER UPDATE ON exchange_transactions FOR EACH ROW EXECUTE FUNCTION chaos_record_transition()",
+    ])
+    .await
+}
+
+/// A trigger on cases' `idempotency_responses` that records every version of every §D5 row
+/// (`chaos_claim_versions`: its claim generation, status and claim expiry, when it was
+/// written), so `sentinel_integrity` excuses a re-run on the database's word: the first
+/// run's generation never left `processing` (its finalize never applied), and the next
+/// generation was claimed only once that claim had expired.
+async fn record_claim_versions(cases: &PgPool) -> anyhow::Result<()> {
+    execute_all(cases, "installing the claim recorder in cases' database", &[
+        "CREATE TABLE IF NOT EXISTS chaos_claim_versions (id bigserial PRIMARY KEY, cache_key text NOT NULL, \
+           claim_generation bigint NOT NULL, status text NOT NULL, claim_expires_at timestamptz, \
+           at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        "CREATE OR REPLACE FUNCTION chaos_record_claim_version() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           INSERT INTO chaos_claim_versions (cache_key, claim_generation, status, claim_expires_at) \
+             VALUES (NEW.cache_key, NEW.claim_generation, NEW.status, NEW.claim_expires_at); \
+           RETURN NEW; END $$",
+        "DROP TRIGGER IF EXISTS chaos_claim_version ON idempotency_responses",
+        "CREATE TRIGGER chaos_claim_version AFTER INSERT OR UPDATE ON idempotency_responses FOR EACH ROW EXECUTE FUNCTION chaos_record_claim_version()",
     ])
     .await
 }
