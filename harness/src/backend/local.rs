@@ -557,12 +557,14 @@ fn initdb(bindir: &Path, run_as: Option<(Uid, Gid)>, data: &Path) -> Result<(), 
 }
 
 /// A fresh cluster in `data` (under `dir`, owned by `run_as`): a copy of one `initdb` made
-/// once per machine and PostgreSQL installation (kept in the temp directory, keyed by the
-/// binaries' path and the `initdb` binary's modification time), since `initdb` is about
-/// 1.5 CPU-s of every scenario and its output is the same each time; the copy is ~0.25 s.
-/// The template is made beside it and renamed into place, so concurrent runs never see a
-/// half-made one. Without a usable template (no temp directory, a copy that failed), plain
-/// `initdb`.
+/// once per machine (kept in the temp directory, keyed by the binaries' path, the `initdb`
+/// binary's modification time, the user it runs as and the locale and time zone initdb
+/// reads from the environment), since `initdb` is about 1.5 CPU-s of every scenario and its
+/// output is the same each time; the copy is ~0.5 s. Without a template, this run's own
+/// `initdb` (into `data`, before its server ever starts) is copied beside it, inside this
+/// run's directory, and renamed into place: concurrent runs never see half of one, and a
+/// run killed meanwhile leaves its part where the stale-run cleanup removes it. A template
+/// that does not copy whole is moved aside and deleted, and this run falls back to `initdb`.
 fn cluster_from_template(bindir: &Path, run_as: Option<(Uid, Gid)>, dir: &Path, data: &Path) -> Result<(), BackendError> {
     let key = {
         use std::hash::{Hash, Hasher};
@@ -570,46 +572,48 @@ fn cluster_from_template(bindir: &Path, run_as: Option<(Uid, Gid)>, dir: &Path, 
         bindir.hash(&mut h);
         std::fs::metadata(bindir.join("initdb")).and_then(|m| m.modified()).ok().hash(&mut h);
         run_as.map(|(u, g)| (u.as_raw(), g.as_raw())).hash(&mut h);
+        Uid::effective().as_raw().hash(&mut h);
+        let mut env: Vec<(String, String)> =
+            std::env::vars().filter(|(k, _)| k == "LANG" || k == "TZ" || k.starts_with("LC_")).collect();
+        env.sort();
+        env.hash(&mut h);
         h.finish()
     };
     let template = std::env::temp_dir().join(format!("craig-chaos-initdb-template-{key:016x}"));
-    if !template.join("data").join("PG_VERSION").exists() {
-        let making = std::env::temp_dir().join(format!("craig-chaos-initdb-template-{key:016x}.{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&making);
-        let made = std::fs::create_dir_all(&making)
-            .map_err(|e| BackendError::failed("creating the initdb template dir", e))
-            .and_then(|()| match run_as {
-                Some((uid, gid)) => nix::unistd::chown(&making, Some(uid), Some(gid)).map_err(|e| BackendError::failed("chown initdb template", e)),
-                None => Ok(()),
-            })
-            .and_then(|()| initdb(bindir, run_as, &making.join("data")));
-        match made {
-            // Another run may have won the rename: its template is as good as ours.
-            Ok(()) => {
-                if std::fs::rename(&making, &template).is_err() {
-                    let _ = std::fs::remove_dir_all(&making);
-                }
-            }
-            Err(_) => {
-                let _ = std::fs::remove_dir_all(&making);
-                return initdb(bindir, run_as, data);
-            }
+    let cp = |from: &Path, to: &Path| {
+        // `cp -a` keeps the owner (the postgres user) and the data directory's 0700.
+        Command::new("cp").arg("-a").arg(from).arg(to).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    };
+    if template.join("data").join("PG_VERSION").exists() {
+        if cp(&template.join("data"), dir) && data.join("PG_VERSION").exists() {
+            return Ok(());
+        }
+        // A template that does not copy whole is no template: out of everyone's way first
+        // (a rename is atomic), then deleted.
+        let _ = std::fs::remove_dir_all(data);
+        let aside = dir.join("broken-template");
+        if std::fs::rename(&template, &aside).is_ok() {
+            let _ = std::fs::remove_dir_all(&aside);
+        }
+        return initdb(bindir, run_as, data);
+    }
+    if template.exists() {
+        // Left without its data (a temp cleaner, a hand): moved aside so ours can take its place.
+        let aside = dir.join("broken-template");
+        if std::fs::rename(&template, &aside).is_ok() {
+            let _ = std::fs::remove_dir_all(&aside);
         }
     }
-    // `cp -a` keeps the owner (the postgres user) and the data directory's 0700.
-    let copied = Command::new("cp")
-        .arg("-a")
-        .arg(template.join("data"))
-        .arg(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if copied && data.join("PG_VERSION").exists() {
-        return Ok(());
+    initdb(bindir, run_as, data)?;
+    let making = dir.join("template");
+    if std::fs::create_dir(&making).is_ok() && cp(data, &making) && making.join("data").join("PG_VERSION").exists() {
+        // Another run may have won the rename: its template is as good as ours.
+        if std::fs::rename(&making, &template).is_ok() {
+            return Ok(());
+        }
     }
-    let _ = std::fs::remove_dir_all(data);
-    initdb(bindir, run_as, data)
+    let _ = std::fs::remove_dir_all(&making);
+    Ok(())
 }
 
 fn pg_server(root: &Path) -> Result<(Server, u16), BackendError> {
