@@ -588,21 +588,14 @@ fn cluster_from_template(bindir: &Path, run_as: Option<(Uid, Gid)>, dir: &Path, 
         if cp(&template.join("data"), dir) && data.join("PG_VERSION").exists() {
             return Ok(());
         }
-        // A template that does not copy whole is no template: out of everyone's way first
-        // (a rename is atomic), then deleted.
+        // A template that does not copy whole is no template.
         let _ = std::fs::remove_dir_all(data);
-        let aside = dir.join("broken-template");
-        if std::fs::rename(&template, &aside).is_ok() {
-            let _ = std::fs::remove_dir_all(&aside);
-        }
+        discard(&template, dir);
         return initdb(bindir, run_as, data);
     }
     if template.exists() {
-        // Left without its data (a temp cleaner, a hand): moved aside so ours can take its place.
-        let aside = dir.join("broken-template");
-        if std::fs::rename(&template, &aside).is_ok() {
-            let _ = std::fs::remove_dir_all(&aside);
-        }
+        // Left without its data (a temp cleaner, a hand): discarded so ours can take its place.
+        discard(&template, dir);
     }
     initdb(bindir, run_as, data)?;
     let making = dir.join("template");
@@ -614,6 +607,15 @@ fn cluster_from_template(bindir: &Path, run_as: Option<(Uid, Gid)>, dir: &Path, 
     }
     let _ = std::fs::remove_dir_all(&making);
     Ok(())
+}
+
+/// A broken `template`, out of everyone's way first (a rename into this run's `dir` is
+/// atomic), then deleted.
+fn discard(template: &Path, dir: &Path) {
+    let aside = dir.join("broken-template");
+    if std::fs::rename(template, &aside).is_ok() {
+        let _ = std::fs::remove_dir_all(&aside);
+    }
 }
 
 fn pg_server(root: &Path) -> Result<(Server, u16), BackendError> {
