@@ -35,6 +35,13 @@ fn cut_off_at(spans: &[(String, String, u64, u64)], replica: &str, t: u64) -> bo
     })
 }
 
+/// One attempt a handler run could have served: when it was sent, and whether it got no
+/// (complete) answer.
+struct Attempt {
+    sent: u64,
+    no_answer: bool,
+}
+
 /// §D5 as the clients and the database saw it (`kind = "exports"`):
 ///
 /// - **runs**: the handler ran at most once per key and query (`exports` rows by key and
@@ -76,29 +83,27 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
     // own record of it; the key must still end answered (`never_answered` below).
     let spans = h.fault_spans();
     let mut unavailable = 0;
-    // (key, size, replica) of every attempt that was sent and got no (complete) answer, with
-    // when each was sent.
-    let mut no_answer: HashMap<(&str, u64, &str), Vec<u64>> = HashMap::new();
     // (key, size, replica) of every attempt a handler run could have served, with when each
-    // was sent: no answer, the client gone, or a live (not replayed) 200. A finalize that
-    // fails after the handler committed still serves the live answer (the middleware logs
-    // `idempotency.finalize_unknown` and relays the body), so §D5's finalize residue may
-    // follow an answered attempt.
-    let mut servable: HashMap<(&str, u64, &str), Vec<u64>> = HashMap::new();
+    // was sent and whether it got no (complete) answer. Servable: no answer, the client
+    // gone, or a live (not replayed) 200. A finalize that fails after the handler committed
+    // still serves the live answer (the middleware logs `idempotency.finalize_unknown` and
+    // relays the body), so §D5's finalize residue may follow an answered attempt; a crash's
+    // residue asks for an unanswered one.
+    let mut attempts: HashMap<(&str, u64, &str), Vec<Attempt>> = HashMap::new();
     for e in h.iter() {
         let Event::HttpExchange { key, size, replica, status, replayed, too_large, body_len, body_sha256, cancelled: gone, retry_after } = &e.event
         else {
             continue;
         };
         let compat = h.compat_at(replica, e.t_ms);
-        if replica != "none" && (status.is_none() || (*status == Some(200) && !*replayed)) {
-            servable.entry((key.as_str(), *size, replica.as_str())).or_default().push(e.t_ms);
+        let no_answer = (status.is_none() || (*status == Some(200) && body_sha256.is_none())) && !*gone;
+        if replica != "none" && (no_answer || status.is_none() || (*status == Some(200) && !*replayed)) {
+            attempts.entry((key.as_str(), *size, replica.as_str())).or_default().push(Attempt { sent: e.t_ms, no_answer });
         }
         let kind = match (status, body_sha256) {
             (None, _) if replica == "none" => continue,
             (None, _) | (Some(200), None) if !*gone => {
                 unanswered += 1;
-                no_answer.entry((key.as_str(), *size, replica.as_str())).or_default().push(e.t_ms);
                 continue;
             }
             (Some(409), _) => {
@@ -217,10 +222,13 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
                 (Some((_, Some(expires), finalized)), Some((reclaimed, ..))) => !finalized && reclaimed >= expires,
                 _ => false,
             });
-            let unanswered_by = |r: &str, before: u64| {
-                no_answer.get(&(*key, *size, r)).is_some_and(|sent| sent.iter().any(|s| *s <= t1.saturating_add(WINDOW_SLACK_MS) && *s <= before))
+            let sent_by = |r: &str, unanswered: bool, before: u64| {
+                attempts.get(&(*key, *size, r)).is_some_and(|sent| {
+                    sent.iter().any(|a| (a.no_answer || !unanswered) && a.sent <= t1.saturating_add(WINDOW_SLACK_MS) && a.sent <= before)
+                })
             };
-            let served_by = |r: &str| servable.get(&(*key, *size, r)).is_some_and(|sent| sent.iter().any(|s| *s <= t1.saturating_add(WINDOW_SLACK_MS)));
+            let unanswered_by = |r: &str, before: u64| sent_by(r, true, before);
+            let served_by = |r: &str| sent_by(r, false, u64::MAX);
             let residue = r1.is_some_and(|r| {
                 let crashed = crashes.iter().any(|(t, c)| *c == r && t1 <= t.saturating_add(WINDOW_SLACK_MS) && *t <= t2 && unanswered_by(r, *t));
                 let cut_off = cut_off_at(&spans, r, t1) && served_by(r);
