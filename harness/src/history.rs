@@ -35,6 +35,11 @@ pub enum Event {
     /// The harness read cases' committed aggregates at the end (pushed after every
     /// [`Event::Committed`], none or many): without it, "not committed" is not known.
     CommittedRead,
+    /// Redelivered arrivals in `service`'s database, as the harness's own triggers counted
+    /// them (issue 22.1; installed only where a floor asks): deliveries of an envelope its
+    /// §D2 inbox already held processed, and arrivals of a dead letter its audit already
+    /// recorded with the same facts (#1181). The floors read these, never a node's counter.
+    Redelivered { service: String, inbox: u64, dead_letters: u64 },
     /// A write staged in a transaction the harness rolled back on purpose.
     RolledBack { referral: Uuid },
     /// An outbox row found at the end of the run.

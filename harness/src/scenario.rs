@@ -720,15 +720,17 @@ impl TryFrom<toml::Value> for Expectation {
 pub struct Floor {
     /// Writes the service acknowledged (HTTP 201). Default: half the planned writes.
     pub acknowledged: u64,
-    /// Redeliveries the inbox absorbed (`inbox_dedup_hits_total`, summed over replicas).
+    /// Deliveries of an envelope an inbox already held processed, as the harness's trigger
+    /// counted them in the databases (issue 22.1; never a node's counter).
     pub redeliveries: u64,
     /// Messages dead-lettered to the DLQ by the end of the run.
     pub dead_letters: u64,
     /// `security.dlq.threshold_exceeded` events staged (#1156): a scenario that shows one
     /// crossing per type must show them, not only agree that none was due.
     pub crossings: u64,
-    /// Redelivered dead letters the occurrence arbiter absorbed
-    /// (`dlq_outcomes_total{outcome="duplicate"}`, #1181): proof that a DLQ ack failed.
+    /// Arrivals of a dead letter the audit already recorded with the same facts (what the
+    /// #1181 arbiter absorbs), as the harness's trigger counted them in security's
+    /// database: proof that a DLQ ack failed.
     pub dlq_duplicates: u64,
     /// Transmissions re-sent after their first claim ended (the lease expired, the sender's
     /// cap ran out): proof the send queue's recovery ran (#1185).

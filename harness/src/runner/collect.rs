@@ -53,8 +53,37 @@ async fn collect_committed(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Read what the databases say happened: staged envelopes and counted side effects.
-pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyhow::Result<()> {
+/// What the harness's redelivery counters (installed where a floor asks:
+/// `count_inbox_redeliveries`, `count_dead_letter_redeliveries`) hold in `svc`'s database.
+async fn collect_redelivered(log: &Log, svc: &str, pool: &PgPool) -> anyhow::Result<()> {
+    let mut counts = [0u64; 2];
+    for (count, sequence) in counts.iter_mut().zip(["chaos_inbox_redeliveries", "chaos_dead_letter_redeliveries"]) {
+        let installed: bool = bounded(
+            COLLECT,
+            "looking for the harness's redelivery counters",
+            sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL").bind(sequence).fetch_one(pool),
+        )
+        .await?;
+        if installed {
+            let n: i64 = bounded(
+                COLLECT,
+                "reading the harness's redelivery counters",
+                sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {sequence}")))
+                    .fetch_one(pool),
+            )
+            .await?;
+            *count = n.max(0) as u64;
+        }
+    }
+    if counts != [0, 0] {
+        log.push(Event::Redelivered { service: svc.to_owned(), inbox: counts[0], dead_letters: counts[1] });
+    }
+    Ok(())
+}
+
+/// Read what the databases say happened: staged envelopes and counted side effects (and,
+/// in an exports run, the claim versions the harness's recorder kept).
+pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>, exports: bool) -> anyhow::Result<()> {
     for (svc, pool) in pools {
         let rows: Vec<(Uuid, Option<Uuid>, bool, i32, i64, Option<String>)> = bounded(
             COLLECT,
@@ -94,6 +123,7 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
         for (envelope, referral, published, attempts, at, last_error) in rows {
             log.push_at(log.rel_db(at), Event::Staged { envelope, referral, service: svc.clone(), published, attempts, last_error });
         }
+        collect_redelivered(log, svc, pool).await?;
         if svc == "security" {
             collect_dead_letters(log, pool).await?;
         }
@@ -102,7 +132,7 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
             collect_ledger(log, pool).await?;
         }
         if svc == "cases" {
-            collect_idempotency(log, pool).await?;
+            collect_idempotency(log, pool, exports).await?;
             collect_committed(log, pool).await?;
         }
         if let Some((table, aggregate, at)) = effect_source(svc) {
@@ -124,8 +154,9 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>) -> anyh
 }
 
 /// cases' exports (one row per handler execution), its §D5 rows, and every version of
-/// them the harness's trigger recorded (`chaos_claim_versions`).
-async fn collect_idempotency(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
+/// them the harness's trigger recorded (`chaos_claim_versions`, installed in an exports run
+/// only).
+async fn collect_idempotency(log: &Log, pool: &PgPool, exports: bool) -> anyhow::Result<()> {
     let runs: Vec<(Option<String>, Option<String>, i64, Option<i64>, Option<String>, i64, Option<String>)> = bounded(
         COLLECT,
         "reading the exports",
@@ -149,6 +180,9 @@ async fn collect_idempotency(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
     .await?;
     for (cache_key, status, status_code, body_len, body_too_large, generation) in rows {
         log.push(Event::IdempotencyRow { cache_key, status, status_code, body_len, body_too_large, generation });
+    }
+    if !exports {
+        return Ok(());
     }
     let versions: Vec<(String, i64, String, Option<i64>, i64)> = bounded(
         COLLECT,

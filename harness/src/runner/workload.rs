@@ -38,7 +38,23 @@ impl Staged {
         for pool in pools.values() {
             record_pending_deletes(pool).await?;
         }
-        record_claim_versions(cases).await?;
+        // Issue 22.1: the redelivery floors count on the database's word, not the nodes'
+        // counters (a counter that lies would make a run conclusive that never redelivered).
+        if s.floor.redeliveries > 0 {
+            for pool in pools.values() {
+                count_inbox_redeliveries(pool).await?;
+            }
+        }
+        if s.floor.dlq_duplicates > 0 {
+            if let Some(security) = pools.get("security") {
+                count_dead_letter_redeliveries(security).await?;
+            }
+        }
+        // Only an exports run has §D5 rows for sentinel_integrity to read the versions of:
+        // elsewhere the recorder would be one more insert on the system's path, for nothing.
+        if s.workload.kind == WorkloadKind::Exports {
+            record_claim_versions(cases).await?;
+        }
         if let Some(security) = pools.get("security") {
             record_staging_transactions(security).await?;
         }
@@ -542,6 +558,45 @@ async fn record_transaction_transitions(financial: &PgPool) -> anyhow::Result<()
            END IF; RETURN NEW; END $$",
         "DROP TRIGGER IF EXISTS chaos_transition ON exchange_transactions",
         "CREATE TRIGGER chaos_transition AFTER UPDATE ON exchange_transactions FOR EACH ROW EXECUTE FUNCTION chaos_record_transition()",
+    ])
+    .await
+}
+
+/// The sequence `min_redeliveries` reads (issue 22.1): a trigger before every insert into
+/// the service's §D2 `event_inbox` counts the deliveries of an envelope the inbox already
+/// holds processed. The inbox's `INSERT … ON CONFLICT DO NOTHING` fires it for a proposed
+/// row that then conflicts, and a sequence keeps its count whatever the transaction does.
+/// Whether the handler then stayed skipped is `effect_once`'s to judge.
+async fn count_inbox_redeliveries(pool: &PgPool) -> anyhow::Result<()> {
+    execute_all(pool, "installing the inbox redelivery counter", &[
+        "CREATE SEQUENCE IF NOT EXISTS chaos_inbox_redeliveries",
+        "CREATE OR REPLACE FUNCTION chaos_count_inbox_redelivery() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF EXISTS (SELECT 1 FROM event_inbox WHERE envelope_id = NEW.envelope_id AND processed_at IS NOT NULL) THEN \
+             PERFORM nextval('chaos_inbox_redeliveries'); \
+           END IF; RETURN NEW; END $$",
+        "DROP TRIGGER IF EXISTS chaos_inbox_redelivery ON event_inbox",
+        "CREATE TRIGGER chaos_inbox_redelivery BEFORE INSERT ON event_inbox FOR EACH ROW EXECUTE FUNCTION chaos_count_inbox_redelivery()",
+    ])
+    .await
+}
+
+/// The sequence `min_dlq_duplicates` reads (issue 22.1): a trigger before every insert into
+/// security's `dead_letter_audit` counts the arrivals of an occurrence already recorded with
+/// the same immutable facts (#1181 R7: what the arbiter absorbs as a phantom). The phantom's
+/// transaction rolls back; the sequence keeps the count.
+async fn count_dead_letter_redeliveries(security: &PgPool) -> anyhow::Result<()> {
+    execute_all(security, "installing the dead-letter redelivery counter in security's database", &[
+        "CREATE SEQUENCE IF NOT EXISTS chaos_dead_letter_redeliveries",
+        "CREATE OR REPLACE FUNCTION chaos_count_dead_letter_redelivery() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF NEW.occurrence_token IS NOT NULL AND EXISTS (SELECT 1 FROM dead_letter_audit a \
+               WHERE a.occurrence_token = NEW.occurrence_token AND a.envelope_id IS NOT DISTINCT FROM NEW.envelope_id \
+                 AND a.original_queue IS NOT DISTINCT FROM NEW.original_queue AND a.event_type IS NOT DISTINCT FROM NEW.event_type \
+                 AND a.envelope IS NOT DISTINCT FROM NEW.envelope) THEN \
+             PERFORM nextval('chaos_dead_letter_redeliveries'); \
+           END IF; RETURN NEW; END $$",
+        "DROP TRIGGER IF EXISTS chaos_dead_letter_redelivery ON dead_letter_audit",
+        "CREATE TRIGGER chaos_dead_letter_redelivery BEFORE INSERT ON dead_letter_audit FOR EACH ROW \
+           EXECUTE FUNCTION chaos_count_dead_letter_redelivery()",
     ])
     .await
 }
