@@ -35,11 +35,13 @@ fn cut_off_at(spans: &[(String, String, u64, u64)], replica: &str, t: u64) -> bo
     })
 }
 
-/// One attempt a handler run could have served: when it was sent, and whether it got no
-/// (complete) answer.
+/// One attempt a handler run could have served: when it was sent, whether it got no
+/// (complete) answer, and whether it was servable (no answer at all, or a live 200: a
+/// replay whose body was cut is unanswered, yet no run served it).
 struct Attempt {
     sent: u64,
     no_answer: bool,
+    servable: bool,
 }
 
 /// §D5 as the clients and the database saw it (`kind = "exports"`):
@@ -97,8 +99,9 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
         };
         let compat = h.compat_at(replica, e.t_ms);
         let no_answer = (status.is_none() || (*status == Some(200) && body_sha256.is_none())) && !*gone;
-        if replica != "none" && (no_answer || status.is_none() || (*status == Some(200) && !*replayed)) {
-            attempts.entry((key.as_str(), *size, replica.as_str())).or_default().push(Attempt { sent: e.t_ms, no_answer });
+        let servable = status.is_none() || (*status == Some(200) && !*replayed);
+        if replica != "none" && (no_answer || servable) {
+            attempts.entry((key.as_str(), *size, replica.as_str())).or_default().push(Attempt { sent: e.t_ms, no_answer, servable });
         }
         let kind = match (status, body_sha256) {
             (None, _) if replica == "none" => continue,
@@ -222,13 +225,13 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
                 (Some((_, Some(expires), finalized)), Some((reclaimed, ..))) => !finalized && reclaimed >= expires,
                 _ => false,
             });
-            let sent_by = |r: &str, unanswered: bool, before: u64| {
+            let sent_by = |r: &str, which: fn(&Attempt) -> bool, before: u64| {
                 attempts.get(&(*key, *size, r)).is_some_and(|sent| {
-                    sent.iter().any(|a| (a.no_answer || !unanswered) && a.sent <= t1.saturating_add(WINDOW_SLACK_MS) && a.sent <= before)
+                    sent.iter().any(|a| which(a) && a.sent <= t1.saturating_add(WINDOW_SLACK_MS) && a.sent <= before)
                 })
             };
-            let unanswered_by = |r: &str, before: u64| sent_by(r, true, before);
-            let served_by = |r: &str| sent_by(r, false, u64::MAX);
+            let unanswered_by = |r: &str, before: u64| sent_by(r, |a| a.no_answer, before);
+            let served_by = |r: &str| sent_by(r, |a| a.servable, u64::MAX);
             let residue = r1.is_some_and(|r| {
                 let crashed = crashes.iter().any(|(t, c)| *c == r && t1 <= t.saturating_add(WINDOW_SLACK_MS) && *t <= t2 && unanswered_by(r, *t));
                 let cut_off = cut_off_at(&spans, r, t1) && served_by(r);

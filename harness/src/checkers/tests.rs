@@ -1272,6 +1272,8 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
             "replayed" => answer(&mut h, 55, "cases-1", "f", 10, true, false, &body(10)),
             "409" => h.push(55, Event::HttpExchange { key: "f".into(), size: 10, replica: "cases-1".into(), status: Some(409), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after: Some(1) }),
             "after" => answer(&mut h, 400, "cases-1", "f", 10, false, false, &body(10)),
+            // A replay whose body was cut: unanswered, yet no run served it.
+            "replayed_cut" => h.push(55, Event::HttpExchange { key: "f".into(), size: 10, replica: "cases-1".into(), status: Some(200), replayed: true, too_large: false, body_len: 3, body_sha256: None, cancelled: false, retry_after: None }),
             _ => unanswered(&mut h, 55, "f", 10, "cases-1"),
         }
         claim(&mut h, rerun - 5, "f", 10, 2, "processing", rerun + 29_995);
@@ -1289,6 +1291,7 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
     assert_eq!(residue((66, 1_162), down, "live", 29_000), (0, Some(1)), "re-claimed before the claim expired");
     assert_eq!(residue((66, 1_162), down, "replayed", 30_778), (0, Some(1)), "a replay serves no run");
     assert_eq!(residue((66, 1_162), down, "409", 30_778), (0, Some(1)), "a 409 serves no run");
+    assert_eq!(residue((66, 1_162), down, "replayed_cut", 30_778), (0, Some(1)), "a replay cut short serves no run either");
     assert_eq!(residue((66, 1_162), down, "after", 30_778), (0, Some(1)), "an attempt sent after the run");
     // A 409 without Retry-After, and an unexpected status.
     let mut answers = h.clone();

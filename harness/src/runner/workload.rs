@@ -566,10 +566,13 @@ async fn record_transaction_transitions(financial: &PgPool) -> anyhow::Result<()
 /// the service's §D2 `event_inbox` counts the deliveries of an envelope the inbox already
 /// holds processed. The inbox's `INSERT … ON CONFLICT DO NOTHING` fires it for a proposed
 /// row that then conflicts, and a sequence keeps its count whatever the transaction does.
-/// Whether the handler then stayed skipped is `effect_once`'s to judge.
+/// Unlogged: a logged sequence may come back from a crash of its server up to 32 ahead of
+/// its true count (PostgreSQL logs sequences ahead), an unlogged one comes back at zero, so
+/// a count can only fall short, never meet a floor with arrivals that never happened.
+/// It counts arrivals; whether the handler then stayed skipped is `effect_once`'s to judge.
 async fn count_inbox_redeliveries(pool: &PgPool) -> anyhow::Result<()> {
     execute_all(pool, "installing the inbox redelivery counter", &[
-        "CREATE SEQUENCE IF NOT EXISTS chaos_inbox_redeliveries",
+        "CREATE UNLOGGED SEQUENCE IF NOT EXISTS chaos_inbox_redeliveries",
         "CREATE OR REPLACE FUNCTION chaos_count_inbox_redelivery() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
            IF EXISTS (SELECT 1 FROM event_inbox WHERE envelope_id = NEW.envelope_id AND processed_at IS NOT NULL) THEN \
              PERFORM nextval('chaos_inbox_redeliveries'); \
@@ -583,10 +586,11 @@ async fn count_inbox_redeliveries(pool: &PgPool) -> anyhow::Result<()> {
 /// The sequence `min_dlq_duplicates` reads (issue 22.1): a trigger before every insert into
 /// security's `dead_letter_audit` counts the arrivals of an occurrence already recorded with
 /// the same immutable facts (#1181 R7: what the arbiter absorbs as a phantom). The phantom's
-/// transaction rolls back; the sequence keeps the count.
+/// transaction rolls back; the sequence keeps the count (unlogged, as above). It counts
+/// arrivals; one audit row per occurrence is `dlq_occurrence_once`'s to judge.
 async fn count_dead_letter_redeliveries(security: &PgPool) -> anyhow::Result<()> {
     execute_all(security, "installing the dead-letter redelivery counter in security's database", &[
-        "CREATE SEQUENCE IF NOT EXISTS chaos_dead_letter_redeliveries",
+        "CREATE UNLOGGED SEQUENCE IF NOT EXISTS chaos_dead_letter_redeliveries",
         "CREATE OR REPLACE FUNCTION chaos_count_dead_letter_redelivery() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
            IF NEW.occurrence_token IS NOT NULL AND EXISTS (SELECT 1 FROM dead_letter_audit a \
                WHERE a.occurrence_token = NEW.occurrence_token AND a.envelope_id IS NOT DISTINCT FROM NEW.envelope_id \
