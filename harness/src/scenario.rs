@@ -101,7 +101,7 @@
 //! min_acknowledged = 150    # floors (default: half the writes; 0 redeliveries, 0 dead
 //! min_redeliveries = 1      # letters, 0 crossings): a run below one is inconclusive
 //! min_crossings = 2         # threshold events staged (#1156)
-//! min_dlq_duplicates = 1    # redelivered dead letters the #1181 arbiter absorbed
+//! min_dlq_duplicates = 1    # arrivals of a dead letter already in the audit (#1181)
 //! min_lease_resends = 1     # transmissions re-sent after their claim ended (#1185)
 //! min_replays = 1           # §D5 replays served (Idempotent-Replayed)
 //! min_sentinels = 1         # §D5 too-large sentinels: stored on over-cap, replayed

@@ -35,9 +35,9 @@ fn cut_off_at(spans: &[(String, String, u64, u64)], replica: &str, t: u64) -> bo
     })
 }
 
-/// One attempt a handler run could have served: when it was sent, whether it got no
-/// (complete) answer, and whether it was servable (no answer at all, or a live 200: a
-/// replay whose body was cut is unanswered, yet no run served it).
+/// One attempt of a key and size to a replica: when it was sent, whether it got no
+/// (complete) answer, and whether a handler run could have served it (no answer at all, or
+/// a live 200: a replay whose body was cut is unanswered, yet no run served it).
 struct Attempt {
     sent: u64,
     no_answer: bool,
@@ -85,9 +85,9 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
     // own record of it; the key must still end answered (`never_answered` below).
     let spans = h.fault_spans();
     let mut unavailable = 0;
-    // (key, size, replica) of every attempt a handler run could have served, with when each
-    // was sent and whether it got no (complete) answer. Servable: no answer, the client
-    // gone, or a live (not replayed) 200. A finalize that fails after the handler committed
+    // (key, size, replica) of every attempt that went unanswered or that a handler run
+    // could have served ([`Attempt`]). Servable: no answer at all (the client gone or not),
+    // or a live (not replayed) 200. A finalize that fails after the handler committed
     // still serves the live answer (the middleware logs `idempotency.finalize_unknown` and
     // relays the body), so §D5's finalize residue may follow an answered attempt; a crash's
     // residue asks for an unanswered one.
