@@ -85,6 +85,20 @@ enum Command {
         #[arg(long)]
         report: Option<PathBuf>,
     },
+    /// Serve the fault proxy behind Toxiproxy's HTTP API (version 2.12.0's routes and error
+    /// bodies), as a Toxiproxy server would: the containers backend's stand-in where the
+    /// official image cannot be pulled (issue 24). Prints `Starting Toxiproxy HTTP server
+    /// on ADDR` on stdout once it listens (Toxiproxy's own readiness line, so one wait serves
+    /// both), and runs until SIGTERM or Ctrl-C (exit 0). Proxies listen where the client's
+    /// `listen` says.
+    Proxy {
+        /// Address of the HTTP API (port 0 picks a free one; the line above names it).
+        #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8474")]
+        api: std::net::SocketAddr,
+        /// Seed of the toxics' random choices (toxicity, jitter); default from the clock.
+        #[arg(long)]
+        seed: Option<u64>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -97,6 +111,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::List { paths } => list(&paths),
+        Command::Proxy { api, seed } => proxy(api, seed),
         Command::Bench { smoke, rounds, backlog, batch, consumer_backlog, consumer_concurrency, lag_secs, only, report } => {
             let dir = report.unwrap_or_else(|| PathBuf::from("target/chaos").join(format!("bench-{}", chrono::Utc::now().format("%Y%m%d-%H%M%S"))));
             let mut opts = if smoke { BenchOptions::smoke(dir.clone()) } else { BenchOptions::full(dir.clone()) };
@@ -162,6 +177,39 @@ fn main() -> ExitCode {
             })
         }
     }
+}
+
+/// `chaos proxy --api ADDR`: the fault proxy as a Toxiproxy-API server, until a signal.
+fn proxy(addr: std::net::SocketAddr, seed: Option<u64>) -> ExitCode {
+    use std::io::Write as _;
+    let seed = seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64));
+    let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+    rt.block_on(async {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("chaos proxy: installing the SIGTERM handler: {e}");
+                return ExitCode::from(3);
+            }
+        };
+        let (bound, task) = match craig_chaos::proxy::api::serve(craig_chaos::proxy::FaultProxy::new(seed), addr).await {
+            Ok(served) => served,
+            Err(e) => {
+                eprintln!("chaos proxy: cannot listen on {addr}: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        println!("Starting Toxiproxy HTTP server on {bound} (chaos proxy, Toxiproxy API {}, seed {seed})", craig_chaos::proxy::api::VERSION);
+        let _ = std::io::stdout().flush();
+        tokio::select! {
+            _ = task => {
+                eprintln!("chaos proxy: the API server stopped");
+                ExitCode::from(3)
+            }
+            _ = tokio::signal::ctrl_c() => ExitCode::SUCCESS,
+            _ = term.recv() => ExitCode::SUCCESS,
+        }
+    })
 }
 
 fn list(paths: &[PathBuf]) -> ExitCode {

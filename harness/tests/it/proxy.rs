@@ -2,6 +2,11 @@
 //! Every toxic in both directions, on a connection made before the toxic (live) and after
 //! it (new). Delays are asserted as lower bounds only: a toxic must have delayed at least
 //! this much; nothing here asserts speed.
+//!
+//! The API server is `chaos proxy --api` (issue 24: the Toxiproxy stand-in the containers
+//! backend runs where the official image cannot be pulled), a process of its own, so the
+//! client's whole toxic set runs against the server mode; `api_errors_and_reset_follow_toxiproxy`
+//! also runs against the in-process server the runner uses.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -99,14 +104,45 @@ struct Rig {
     api: ToxiproxyClient,
     listen: String,
     server: Server,
+    /// `chaos proxy --api`, killed with the rig (None: the in-process server).
+    _process: Option<tokio::process::Child>,
+}
+
+/// `chaos proxy --api 127.0.0.1:0 --seed 7` as a child process; its API address, read
+/// from its readiness line (Toxiproxy's own words, which the containers backend waits for).
+async fn server_mode() -> (String, tokio::process::Child) {
+    use tokio::io::AsyncBufReadExt as _;
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_chaos"))
+        .args(["proxy", "--api", "127.0.0.1:0", "--seed", "7"])
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawning chaos proxy");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await.expect("readiness line in time").unwrap().expect("a line");
+    let addr = line
+        .strip_prefix("Starting Toxiproxy HTTP server on ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("unexpected readiness line {line:?}"))
+        .to_owned();
+    (addr, child)
 }
 
 async fn new_rig() -> Rig {
+    let (api_addr, process) = server_mode().await;
+    rig_on(api_addr, Some(process)).await
+}
+
+async fn in_process_rig() -> Rig {
     let (api_addr, _task) = api::serve(FaultProxy::new(7), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    rig_on(api_addr.to_string(), None).await
+}
+
+async fn rig_on(api_addr: String, process: Option<tokio::process::Child>) -> Rig {
     let api = ToxiproxyClient::new(format!("http://{api_addr}"));
     let server = Server::start().await;
     let info = api.create_proxy("svc", "127.0.0.1:0", &server.addr).await.unwrap();
-    Rig { api, listen: info.listen, server }
+    Rig { api, listen: info.listen, server, _process: process }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -407,7 +443,12 @@ async fn disabling_cuts_live_connections_and_refuses_new_ones_until_enabled() {
 
 #[tokio::test]
 async fn api_errors_and_reset_follow_toxiproxy() {
-    let rig = new_rig().await;
+    for rig in [new_rig().await, in_process_rig().await] {
+        api_errors_and_reset(rig).await;
+    }
+}
+
+async fn api_errors_and_reset(rig: Rig) {
     assert_eq!(rig.api.version().await.unwrap(), api::VERSION);
     let dup = rig.api.create_proxy("svc", "127.0.0.1:0", &rig.server.addr).await.unwrap_err();
     assert!(dup.to_string().contains("409"), "{dup}");
@@ -420,4 +461,18 @@ async fn api_errors_and_reset_follow_toxiproxy() {
     rig.api.reset().await.unwrap();
     let info = rig.api.proxy("svc").await.unwrap();
     assert!(info.enabled && info.toxics.is_empty(), "{info:?}");
+}
+
+/// The server mode ends cleanly on SIGTERM (a container's stop), and a taken address is a
+/// clear error with exit 2, not a panic.
+#[tokio::test]
+async fn server_mode_stops_on_sigterm_and_refuses_a_taken_address() {
+    let (addr, mut child) = server_mode().await;
+    let taken = std::process::Command::new(env!("CARGO_BIN_EXE_chaos")).args(["proxy", "--api", &addr]).output().unwrap();
+    assert_eq!(taken.status.code(), Some(2), "{taken:?}");
+    assert!(String::from_utf8_lossy(&taken.stderr).contains(&format!("cannot listen on {addr}")), "{taken:?}");
+    let pid = child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait()).await.expect("exit in time").unwrap();
+    assert_eq!(status.code(), Some(0));
 }
