@@ -1,0 +1,23 @@
+#!/bin/sh
+# The official image's entrypoint, in the part the containers backend uses (see Dockerfile).
+set -eu
+user=${POSTGRES_USER:-postgres}
+db=${POSTGRES_DB:-$user}
+if [ ! -s "$PGDATA/PG_VERSION" ]; then
+  pwfile=$(mktemp)
+  printf '%s\n' "${POSTGRES_PASSWORD:-postgres}" > "$pwfile"
+  initdb --username="$user" --pwfile="$pwfile" --auth-local=trust --auth-host=scram-sha-256 -D "$PGDATA" > /dev/null
+  rm -f "$pwfile"
+  echo "host all all all ${POSTGRES_HOST_AUTH_METHOD:-scram-sha-256}" >> "$PGDATA/pg_hba.conf"
+  # The setup server, local socket only, logging to stdout as the official image's does.
+  pg_ctl -D "$PGDATA" -o "-c listen_addresses=''" -w start -l /dev/stdout
+  if [ "$db" != postgres ]; then
+    psql -v ON_ERROR_STOP=1 --username "$user" --dbname postgres -c "CREATE DATABASE \"$db\"" > /dev/null
+  fi
+  pg_ctl -D "$PGDATA" -m fast -w stop > /dev/null
+fi
+if [ "${1:-postgres}" = postgres ]; then
+  shift || true
+  exec postgres -D "$PGDATA" -c listen_addresses='*' "$@"
+fi
+exec "$@"
