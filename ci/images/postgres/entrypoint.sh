@@ -1,6 +1,10 @@
 #!/bin/sh
 # The official image's entrypoint, in the part the containers backend uses (see Dockerfile).
 set -eu
+# As the official one: options alone (testcontainers passes `-c fsync=off`) are the server's.
+if [ "$#" -eq 0 ] || [ "${1#-}" != "$1" ]; then
+  set -- postgres "$@"
+fi
 user=${POSTGRES_USER:-postgres}
 db=${POSTGRES_DB:-$user}
 if [ ! -s "$PGDATA/PG_VERSION" ]; then
@@ -16,8 +20,8 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
   fi
   pg_ctl -D "$PGDATA" -m fast -w stop > /dev/null
 fi
-if [ "${1:-postgres}" = postgres ]; then
-  shift || true
+if [ "$1" = postgres ]; then
+  shift
   exec postgres -D "$PGDATA" -c listen_addresses='*' "$@"
 fi
 exec "$@"

@@ -1,7 +1,12 @@
-//! `containers`: PostgreSQL and RabbitMQ from testcontainers' modules, and the official
-//! Toxiproxy image as a generic image, on one Docker network. Runs only where a Docker
-//! engine answers; this machine kind has none, so CI compiles it and unit-tests the
-//! wiring (images, ports, wait strategies) only.
+//! `containers`: PostgreSQL and RabbitMQ from testcontainers' modules, and a Toxiproxy
+//! image as a generic image, on one Docker network. Runs only where a Docker engine answers
+//! (ci/test starts the containers, restarts one and removes them where one does; scenario
+//! runs on it are not wired yet: `runner::drive` refuses them).
+//!
+//! Images are settings (issue 24): `CHAOS_POSTGRES_IMAGE`, `CHAOS_RABBITMQ_IMAGE`,
+//! `CHAOS_TOXIPROXY_IMAGE` (`name[:tag]`), the official images by default. Where no registry
+//! answers, `ci/images/build` builds stand-ins that honour the interface used here (ports,
+//! trust auth, the readiness lines) and prints these settings.
 //!
 //! Faults: kill = `docker stop -t 0` (SIGKILL), restart = `docker start` on the same
 //! container (data kept), pause = `docker pause`. The host ports of a restarted container
@@ -28,6 +33,68 @@ pub const TOXIPROXY_BROKER_PORT: u16 = 8667;
 /// Container names on the run's network (Toxiproxy's upstreams).
 pub const POSTGRES_HOST: &str = "craig-postgres";
 pub const RABBITMQ_HOST: &str = "craig-rabbitmq";
+
+/// One image: repository name and tag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageRef {
+    pub name: String,
+    pub tag: String,
+}
+
+impl ImageRef {
+    /// `name[:tag]` (a registry's `host:port/` prefix is part of the name; no tag: `latest`).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if s.is_empty() || s.contains(char::is_whitespace) || s.contains('@') {
+            return Err(format!("{s:?} is not an image reference (name[:tag], no digest)"));
+        }
+        let (name, tag) = match s.rsplit_once(':') {
+            Some((name, tag)) if !tag.contains('/') => (name, tag),
+            _ => (s, "latest"),
+        };
+        if name.is_empty() || tag.is_empty() || name.ends_with('/') {
+            return Err(format!("{s:?} is not an image reference (name[:tag], no digest)"));
+        }
+        Ok(Self { name: name.to_owned(), tag: tag.to_owned() })
+    }
+}
+
+/// The run's images: the official ones, or what `CHAOS_*_IMAGE` names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Images {
+    pub postgres: ImageRef,
+    pub rabbitmq: ImageRef,
+    pub toxiproxy: ImageRef,
+}
+
+impl Default for Images {
+    fn default() -> Self {
+        let official = |name: &str, tag: &str| ImageRef { name: name.to_owned(), tag: tag.to_owned() };
+        Self { postgres: official("postgres", POSTGRES_TAG), rabbitmq: official("rabbitmq", RABBITMQ_TAG), toxiproxy: official(TOXIPROXY_IMAGE, TOXIPROXY_TAG) }
+    }
+}
+
+impl Images {
+    /// From `CHAOS_POSTGRES_IMAGE`, `CHAOS_RABBITMQ_IMAGE`, `CHAOS_TOXIPROXY_IMAGE` (unset or
+    /// empty: the official image); a value that is no image reference names the variable.
+    pub fn from_env() -> Result<Self, BackendError> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, BackendError> {
+        let mut images = Self::default();
+        for (var, slot) in [
+            ("CHAOS_POSTGRES_IMAGE", &mut images.postgres),
+            ("CHAOS_RABBITMQ_IMAGE", &mut images.rabbitmq),
+            ("CHAOS_TOXIPROXY_IMAGE", &mut images.toxiproxy),
+        ] {
+            if let Some(v) = get(var).filter(|v| !v.trim().is_empty()) {
+                *slot = ImageRef::parse(&v).map_err(|why| BackendError::Unavailable { backend: "containers", why: format!("{var}: {why}") })?;
+            }
+        }
+        Ok(images)
+    }
+}
 
 /// Whether a Docker engine answers (`DOCKER_HOST` or `/var/run/docker.sock`).
 pub async fn probe() -> Result<(), String> {
@@ -56,25 +123,29 @@ pub async fn probe() -> Result<(), String> {
     }
 }
 
-pub fn postgres_request(network: &str) -> ContainerRequest<Postgres> {
+pub fn postgres_request(network: &str, image: &ImageRef) -> ContainerRequest<Postgres> {
     Postgres::default()
         .with_host_auth()
-        .with_tag(POSTGRES_TAG)
+        .with_name(image.name.clone())
+        .with_tag(image.tag.clone())
         .with_network(network)
         .with_container_name(format!("{POSTGRES_HOST}-{network}"))
         .with_startup_timeout(Duration::from_secs(60))
 }
 
-pub fn rabbitmq_request(network: &str) -> ContainerRequest<RabbitMq> {
+pub fn rabbitmq_request(network: &str, image: &ImageRef) -> ContainerRequest<RabbitMq> {
     RabbitMq::default()
-        .with_tag(RABBITMQ_TAG)
+        .with_name(image.name.clone())
+        .with_tag(image.tag.clone())
         .with_network(network)
         .with_container_name(format!("{RABBITMQ_HOST}-{network}"))
         .with_startup_timeout(Duration::from_secs(90))
 }
 
-pub fn toxiproxy_request(network: &str) -> ContainerRequest<GenericImage> {
-    GenericImage::new(TOXIPROXY_IMAGE, TOXIPROXY_TAG)
+/// The official Toxiproxy image, or `craig-chaos/toxiproxy-api` (`chaos proxy --api
+/// 0.0.0.0:8474` as its entrypoint): the same API, ports and readiness line.
+pub fn toxiproxy_request(network: &str, image: &ImageRef) -> ContainerRequest<GenericImage> {
+    GenericImage::new(image.name.clone(), image.tag.clone())
         .with_exposed_port(TOXIPROXY_API_PORT.tcp())
         .with_exposed_port(TOXIPROXY_DB_PORT.tcp())
         .with_exposed_port(TOXIPROXY_BROKER_PORT.tcp())
@@ -100,10 +171,11 @@ fn tc(what: &str) -> impl Fn(testcontainers::TestcontainersError) -> BackendErro
 
 impl ContainersBackend {
     pub async fn start(services: &[&str]) -> Result<Self, BackendError> {
+        let images = Images::from_env()?;
         let network = format!("craig-chaos-{}", std::process::id());
-        let postgres = postgres_request(&network).start().await.map_err(tc("starting the postgres container"))?;
-        let rabbitmq = rabbitmq_request(&network).start().await.map_err(tc("starting the rabbitmq container"))?;
-        let toxiproxy = toxiproxy_request(&network).start().await.map_err(tc("starting the toxiproxy container"))?;
+        let postgres = postgres_request(&network, &images.postgres).start().await.map_err(tc("starting the postgres container"))?;
+        let rabbitmq = rabbitmq_request(&network, &images.rabbitmq).start().await.map_err(tc("starting the rabbitmq container"))?;
+        let toxiproxy = toxiproxy_request(&network, &images.toxiproxy).start().await.map_err(tc("starting the toxiproxy container"))?;
         let mut b = Self {
             network,
             postgres,
@@ -181,7 +253,7 @@ mod tests {
 
     #[test]
     fn postgres_wiring() {
-        let r = postgres_request("net1");
+        let r = postgres_request("net1", &Images::default().postgres);
         assert_eq!(r.image().name(), "postgres");
         assert_eq!(r.descriptor(), format!("postgres:{POSTGRES_TAG}"));
         assert_eq!(r.network().as_deref(), Some("net1"));
@@ -193,7 +265,7 @@ mod tests {
 
     #[test]
     fn rabbitmq_wiring() {
-        let r = rabbitmq_request("net1");
+        let r = rabbitmq_request("net1", &Images::default().rabbitmq);
         assert_eq!(r.descriptor(), format!("rabbitmq:{RABBITMQ_TAG}"));
         assert_eq!(r.container_name().as_deref(), Some("craig-rabbitmq-net1"));
         assert!(format!("{:?}", r.ready_conditions()).contains("Server startup complete"));
@@ -201,12 +273,34 @@ mod tests {
 
     #[test]
     fn toxiproxy_wiring() {
-        let r = toxiproxy_request("net1");
+        let r = toxiproxy_request("net1", &Images::default().toxiproxy);
         assert_eq!(r.descriptor(), format!("{TOXIPROXY_IMAGE}:{TOXIPROXY_TAG}"));
         let ports: Vec<u16> = r.expose_ports().iter().map(|p| p.as_u16()).collect();
         assert_eq!(ports, [TOXIPROXY_API_PORT, TOXIPROXY_DB_PORT, TOXIPROXY_BROKER_PORT]);
         assert!(format!("{:?}", r.ready_conditions()).contains("Starting Toxiproxy HTTP server"));
         assert_eq!(r.network().as_deref(), Some("net1"));
+    }
+
+    #[test]
+    fn images_are_settings() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string());
+        assert_eq!(Images::from_lookup(env(&[])).unwrap(), Images::default());
+        assert_eq!(Images::from_lookup(env(&[("CHAOS_POSTGRES_IMAGE", " ")])).unwrap(), Images::default());
+        let stand_ins = Images::from_lookup(env(&[
+            ("CHAOS_POSTGRES_IMAGE", "craig-chaos/postgres:15"),
+            ("CHAOS_RABBITMQ_IMAGE", "registry.local:5000/mq/rabbitmq"),
+            ("CHAOS_TOXIPROXY_IMAGE", "craig-chaos/toxiproxy-api:dev"),
+        ]))
+        .unwrap();
+        assert_eq!(stand_ins.postgres, ImageRef { name: "craig-chaos/postgres".into(), tag: "15".into() });
+        assert_eq!(stand_ins.rabbitmq, ImageRef { name: "registry.local:5000/mq/rabbitmq".into(), tag: "latest".into() });
+        let r = postgres_request("net1", &stand_ins.postgres);
+        assert_eq!(r.descriptor(), "craig-chaos/postgres:15");
+        assert_eq!(toxiproxy_request("net1", &stand_ins.toxiproxy).descriptor(), "craig-chaos/toxiproxy-api:dev");
+        for bad in ["postgres:", "a b", "pg@sha256:00", ":15"] {
+            let err = Images::from_lookup(move |k: &str| (k == "CHAOS_POSTGRES_IMAGE").then(|| bad.to_owned())).unwrap_err().to_string();
+            assert!(err.contains("CHAOS_POSTGRES_IMAGE") && err.contains("not an image reference"), "{bad}: {err}");
+        }
     }
 
     #[tokio::test]

@@ -1,7 +1,8 @@
 //! Each backend available here, with a real `craig-node` on top: kill and restart the
 //! broker and the database under it and show the node recover (the outbox drains; nothing
-//! stays pending). The containers backend needs Docker, which this machine kind lacks: its
-//! test shows the refusal is explained.
+//! stays pending). The containers backend needs a Docker engine: where one answers, its
+//! containers start, keep data across a restart and leave nothing; where none does, the
+//! refusal is explained.
 
 use std::time::{Duration, Instant};
 
@@ -223,6 +224,45 @@ async fn containers_backend_explains_why_it_cannot_start_without_docker() {
     let msg = err.to_string();
     assert!(msg.starts_with("backend containers is not available here:"), "{msg}");
     assert!(msg.contains("Docker"), "{msg}");
+}
+
+/// Where a Docker engine answers (ci/test starts one where it can, with the stand-in images
+/// of `ci/images/build` in `CHAOS_*_IMAGE`; elsewhere the official images): the three
+/// containers start through testcontainers' own readiness waits, the service databases
+/// answer on the host, the broker takes the admin's AMQP login, a killed and restarted
+/// database keeps its data, and nothing of the run is left after stop.
+#[tokio::test]
+async fn containers_backend_starts_keeps_data_across_a_restart_and_leaves_nothing() {
+    if let Err(why) = craig_chaos::backend::containers::probe().await {
+        eprintln!("no Docker engine here ({why}); containers_backend_explains_why_it_cannot_start_without_docker covers it");
+        return;
+    }
+    let (mut backend, _) = Backend::start(BackendKind::Containers, "containers-test", &["cases"]).await.unwrap();
+    let ep = backend.endpoints();
+    let url = ep.database_url("cases").unwrap().to_owned();
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&url).await.unwrap();
+    sqlx::raw_sql("CREATE TABLE IF NOT EXISTS kept (n int); INSERT INTO kept VALUES (42)").execute(&pool).await.unwrap();
+    pool.close().await;
+    let amqp = lapin::Connection::connect(&ep.amqp_url, lapin::ConnectionProperties::default()).await.unwrap();
+    amqp.close(200, "bye".into()).await.unwrap();
+
+    backend.kill(Target::Database).await.unwrap();
+    backend.restart(Target::Database).await.unwrap();
+    let url = backend.endpoints().database_url("cases").unwrap().to_owned();
+    let mut kept = None;
+    for _ in 0..60 {
+        if let Ok(pool) = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&url).await {
+            kept = sqlx::query_scalar::<_, i32>("SELECT n FROM kept").fetch_optional(&pool).await.ok().flatten();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert_eq!(kept, Some(42), "the restarted database kept the row written before the kill");
+
+    backend.stop().await.unwrap();
+    let network = format!("craig-chaos-{}", std::process::id());
+    let left = std::process::Command::new("docker").args(["ps", "-a", "--format", "{{.Names}}", "--filter", &format!("name={network}")]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&left.stdout).trim(), "", "containers of the run left behind");
 }
 
 fn tempdir() -> std::path::PathBuf {
