@@ -5,13 +5,19 @@ set -eu
 if [ "$#" -eq 0 ] || [ "${1#-}" != "$1" ]; then
   set -- postgres "$@"
 fi
+if [ "$1" != postgres ]; then
+  exec "$@"
+fi
+shift
 user=${POSTGRES_USER:-postgres}
 db=${POSTGRES_DB:-$user}
 if [ ! -s "$PGDATA/PG_VERSION" ]; then
   pwfile=$(mktemp)
   printf '%s\n' "${POSTGRES_PASSWORD:-postgres}" > "$pwfile"
-  initdb --username="$user" --pwfile="$pwfile" --auth-local=trust --auth-host=scram-sha-256 -D "$PGDATA" > /dev/null
+  # initdb's own default, as the official image: trust on the socket and on loopback.
+  initdb --username="$user" --pwfile="$pwfile" -D "$PGDATA" > /dev/null 2>&1
   rm -f "$pwfile"
+  # Every other address: POSTGRES_HOST_AUTH_METHOD (the official default: scram-sha-256).
   echo "host all all all ${POSTGRES_HOST_AUTH_METHOD:-scram-sha-256}" >> "$PGDATA/pg_hba.conf"
   # The setup server, local socket only, logging to stdout as the official image's does.
   pg_ctl -D "$PGDATA" -o "-c listen_addresses=''" -w start -l /dev/stdout
@@ -20,8 +26,4 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
   fi
   pg_ctl -D "$PGDATA" -m fast -w stop > /dev/null
 fi
-if [ "$1" = postgres ]; then
-  shift
-  exec postgres -D "$PGDATA" -c listen_addresses='*' "$@"
-fi
-exec "$@"
+exec postgres -D "$PGDATA" -c listen_addresses='*' "$@"

@@ -246,11 +246,20 @@ async fn containers_backend_starts_keeps_data_across_a_restart_and_leaves_nothin
     let amqp = lapin::Connection::connect(&ep.amqp_url, lapin::ConnectionProperties::default()).await.unwrap();
     amqp.close(200, "bye".into()).await.unwrap();
 
+    // The Toxiproxy container (official or stand-in) answers its API.
+    if let Backend::Containers(c) = &backend {
+        let api = craig_chaos::proxy::ToxiproxyClient::new(c.toxiproxy_api().await.unwrap());
+        let version = api.version().await.unwrap();
+        assert!(version.contains("2.12.0"), "Toxiproxy API version {version:?}");
+    }
+
     backend.kill(Target::Database).await.unwrap();
     backend.restart(Target::Database).await.unwrap();
     let url = backend.endpoints().database_url("cases").unwrap().to_owned();
+    // Crash recovery first: as long as the container start itself may take (60 s).
     let mut kept = None;
-    for _ in 0..60 {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
         if let Ok(pool) = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&url).await {
             kept = sqlx::query_scalar::<_, i32>("SELECT n FROM kept").fetch_optional(&pool).await.ok().flatten();
             break;
@@ -260,9 +269,17 @@ async fn containers_backend_starts_keeps_data_across_a_restart_and_leaves_nothin
     assert_eq!(kept, Some(42), "the restarted database kept the row written before the kill");
 
     backend.stop().await.unwrap();
+    // Nothing of the run is left: no container on its network, no network.
     let network = format!("craig-chaos-{}", std::process::id());
-    let left = std::process::Command::new("docker").args(["ps", "-a", "--format", "{{.Names}}", "--filter", &format!("name={network}")]).output().unwrap();
-    assert_eq!(String::from_utf8_lossy(&left.stdout).trim(), "", "containers of the run left behind");
+    let docker = |args: &[&str]| {
+        let out = std::process::Command::new("docker").args(args).output().expect("the docker CLI (a Docker engine answers here)");
+        assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect::<Vec<_>>()
+    };
+    let containers: Vec<String> = docker(&["ps", "-a", "--format", "{{.Names}}"]).into_iter().filter(|n| n.ends_with(&format!("-{network}"))).collect();
+    assert!(containers.is_empty(), "containers of the run left behind: {containers:?}");
+    let networks: Vec<String> = docker(&["network", "ls", "--format", "{{.Name}}"]).into_iter().filter(|n| *n == network).collect();
+    assert!(networks.is_empty(), "the run's network left behind");
 }
 
 fn tempdir() -> std::path::PathBuf {
