@@ -15,7 +15,7 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
   pwfile=$(mktemp)
   printf '%s\n' "${POSTGRES_PASSWORD:-postgres}" > "$pwfile"
   # initdb's own default, as the official image: trust on the socket and on loopback.
-  initdb --username="$user" --pwfile="$pwfile" -D "$PGDATA" > /dev/null 2>&1
+  initdb --username="$user" --pwfile="$pwfile" -D "$PGDATA" > /dev/null
   rm -f "$pwfile"
   # Every other address: POSTGRES_HOST_AUTH_METHOD (the official default: scram-sha-256).
   echo "host all all all ${POSTGRES_HOST_AUTH_METHOD:-scram-sha-256}" >> "$PGDATA/pg_hba.conf"
