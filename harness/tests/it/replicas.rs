@@ -91,7 +91,11 @@ async fn a_crash_point_fires_on_the_third_hit() {
         .await;
     }
     assert!(node.exited().is_none(), "two hits pass");
-    assert_eq!(post(&base).await, 201);
+    // The third write's answer may be lost with the process: the worker can claim its row
+    // and abort before the response is written (seen under load: no answer). The abort is
+    // what this test is about.
+    let third = post(&base).await;
+    assert!(third == 201 || third == 0, "the third write: {third}");
     let status = node.wait_exit(Duration::from_secs(20)).await.unwrap();
     assert_eq!(status.signal(), Some(nix::sys::signal::Signal::SIGABRT as i32));
     assert_eq!(count(&rig.pool, "SELECT count(*) FROM event_outbox WHERE published_at IS NULL AND claimed_at IS NOT NULL").await, 1);
