@@ -56,8 +56,9 @@ struct Attempt {
 ///   the later run holds a newer claim generation, the one the row ended on. §D5's other
 ///   residue, a sentinel finalize that itself fails, is excused the same way when a fault
 ///   cut the run's replica off its database at the run's commit (`cut_off_at`) and an
-///   attempt it could have served (unanswered, or a live 200: a failed finalize still
-///   relays the body) went out before the run. Both only as the database recorded it
+///   attempt it could have served (unanswered; a live 200, since a failed finalize still
+///   relays the body; or a 503 inside the cut, since an INSERT whose acknowledgement the cut
+///   lost committed all the same) went out before the run. Both only as the database recorded it
 ///   (`Event::ClaimVersion`, the harness's trigger): the first run's generation never left
 ///   `processing`, and the re-run's was claimed no sooner than that claim expired.
 ///   Anything else is `kind:executed_twice`.
@@ -87,7 +88,7 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
     let mut unavailable = 0;
     // (key, size, replica) of every attempt that went unanswered or that a handler run
     // could have served ([`Attempt`]). Servable: no answer at all (the client gone or not),
-    // or a live (not replayed) 200. A finalize that fails after the handler committed
+    // a live (not replayed) 200, or a 503 while a fault cut the replica off its database. A finalize that fails after the handler committed
     // still serves the live answer (the middleware logs `idempotency.finalize_unknown` and
     // relays the body), so §D5's finalize residue may follow an answered attempt; a crash's
     // residue asks for an unanswered one.
@@ -99,7 +100,10 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
         };
         let compat = h.compat_at(replica, e.t_ms);
         let no_answer = (status.is_none() || (*status == Some(200) && body_sha256.is_none())) && !*gone;
-        let servable = status.is_none() || (*status == Some(200) && !*replayed);
+        // A 503 inside a database cut may have been served too: the handler's INSERT can
+        // commit with its acknowledgement lost to the cut, and the handler then answers 503
+        // (the live path's `failed` finalize fails as well, the row stays `processing`).
+        let servable = status.is_none() || (*status == Some(200) && !*replayed) || (*status == Some(503) && cut_off_at(&spans, replica, e.t_ms));
         if replica != "none" && (no_answer || servable) {
             attempts.entry((key.as_str(), *size, replica.as_str())).or_default().push(Attempt { sent: e.t_ms, no_answer, servable });
         }

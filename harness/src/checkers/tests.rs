@@ -1270,6 +1270,7 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
         match attempt {
             "live" => answer(&mut h, 55, "cases-1", "f", 10, false, false, &body(10)),
             "replayed" => answer(&mut h, 55, "cases-1", "f", 10, true, false, &body(10)),
+            "503" => h.push(55, Event::HttpExchange { key: "f".into(), size: 10, replica: "cases-1".into(), status: Some(503), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after: None }),
             "409" => h.push(55, Event::HttpExchange { key: "f".into(), size: 10, replica: "cases-1".into(), status: Some(409), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after: Some(1) }),
             "after" => answer(&mut h, 400, "cases-1", "f", 10, false, false, &body(10)),
             // A replay whose body was cut: unanswered, yet no run served it.
@@ -1285,6 +1286,12 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
     let down = "cases-1->database";
     assert_eq!(residue((66, 1_162), down, "none", 30_778), (1, None), "cut just after the commit: the finalize failed");
     assert_eq!(residue((66, 1_162), down, "live", 30_778), (1, None), "the failed finalize relayed the live answer");
+    // Found by the property run (the same schedule): the cut took the INSERT's
+    // acknowledgement, so the handler answered 503 for an export that had committed (red
+    // before 503s inside a cut were servable).
+    assert_eq!(residue((56, 1_162), down, "503", 30_778), (1, None), "the cut lost the commit's acknowledgement: a 503 for committed work");
+    assert_eq!(residue((56, 1_162), "cases-2->database", "503", 30_778), (0, Some(1)), "a 503 with another replica's link cut");
+    assert_eq!(residue((56, 1_162), down, "503", 29_000), (0, Some(1)), "a 503, re-claimed before the claim expired");
     assert_eq!(residue((2_000, 3_000), down, "none", 30_778), (0, Some(1)), "a cut that began later");
     assert_eq!(residue((66, 1_162), "cases-2->database", "none", 30_778), (0, Some(1)), "another replica's link");
     assert_eq!(residue((66, 1_162), "cases-2->database", "live", 30_778), (0, Some(1)), "another replica's link, answered");

@@ -77,21 +77,50 @@ async fn create_export(
         Some(axum::Extension(c)) => (Some(c.key), Some(c.cache_key), Some(c.generation)),
         None => (None, None, None),
     };
-    let written = sqlx::query(
-        "INSERT INTO exports (size_bytes, idempotency_key, cache_key, generation, body_sha256, created_by, replica) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7)",
-    )
-    .bind(size as i64)
-    .bind(&key)
-    .bind(&cache_key)
-    .bind(generation)
-    .bind(&digest)
-    .bind(claims.sub)
-    .bind(std::env::var("CRAIG_REPLICA").ok())
-    .execute(&state.pool)
-    .await;
+    // One row per claim generation (`idx_exports_one_per_claim`): a write whose
+    // acknowledgement was lost can be sent again to learn its outcome. The second waits for
+    // a first still in flight on the unique index, and makes nothing if it committed.
+    let write = || {
+        sqlx::query(
+            "INSERT INTO exports (size_bytes, idempotency_key, cache_key, generation, body_sha256, created_by, replica) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7) \
+             ON CONFLICT (cache_key, generation) WHERE cache_key IS NOT NULL DO NOTHING",
+        )
+        .bind(size as i64)
+        .bind(&key)
+        .bind(&cache_key)
+        .bind(generation)
+        .bind(&digest)
+        .bind(claims.sub)
+        .bind(std::env::var("CRAIG_REPLICA").ok())
+        .execute(&state.pool)
+    };
+    let lost_ack = |w: Result<sqlx::postgres::PgQueryResult, sqlx::Error>| match w {
+        Ok(_) if craig_mq::crash::fault("exports::commit_ack_lost") => Err(sqlx::Error::Io(std::io::Error::other("test-only fault: the commit's acknowledgement was lost"))),
+        w => w,
+    };
+    let mut written = lost_ack(write().await);
+    // The statement may have committed: the connection broke after it was sent. Under a
+    // claim, send it again (the pool waits out a short cut); without one, or if that fails
+    // too, the outcome stays unknown.
+    if let Err(e) = &written
+        && outcome_unknown(e)
+        && cache_key.is_some()
+    {
+        tracing::warn!(event = "cases.export_outcome_unknown", error = %e, "the export's write lost its acknowledgement: sending it again");
+        written = lost_ack(write().await);
+    }
     if let Err(e) = written {
         tracing::error!(event = "cases.export_failed", error = %e);
+        if outcome_unknown(&e) {
+            // The slot is kept (§D5: only the claim's expiry re-admits the key).
+            let mut r = error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database unavailable; whether the export was made is unknown (the key is held until its claim expires)",
+            );
+            r.extensions_mut().insert(craig_api::idempotency::OutcomeUnknown);
+            return r;
+        }
         return error_response(StatusCode::SERVICE_UNAVAILABLE, "database unavailable; the export was not made");
     }
     craig_mq::crash::hit("exports::after_commit_before_answer");
@@ -103,6 +132,14 @@ async fn create_export(
     h.insert(axum::http::header::CONTENT_TYPE, axum::http::HeaderValue::from_static("application/octet-stream"));
     h.insert(axum::http::header::CONTENT_LENGTH, axum::http::HeaderValue::from(size));
     r
+}
+
+/// Whether a failed statement may have committed: the connection broke with the statement
+/// sent (I/O, TLS, a protocol error, the connection's worker gone). A pool that gave no
+/// connection sent nothing, a value that could not be encoded was never sent, and a
+/// database error is the server's answer (the statement rolled back).
+fn outcome_unknown(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed)
 }
 
 /// Request body. `id` is optional: a client (the harness) that names the referral can

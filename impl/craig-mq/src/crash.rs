@@ -44,6 +44,29 @@ pub const MUTANTS: &[&str] = &[
     "cases::activation_stage_before_write",
 ];
 
+/// Test-only faults: what the environment does to a replica that no proxy can time to the
+/// microsecond. Armed like the mutants (`return(on)`; `1*return(on)` for the first hit only).
+///
+/// | name | fault |
+/// |---|---|
+/// | `exports::commit_ack_lost` | the export's INSERT commits and its acknowledgement is lost: the handler sees a transport error (seen under a link cut at the commit) |
+pub const FAULTS: &[&str] = &["exports::commit_ack_lost"];
+
+/// Whether test-only fault `name` fires on this hit (always false without feature
+/// `failpoints`); it says so when it does (`failpoint.fault`).
+#[inline]
+pub fn fault(name: &'static str) -> bool {
+    #[cfg(feature = "failpoints")]
+    if let Some(Some(arg)) = fail::eval(name, |arg| arg) {
+        if arg == "on" {
+            tracing::warn!(event = "failpoint.fault", failpoint = name, "test-only fault fired");
+            return true;
+        }
+    }
+    let _ = name;
+    false
+}
+
 /// Whether mutant `name` is armed (always false without feature `failpoints`). Each time it
 /// changes behaviour it says so (`failpoint.mutant`): the evidence that it fired.
 #[inline]

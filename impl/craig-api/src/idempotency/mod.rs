@@ -20,7 +20,10 @@
 //! verbatim, `""` when absent (#1184); the `path` column is descriptive only.
 //!
 //! After the handler: a non-2xx passes through untouched and unbuffered and frees the slot
-//! (`failed`). A 2xx is captured frame by frame up to 1 MiB: a body that ends inside the
+//! (`failed`), unless the handler marked it [`OutcomeUnknown`] (its own commit's
+//! acknowledgement was lost, so its effects may be committed): then the row stays
+//! `processing` and only the claim's expiry re-admits the key (`idempotency.outcome_unknown`;
+//! the #1183 residue, never a re-run before the claim expires). A 2xx is captured frame by frame up to 1 MiB: a body that ends inside the
 //! cap is stored and served; the frame that crosses the cap is split zero-copy AT the cap,
 //! the sentinel (`succeeded`, `body_too_large`, body NULL) commits, and the live winner
 //! receives prefix + remainder + the rest of the stream (`idempotency.overflow`). A
@@ -128,6 +131,14 @@ pub struct IdempotencyContext {
     pub key: String,
     pub generation: i64,
 }
+
+/// A handler's mark on a non-2xx response whose effects may have committed (a commit
+/// whose acknowledgement the connection lost). The middleware then leaves the claim
+/// `processing` instead of freeing the slot (`failed`): a `failed` slot is re-claimed at
+/// once, and committed work would run again at once (#1183's terminal rule, read for the
+/// non-2xx a handler cannot vouch for). Insert it into the response's extensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutcomeUnknown;
 
 fn hex(digest: impl AsRef<[u8]>) -> String {
     digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()

@@ -176,7 +176,12 @@ where
     let (rparts, rbody) = response.into_parts();
     let status = rparts.status.as_u16();
     if !rparts.status.is_success() {
-        // Non-2xx: untouched, unbuffered; the slot is freed for a retry.
+        // Non-2xx: untouched, unbuffered; the slot is freed for a retry, unless the handler
+        // cannot vouch that nothing committed: then the claim is left to expire.
+        if rparts.extensions.get::<super::OutcomeUnknown>().is_some() {
+            tracing::warn!(event = "idempotency.outcome_unknown", cache_key = %ck, generation, status, "the handler's outcome is unknown: the claim stays processing until it expires");
+            return Response::from_parts(rparts, rbody);
+        }
         let outcome = store.finalize_failed(&ck, generation, status).await;
         log_finalize("failed", &ck, generation, outcome);
         return Response::from_parts(rparts, rbody);

@@ -56,13 +56,24 @@ fn framed(bytes: Vec<u8>) -> Body {
 
 /// The routes: `/ok?size=N[&ms=M]` (200, N bytes, after M ms), `/fail?size=N` (500 with N
 /// bytes), `/broken?size=N` (200, N bytes then a body error), `/stall` (200, one frame,
-/// then never ends).
+/// then never ends), `/unknown` (503 marked `OutcomeUnknown`: a commit whose
+/// acknowledgement was lost).
 pub fn routes(runs: Runs) -> Router {
     let r1 = runs.clone();
     let r2 = runs.clone();
     let r3 = runs.clone();
-    let r4 = runs;
+    let r4 = runs.clone();
+    let r5 = runs;
     Router::new()
+        .route(
+            "/unknown",
+            post(move || async move {
+                r5.bump();
+                let mut r = (StatusCode::SERVICE_UNAVAILABLE, "whether it was made is unknown").into_response();
+                r.extensions_mut().insert(craig_api::idempotency::OutcomeUnknown);
+                r
+            }),
+        )
         .route(
             "/ok",
             post(move |Query(q): Query<Size>| async move {

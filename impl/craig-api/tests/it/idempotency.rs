@@ -155,6 +155,30 @@ async fn non_2xx_passes_through_untouched_and_frees_the_slot() {
     s.finish().await;
 }
 
+/// A non-2xx the handler marks `OutcomeUnknown` (its commit's acknowledgement was lost)
+/// does not free the slot: the retry waits out the claim (409), and only after the claim
+/// expired does the handler run again, under generation 2 (found by the property run: an
+/// export that committed, answered 503, was re-run by the very next retry).
+#[tokio::test]
+async fn a_non_2xx_of_unknown_outcome_keeps_the_claim_until_it_expires() {
+    let s = Server::start("outcome_unknown", config()).await;
+    let http = client();
+    let url = format!("{}/unknown", s.base);
+    assert_eq!(post(&http, &url, Some("u"), vec![]).await.status(), 503);
+    let retry = post(&http, &url, Some("u"), vec![]).await;
+    assert_eq!(retry.status(), 409, "the claim is kept, not freed");
+    assert!(retry.headers().get("retry-after").is_some());
+    assert_eq!(s.runs.get(), 1, "no re-run before the claim expires");
+    let (status, code, _, _, generation) = row(&s.pool, &key_of("/unknown", "", "u")).await.unwrap();
+    assert_eq!((status.as_str(), code, generation), ("processing", None, 1));
+    tokio::time::sleep(config().claim_ttl + Duration::from_millis(200)).await;
+    assert_eq!(post(&http, &url, Some("u"), vec![]).await.status(), 503);
+    assert_eq!(s.runs.get(), 2, "re-admitted once the claim expired");
+    let (status, _, _, _, generation) = row(&s.pool, &key_of("/unknown", "", "u")).await.unwrap();
+    assert_eq!((status.as_str(), generation), ("processing", 2));
+    s.finish().await;
+}
+
 #[tokio::test]
 async fn a_mid_stream_error_stores_the_sentinel_and_the_client_sees_the_error() {
     let s = Server::start("mid_stream", config()).await;

@@ -123,3 +123,42 @@ async fn crash_after_handler_before_stamp_reruns_the_handler() {
     fleet.finish().await;
 }
 
+
+/// §D5, found by the property run (cases-1's database link cut as its export committed):
+/// an export whose INSERT committed with its acknowledgement lost was answered 503 and its
+/// slot freed, so the next retry ran it again. Now the write is sent again under its claim
+/// (one row per claim generation): lost once, the export is made once and answered whole;
+/// lost on the second sending too, the outcome is unknown, the answer says so and the claim
+/// is kept (409 to the retry, nothing run again before it expires).
+#[tokio::test]
+async fn an_export_whose_commit_ack_is_lost_is_made_once() {
+    let fleet = Fleet::new("export_ack_lost", &[Service::Cases]).await;
+    let pool = fleet.pool(Service::Cases).await;
+    let http = reqwest::Client::new();
+    let user = token("craig-cases", "");
+    let post = |base: String, key: &'static str| {
+        http.post(format!("{base}/v1/cases/exports?size=100")).header("idempotency-key", key).bearer_auth(&user).send()
+    };
+
+    let node = fleet.start(Service::Cases, &[("FAILPOINTS", "exports::commit_ack_lost=1*return(on)")], &[]).await;
+    let r = post(node.base.clone(), "once").await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.bytes().await.unwrap().len(), 100, "answered whole");
+    let replay = post(node.base.clone(), "once").await.unwrap();
+    assert_eq!((replay.status().as_u16(), replay.headers().get("idempotent-replayed").is_some()), (200, true));
+    assert_eq!(count(&pool, "SELECT count(*) FROM exports WHERE idempotency_key = 'once'").await, 1, "made once");
+    assert_eq!(node.stop().await.code(), Some(0));
+
+    let node = fleet.start(Service::Cases, &[("FAILPOINTS", "exports::commit_ack_lost=2*return(on)")], &[]).await;
+    let r = post(node.base.clone(), "twice").await.unwrap();
+    assert_eq!(r.status(), 503);
+    let said = r.text().await.unwrap();
+    assert!(said.contains("unknown"), "the answer says the outcome is unknown: {said}");
+    let retry = post(node.base.clone(), "twice").await.unwrap();
+    assert_eq!(retry.status(), 409, "the claim is kept");
+    assert_eq!(count(&pool, "SELECT count(*) FROM exports WHERE idempotency_key = 'twice'").await, 1, "committed once, not run again");
+    assert_eq!(count(&pool, "SELECT count(*) FROM idempotency_responses WHERE status = 'processing'").await, 1);
+    assert_eq!(node.stop().await.code(), Some(0));
+    pool.close().await;
+    fleet.finish().await;
+}
