@@ -42,18 +42,46 @@ pub struct ImageRef {
 }
 
 impl ImageRef {
-    /// `name[:tag]` (a registry's `host:port/` prefix is part of the name; no tag: `latest`).
+    /// `name[:tag]` (no tag: `latest`). The name is `/`-separated lowercase components
+    /// (`a-z0-9`, `.`, `_`, `-`), the first of which may be a registry `host[:port]`; the
+    /// tag is 1..=128 of `A-Za-z0-9_.-`, not starting with `.` or `-`. No digest.
     pub fn parse(s: &str) -> Result<Self, String> {
         let s = s.trim();
-        if s.is_empty() || s.contains(char::is_whitespace) || s.contains('@') {
-            return Err(format!("{s:?} is not an image reference (name[:tag], no digest)"));
+        let refuse = |why: &str| Err(format!("{s:?} is not an image reference (name[:tag], no digest): {why}"));
+        if s.contains('@') {
+            return refuse("a digest is not supported");
         }
-        let (name, tag) = match s.rsplit_once(':') {
-            Some((name, tag)) if !tag.contains('/') => (name, tag),
-            _ => (s, "latest"),
+        // The tag follows the last ':' after the last '/' (a ':' before it is a registry port).
+        let last_part = s.rsplit('/').next().unwrap_or(s);
+        let (name, tag) = match last_part.rsplit_once(':') {
+            Some((_, tag)) => (&s[..s.len() - tag.len() - 1], tag),
+            None => (s, "latest"),
         };
-        if name.is_empty() || tag.is_empty() || name.ends_with('/') {
-            return Err(format!("{s:?} is not an image reference (name[:tag], no digest)"));
+        let tag_ok = !tag.is_empty()
+            && tag.len() <= 128
+            && tag.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
+            && !tag.starts_with(['.', '-']);
+        if !tag_ok {
+            return refuse(&format!("tag {tag:?}"));
+        }
+        let mut parts: Vec<&str> = name.split('/').collect();
+        // A registry host[:port] first, where there is more than one component.
+        if parts.len() > 1 && (parts[0].contains([':', '.']) || parts[0] == "localhost") {
+            let (host, port) = parts[0].split_once(':').map_or((parts[0], None), |(h, p)| (h, Some(p)));
+            let host_ok = !host.is_empty() && host.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-'));
+            if !host_ok || port.is_some_and(|p| p.parse::<u16>().is_err()) {
+                return refuse(&format!("registry {:?}", parts[0]));
+            }
+            parts.remove(0);
+        }
+        let component_ok = |c: &str| {
+            !c.is_empty()
+                && c.chars().all(|ch| ch.is_ascii_lowercase() || ch.is_ascii_digit() || matches!(ch, '.' | '_' | '-'))
+                && c.starts_with(|ch: char| ch.is_ascii_alphanumeric())
+                && c.ends_with(|ch: char| ch.is_ascii_alphanumeric())
+        };
+        if let Some(bad) = parts.iter().find(|c| !component_ok(c)) {
+            return refuse(&format!("name component {bad:?}"));
         }
         Ok(Self { name: name.to_owned(), tag: tag.to_owned() })
     }
@@ -89,7 +117,7 @@ impl Images {
             ("CHAOS_TOXIPROXY_IMAGE", &mut images.toxiproxy),
         ] {
             if let Some(v) = get(var).filter(|v| !v.trim().is_empty()) {
-                *slot = ImageRef::parse(&v).map_err(|why| BackendError::Unavailable { backend: "containers", why: format!("{var}: {why}") })?;
+                *slot = ImageRef::parse(&v).map_err(|why| BackendError::Setting { var, why })?;
             }
         }
         Ok(images)
@@ -203,6 +231,11 @@ impl ContainersBackend {
         Endpoints::loopback(&self.services, self.pg_port, self.amqp_port, db, mq)
     }
 
+    /// The run's Docker network (`craig-chaos-<pid>`); every container's name ends with it.
+    pub fn network(&self) -> &str {
+        &self.network
+    }
+
     /// The Toxiproxy API base URL on the host.
     pub async fn toxiproxy_api(&self) -> Result<String, BackendError> {
         let port = self.toxiproxy.get_host_port_ipv4(TOXIPROXY_API_PORT).await.map_err(tc("toxiproxy port"))?;
@@ -297,9 +330,12 @@ mod tests {
         let r = postgres_request("net1", &stand_ins.postgres);
         assert_eq!(r.descriptor(), "craig-chaos/postgres:15");
         assert_eq!(toxiproxy_request("net1", &stand_ins.toxiproxy).descriptor(), "craig-chaos/toxiproxy-api:dev");
-        for bad in ["postgres:", "a b", "pg@sha256:00", ":15"] {
-            let err = Images::from_lookup(move |k: &str| (k == "CHAOS_POSTGRES_IMAGE").then(|| bad.to_owned())).unwrap_err().to_string();
-            assert!(err.contains("CHAOS_POSTGRES_IMAGE") && err.contains("not an image reference"), "{bad}: {err}");
+        assert_eq!(ImageRef::parse("localhost:5000/pg").unwrap(), ImageRef { name: "localhost:5000/pg".into(), tag: "latest".into() });
+        assert_eq!(ImageRef::parse("library/postgres:15.4-bookworm").unwrap().tag, "15.4-bookworm");
+        for bad in ["postgres:", "a b", "pg@sha256:00", ":15", "pg:15:x", "Postgres:15", "pg:-x", "registry:x/pg", "pg//x", "pg/"] {
+            let err = Images::from_lookup(move |k: &str| (k == "CHAOS_POSTGRES_IMAGE").then(|| bad.to_owned())).unwrap_err();
+            assert!(matches!(err, BackendError::Setting { var: "CHAOS_POSTGRES_IMAGE", .. }), "{bad}: {err:?}");
+            assert!(err.to_string().contains("CHAOS_POSTGRES_IMAGE") && err.to_string().contains("not an image reference"), "{bad}: {err}");
         }
     }
 

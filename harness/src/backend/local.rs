@@ -83,8 +83,9 @@ fn rabbitmq_script() -> Result<PathBuf, BackendError> {
 /// every outgoing connection (the replicas' proxies reconnecting, the readiness probe)
 /// draws its source port from the ephemeral range, and one that drew the server's own port
 /// would connect to itself (TCP simultaneous open) and keep the restart from binding. Out
-/// of that range, only another listener can take the port.
-fn free_port() -> Result<u16, BackendError> {
+/// of that range, only another listener can take the port. (The proxy tests pick their
+/// listeners' ports here too: a disabled proxy re-listens on its port.)
+pub fn free_port() -> Result<u16, BackendError> {
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let (lo, hi) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()

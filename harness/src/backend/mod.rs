@@ -82,6 +82,9 @@ pub enum BackendError {
     Unknown(String),
     #[error("backend {backend} is not available here: {why}")]
     Unavailable { backend: &'static str, why: String },
+    /// A backend setting (an environment variable) that cannot be used as written.
+    #[error("{var} is not usable: {why}")]
+    Setting { var: &'static str, why: String },
     #[error("backend {backend} cannot {fault} the {target}: {why}")]
     Unsupported { backend: &'static str, fault: &'static str, target: Target, why: &'static str },
     #[error("{what}: {why}")]

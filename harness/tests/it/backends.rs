@@ -268,9 +268,12 @@ async fn containers_backend_starts_keeps_data_across_a_restart_and_leaves_nothin
     }
     assert_eq!(kept, Some(42), "the restarted database kept the row written before the kill");
 
+    let network = match &backend {
+        Backend::Containers(c) => c.network().to_owned(),
+        _ => unreachable!("started as containers"),
+    };
     backend.stop().await.unwrap();
     // Nothing of the run is left: no container on its network, no network.
-    let network = format!("craig-chaos-{}", std::process::id());
     let docker = |args: &[&str]| {
         let out = std::process::Command::new("docker").args(args).output().expect("the docker CLI (a Docker engine answers here)");
         assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));

@@ -150,19 +150,7 @@ async fn rig_on(api_addr: String, process: Option<tokio::process::Child>) -> Rig
 /// while it is closed any outgoing connection on the machine may draw an ephemeral port as
 /// its source port (seen: "Address already in use" at reset, beside other tests).
 fn listen_port() -> u16 {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let lo: u32 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| r.split_whitespace().next().and_then(|v| v.parse().ok()))
-        .unwrap_or(32768);
-    let (from, to) = if lo >= 12_000 { (10_000, lo) } else { (1_024, lo.max(2_048)) };
-    let span = to - from;
-    let start = std::process::id().wrapping_mul(7919).wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed) * 131) % span;
-    (0..span.min(2000))
-        .map(|k| (from + (start + k * 37) % span) as u16)
-        .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
-        .expect("a free port outside the ephemeral range")
+    craig_chaos::backend::local::free_port().expect("a free port outside the ephemeral range")
 }
 
 #[derive(Debug, Clone, Copy)]
