@@ -77,15 +77,15 @@ async fn create_export(
         Some(axum::Extension(c)) => (Some(c.key), Some(c.cache_key), Some(c.generation)),
         None => (None, None, None),
     };
-    // One row per claim generation (`idx_exports_one_per_claim`): a write whose
-    // acknowledgement was lost can be sent again to learn its outcome. The second waits for
-    // a first still in flight on the unique index, and makes nothing if it committed.
-    let write = || {
+    // The row's id is ours: a write whose acknowledgement the connection lost is read back
+    // by it, never sent again (a second row would be a second export).
+    let id = Uuid::now_v7();
+    let mut written = lost_ack(
         sqlx::query(
-            "INSERT INTO exports (size_bytes, idempotency_key, cache_key, generation, body_sha256, created_by, replica) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) \
-             ON CONFLICT (cache_key, generation) WHERE cache_key IS NOT NULL DO NOTHING",
+            "INSERT INTO exports (id, size_bytes, idempotency_key, cache_key, generation, body_sha256, created_by, replica) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         )
+        .bind(id)
         .bind(size as i64)
         .bind(&key)
         .bind(&cache_key)
@@ -94,21 +94,21 @@ async fn create_export(
         .bind(claims.sub)
         .bind(std::env::var("CRAIG_REPLICA").ok())
         .execute(&state.pool)
-    };
-    let lost_ack = |w: Result<sqlx::postgres::PgQueryResult, sqlx::Error>| match w {
-        Ok(_) if craig_mq::crash::fault("exports::commit_ack_lost") => Err(sqlx::Error::Io(std::io::Error::other("test-only fault: the commit's acknowledgement was lost"))),
-        w => w,
-    };
-    let mut written = lost_ack(write().await);
-    // The statement may have committed: the connection broke after it was sent. Under a
-    // claim, send it again (the pool waits out a short cut); without one, or if that fails
-    // too, the outcome stays unknown.
+        .await
+        .map(drop),
+    );
+    // The statement may have committed: the connection broke after it was sent. Read it
+    // back (the pool waits out a short cut): found, the export was made and is answered.
+    // Not found, an INSERT still in flight on the old connection may yet commit, so the
+    // outcome stays unknown.
     if let Err(e) = &written
         && outcome_unknown(e)
-        && cache_key.is_some()
     {
-        tracing::warn!(event = "cases.export_outcome_unknown", error = %e, "the export's write lost its acknowledgement: sending it again");
-        written = lost_ack(write().await);
+        tracing::warn!(event = "cases.export_outcome_unknown", export_id = %id, error = %e, "the export's write lost its acknowledgement: reading it back");
+        let found = lost_ack(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM exports WHERE id = $1").bind(id).fetch_one(&state.pool).await);
+        if let Ok(1) = found {
+            written = Ok(());
+        }
     }
     if let Err(e) = written {
         tracing::error!(event = "cases.export_failed", error = %e);
@@ -132,6 +132,17 @@ async fn create_export(
     h.insert(axum::http::header::CONTENT_TYPE, axum::http::HeaderValue::from_static("application/octet-stream"));
     h.insert(axum::http::header::CONTENT_LENGTH, axum::http::HeaderValue::from(size));
     r
+}
+
+/// Test-only fault `exports::commit_ack_lost` (`craig_mq::crash::FAULTS`): the statement
+/// ran, and its answer is lost on the way back.
+fn lost_ack<T>(r: Result<T, sqlx::Error>) -> Result<T, sqlx::Error> {
+    match r {
+        Ok(_) if craig_mq::crash::fault("exports::commit_ack_lost") => {
+            Err(sqlx::Error::Io(std::io::Error::other("test-only fault: the statement's answer was lost")))
+        }
+        r => r,
+    }
 }
 
 /// Whether a failed statement may have committed: the connection broke with the statement

@@ -49,7 +49,7 @@ pub const MUTANTS: &[&str] = &[
 ///
 /// | name | fault |
 /// |---|---|
-/// | `exports::commit_ack_lost` | the export's INSERT commits and its acknowledgement is lost: the handler sees a transport error (seen under a link cut at the commit) |
+/// | `exports::commit_ack_lost` | an export's statement runs and its answer is lost: the handler sees a transport error (seen under a link cut at the commit). Each hit is one statement: the INSERT, then the read-back |
 pub const FAULTS: &[&str] = &["exports::commit_ack_lost"];
 
 /// Whether test-only fault `name` fires on this hit (always false without feature

@@ -126,10 +126,10 @@ async fn crash_after_handler_before_stamp_reruns_the_handler() {
 
 /// §D5, found by the property run (cases-1's database link cut as its export committed):
 /// an export whose INSERT committed with its acknowledgement lost was answered 503 and its
-/// slot freed, so the next retry ran it again. Now the write is sent again under its claim
-/// (one row per claim generation): lost once, the export is made once and answered whole;
-/// lost on the second sending too, the outcome is unknown, the answer says so and the claim
-/// is kept (409 to the retry, nothing run again before it expires).
+/// slot freed, so the next retry ran it again. Now the write is read back by its id: lost
+/// once, the export is found, made once and answered whole; the read-back's answer lost too,
+/// the outcome is unknown, the answer says so and the claim is kept (409 to the retry,
+/// nothing run again before it expires).
 #[tokio::test]
 async fn an_export_whose_commit_ack_is_lost_is_made_once() {
     let fleet = Fleet::new("export_ack_lost", &[Service::Cases]).await;
