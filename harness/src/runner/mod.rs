@@ -22,7 +22,7 @@ use crate::checkers::{self, Validity, Verdict};
 use crate::history::{Event, History, Outcome};
 use crate::process::{NodeProgram, Replica, ReplicaSpec};
 use crate::proxy::{FaultProxy, ToxiproxyClient, api};
-use crate::scenario::{Expect, Expectation, FaultKind, Scenario, Trigger};
+use crate::scenario::{Expect, Expectation, FaultKind, Scenario};
 
 mod collect;
 mod faults;
@@ -461,6 +461,9 @@ fn schema_compat(s: &Scenario, svc: &str) -> craig_fleet::CompatSet {
     craig_fleet::CompatSet::new(common.filter_map(|m| m.parse::<craig_fleet::Compat>().ok()))
 }
 
+/// One run of `s` on a started backend, as named phases in order: [`deploy`] → [`start`]
+/// → [`load_and_faults`] → [`heal`] → [`drain`] → [`collect_all`]; the judging follows in
+/// [`run_scenario`] ([`judge`]).
 async fn drive(
     s: &Scenario,
     opts: &RunOptions,
@@ -469,11 +472,35 @@ async fn drive(
     backend: Arc<Mutex<Backend>>,
     metrics: &mut BTreeMap<String, BTreeMap<String, f64>>,
 ) -> anyhow::Result<()> {
-    use anyhow::Context as _;
     let ep = backend.lock().await.endpoints();
-    if matches!(backend.lock().await.kind(), BackendKind::Containers) {
+    let kind = backend.lock().await.kind();
+    if matches!(kind, BackendKind::Containers) {
         anyhow::bail!("scenario runs on the containers backend need its Toxiproxy wiring, which is not built yet; use local or external");
     }
+    let deployed = deploy(s, opts, seed, log, &ep, &backend).await?;
+    let fleet = start(s, opts, seed, &ep, &deployed).await?;
+    let writer = workload::Writer { s, log, replicas: &fleet.replicas, cases: &deployed.cases_pool, secret: &fleet.secret, exports: Default::default() };
+    let mut load = load_and_faults(s, opts, seed, log, &ep, &backend, &deployed, &fleet, &writer).await?;
+    heal(s, seed, log, &fleet, &writer, &mut load).await?;
+    drain(s, log, &ep, &backend, &deployed).await?;
+    collect_all(s, log, &ep, &deployed, fleet, load, metrics).await
+}
+
+/// What [`deploy`] put in place: every service's pool, the broker accounts, what the
+/// workload staged before the replicas, and the partner.
+struct Deployed {
+    pools: BTreeMap<String, PgPool>,
+    cases_pool: PgPool,
+    accounts: BTreeMap<String, String>,
+    staged: workload::Staged,
+    partner: Option<(String, tokio::task::JoinHandle<()>)>,
+}
+
+/// Deploy: each service's schema, the operator's part of the broker (and the consumer
+/// queues with `[deploy] topology`), the service accounts, what the workload stages before
+/// the replicas start, the partner.
+async fn deploy(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, ep: &crate::backend::Endpoints, backend: &Arc<Mutex<Backend>>) -> anyhow::Result<Deployed> {
+    use anyhow::Context as _;
     // Schema first. Broker topology only if the scenario deploys it (`[deploy] topology`):
     // otherwise each node declares just its own queue at start, as in a deployment without
     // the deploy step, and an event with no queue yet must wait (mandatory publishes).
@@ -516,7 +543,23 @@ async fn drive(
         Some(spec) => Some(partner::serve(spec, log.clone(), seed.rotate_left(29)).await?),
         None => None,
     };
+    Ok(Deployed { pools, cases_pool, accounts, staged, partner })
+}
 
+/// What [`start`] started: the fault proxy (its API) and the replicas behind it.
+struct Fleet {
+    toxi: ToxiproxyClient,
+    api_task: tokio::task::JoinHandle<()>,
+    logs_dir: PathBuf,
+    secret: String,
+    replicas: Replicas,
+}
+
+/// Start: the fault proxy, a link through it for each replica's database and broker
+/// connections, and every replica that starts with the run (its crash points, mutants and
+/// markers armed).
+async fn start(s: &Scenario, opts: &RunOptions, seed: u64, ep: &crate::backend::Endpoints, deployed: &Deployed) -> anyhow::Result<Fleet> {
+    use anyhow::Context as _;
     let (api_addr, api_task) = api::serve(FaultProxy::new(seed.rotate_left(17)), "127.0.0.1:0".parse()?).await?;
     let toxi = ToxiproxyClient::new(format!("http://{api_addr}"));
     let logs_dir = opts.report_dir.join("logs").join(&s.name);
@@ -534,29 +577,11 @@ async fn drive(
             let db = toxi.create_proxy(&format!("{name}->database"), "127.0.0.1:0", &ep.database_addr).await?;
             let mq = toxi.create_proxy(&format!("{name}->broker"), "127.0.0.1:0", &ep.broker_addr).await?;
             let db_url = ep.database_url(svc).unwrap().replacen(&ep.database_addr, &db.listen, 1);
-            let account = accounts.get(svc).with_context(|| format!("no broker account for {svc}"))?;
+            let account = deployed.accounts.get(svc).with_context(|| format!("no broker account for {svc}"))?;
             let amqp_url = account.replacen(&ep.broker_addr, &mq.listen, 1);
             let mut spec = ReplicaSpec::new(svc.clone(), i);
             spec.compat = entry.get_ref().compat_of(i);
-            let fps: Vec<String> = s
-                .faults
-                .iter()
-                .map(|f| f.get_ref())
-                .filter(|f| f.target == name)
-                .filter_map(|f| match (f.kind, f.failpoint.as_deref(), f.at) {
-                    (FaultKind::Crash, Some(fp), Trigger::FailpointHit(n)) if n > 1 => {
-                        Some(format!("{fp}={}*off->return(abort)", n - 1))
-                    }
-                    (FaultKind::Crash, Some(fp), _) => Some(format!("{fp}=return(abort)")),
-                    (FaultKind::Mutant, Some(fp), _) => Some(format!("{fp}=return(on)")),
-                    // A marker only: the node logs `failpoint.hit` once, at hit N.
-                    (FaultKind::Upgrade | FaultKind::Downgrade, Some(fp), Trigger::FailpointHit(n)) => {
-                        Some(format!("{fp}={}*off->1*return(hit)->off", n - 1))
-                    }
-                    _ => None,
-                })
-                .collect();
-            spec.failpoints = (!fps.is_empty()).then(|| fps.join(";"));
+            spec.failpoints = faults::failpoints_for(s, &name);
             spec.env = vec![
                 ("DATABASE_URL".into(), db_url),
                 ("AMQP_URL".into(), amqp_url),
@@ -584,7 +609,7 @@ async fn drive(
                 // `craig_mq::outbox=debug` for `outbox.stamped`: who stamped what.
                 ("RUST_LOG".into(), "info,craig_mq::outbox=debug,sqlx=warn,lapin=warn,lapin::returned_messages=error".into()),
             ];
-            if let (Some((url, _)), "financial") = (&partner, svc.as_str()) {
+            if let (Some((url, _)), "financial") = (&deployed.partner, svc.as_str()) {
                 spec.env.push(("CRAIG_PARTNER_URL".into(), url.clone()));
                 spec.env.push(("CRAIG_SEND_TIMEOUT_SECS".into(), s.settings.send_timeout_secs.to_string()));
                 spec.env.push(("CRAIG_SEND_CLAIM_LEASE_SECS".into(), s.settings.send_lease_secs.to_string()));
@@ -596,11 +621,36 @@ async fn drive(
             replicas.insert(name, Arc::new(Mutex::new(r)));
         }
     }
-    let replicas: Replicas = Arc::new(replicas);
+    Ok(Fleet { toxi, api_task, logs_dir, secret, replicas: Arc::new(replicas) })
+}
 
+/// What runs from [`load_and_faults`] to [`collect_all`]: the fault schedule, the sampler
+/// and its stop signal, the mutants in force.
+struct Load {
+    schedule: faults::Schedule,
+    sampler: tokio::task::JoinHandle<()>,
+    stop_tx: watch::Sender<bool>,
+    mutants: Vec<(String, String)>,
+}
+
+/// Load and faults: the run's clock starts, the dead-letter tap opens, the workload's
+/// staging and first-phase writes go out while the fault schedule and the sampler run.
+#[allow(clippy::too_many_arguments)]
+async fn load_and_faults(
+    s: &Scenario,
+    opts: &RunOptions,
+    seed: u64,
+    log: &Log,
+    ep: &crate::backend::Endpoints,
+    backend: &Arc<Mutex<Backend>>,
+    deployed: &Deployed,
+    fleet: &Fleet,
+    writer: &workload::Writer<'_>,
+) -> anyhow::Result<Load> {
+    let replicas = &fleet.replicas;
     log.rebase();
-    log.measure_db_clock(&cases_pool).await;
-    if partner.is_some() {
+    log.measure_db_clock(&deployed.cases_pool).await;
+    if deployed.partner.is_some() {
         log.push_at(0, Event::SendQueue { lease_ms: s.settings.send_lease_secs * 1000, cap_ms: s.settings.send_timeout_secs * 1000 });
     }
     for (name, r) in replicas.iter() {
@@ -610,39 +660,45 @@ async fn drive(
         }
     }
     // Mutants are in force from the start (their evidence: the node's own word, at the end).
-    let mutants: Vec<(String, String)> = s
-        .faults
-        .iter()
-        .map(|f| f.get_ref())
-        .filter(|f| f.kind == FaultKind::Mutant)
-        .map(|f| (f.target.clone(), f.failpoint.clone().unwrap_or_default()))
-        .collect();
-    for (target, _) in &mutants {
-        log.fault("mutant", target, crate::history::Phase::Start);
-    }
+    let mutants = faults::mutants_in_force(s, log);
     // The dead-letter checkers need the truth of what reached craig.dlx: the harness's own
     // tap, bound before the workload makes any.
     // no_loss follows every staged dead letter to craig.dlx through the tap too.
     // Always open (issue 22.1): a dead letter nobody staged is a finding in any scenario.
     tap::open(&ep.amqp_url, Duration::from_secs(15)).await?;
-    staged.after_start(s, log, &pools).await?;
+    deployed.staged.after_start(s, log, &deployed.pools).await?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let (writes_tx, writes_rx) = watch::channel(0u32);
-    let sampler =
-        tokio::spawn(sampler::sample(log.clone(), pools.clone(), stop_rx.clone(), opts.progress, (writes_rx.clone(), s.workload.writes)));
-    let mut schedule = faults::Schedule::start(s, log, &backend, &replicas, &toxi, &ep.amqp_url, (writes_rx, s.workload.writes), stop_rx);
-    let writer = workload::Writer { s, log, replicas: &replicas, cases: &cases_pool, secret: &secret, exports: Default::default() };
+    let sampler = tokio::spawn(sampler::sample(
+        log.clone(),
+        deployed.pools.clone(),
+        stop_rx.clone(),
+        opts.progress,
+        (writes_rx.clone(), s.workload.writes),
+    ));
+    let mut schedule = faults::Schedule::start(s, log, backend, replicas, &fleet.toxi, &ep.amqp_url, (writes_rx, s.workload.writes), stop_rx);
     schedule.in_force_at_start().await;
     writer.write(seed, (0, s.workload.writes), writes_tx).await;
-    schedule.healed(s, &replicas).await?;
-    // Every fault has healed: the system must work again, not only have survived.
+    Ok(Load { schedule, sampler, stop_tx, mutants })
+}
+
+/// Heal: every fault lifted (every crashed replica running again), then the system must
+/// work again, not only have survived: the after-heal writes and the replays.
+async fn heal(s: &Scenario, seed: u64, log: &Log, fleet: &Fleet, writer: &workload::Writer<'_>, load: &mut Load) -> anyhow::Result<()> {
+    load.schedule.healed(s, &fleet.replicas).await?;
     log.push(Event::Healed);
     writer.write(seed ^ 0x4ea1, (s.workload.writes, s.workload.after_heal), watch::channel(0u32).0).await;
     if s.workload.replay {
         writer.replays().await;
     }
-    sampler::drain(s, log, &pools, &staged.poison, &ep.amqp_url, &backend).await;
-    for (svc, pool) in &pools {
+    Ok(())
+}
+
+/// Drain: wait for quiet (liveness), then every outbox claim past its lease is recorded as
+/// stuck.
+async fn drain(s: &Scenario, log: &Log, ep: &crate::backend::Endpoints, backend: &Arc<Mutex<Backend>>, deployed: &Deployed) -> anyhow::Result<()> {
+    sampler::drain(s, log, &deployed.pools, &deployed.staged.poison, &ep.amqp_url, backend).await;
+    for (svc, pool) in &deployed.pools {
         let stuck: Vec<(Uuid, f64)> = bounded(
             COLLECT,
             "reading claims past their lease",
@@ -658,17 +714,31 @@ async fn drive(
             log.push(Event::Stuck { envelope, service: svc.clone(), claimed_ms_ago: ago as i64 });
         }
     }
+    Ok(())
+}
 
-    let _ = stop_tx.send(true);
-    schedule.finish().await?;
-    let _ = sampler.await;
-    for (name, r) in replicas.iter() {
+/// Collect: stop the schedule and the sampler, scrape each replica's metrics, stop every
+/// replica (a non-zero exit is a finding), then read the databases, the logs, the mutants'
+/// evidence and the tap into the history.
+async fn collect_all(
+    s: &Scenario,
+    log: &Log,
+    ep: &crate::backend::Endpoints,
+    deployed: &Deployed,
+    fleet: Fleet,
+    load: Load,
+    metrics: &mut BTreeMap<String, BTreeMap<String, f64>>,
+) -> anyhow::Result<()> {
+    let _ = load.stop_tx.send(true);
+    load.schedule.finish().await?;
+    let _ = load.sampler.await;
+    for (name, r) in fleet.replicas.iter() {
         let addr = r.lock().await.addr.clone();
         if let Some(addr) = addr {
             metrics.insert(name.clone(), collect::scrape_metrics(&addr).await);
         }
     }
-    for (name, r) in replicas.iter() {
+    for (name, r) in fleet.replicas.iter() {
         let mut r = r.lock().await;
         if r.pid().is_some() {
             // Issue 22.9: SIGTERM drains and exits 0 (CONTRACT); anything else at the final
@@ -680,19 +750,14 @@ async fn drive(
             }
         }
     }
-    collect::collect(log, &pools, s.workload.kind == crate::scenario::WorkloadKind::Exports).await?;
-    collect::collect_logs(log, &logs_dir);
-    for (target, fp) in &mutants {
-        let text = std::fs::read_to_string(logs_dir.join(format!("{target}.log"))).unwrap_or_default();
-        let fired = text.lines().filter(|l| l.contains("event=\"failpoint.mutant\"") && l.contains(&format!("failpoint=\"{fp}\""))).count();
-        log.fault("mutant", target, crate::history::Phase::End);
-        log.evidence("mutant", target, (fired > 0).then(|| format!("{fp} changed behaviour {fired} time(s) (failpoint.mutant)")));
-    }
+    collect::collect(log, &deployed.pools, s.workload.kind == crate::scenario::WorkloadKind::Exports).await?;
+    collect::collect_logs(log, &fleet.logs_dir);
+    faults::mutant_evidence(log, &fleet.logs_dir, &load.mutants);
     tap::read(&ep.amqp_url, log).await?;
-    for p in pools.values() {
+    for p in deployed.pools.values() {
         p.close().await;
     }
-    api_task.abort();
+    fleet.api_task.abort();
     Ok(())
 }
 
