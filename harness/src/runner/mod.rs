@@ -463,7 +463,8 @@ fn schema_compat(s: &Scenario, svc: &str) -> craig_fleet::CompatSet {
 
 /// One run of `s` on a started backend, as named phases in order: [`deploy`] → [`start`]
 /// → [`load_and_faults`] → [`heal`] → [`drain`] → [`collect_all`]; the judging follows in
-/// [`run_scenario`] ([`judge`]).
+/// [`run_scenario`] ([`judge`]). A fault the backend cannot do refuses the scenario first
+/// (`faults::refuse_unsupported`).
 async fn drive(
     s: &Scenario,
     opts: &RunOptions,
@@ -474,6 +475,7 @@ async fn drive(
 ) -> anyhow::Result<()> {
     let ep = backend.lock().await.endpoints();
     let kind = backend.lock().await.kind();
+    faults::refuse_unsupported(s, kind)?;
     if matches!(kind, BackendKind::Containers) {
         anyhow::bail!("scenario runs on the containers backend need its Toxiproxy wiring, which is not built yet; use local or external");
     }

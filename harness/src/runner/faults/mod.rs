@@ -392,7 +392,6 @@ pub(crate) fn supported(kind: FaultKind, backend: BackendKind, target: &FaultTar
 /// Every fault of `s` that `backend` cannot do, refused before the run starts anything of
 /// the scenario (one line per fault, with the reason): never a run that fails when the
 /// fault comes due.
-#[allow(dead_code)] // called by the runner in the next commit
 pub(super) fn refuse_unsupported(s: &Scenario, backend: BackendKind) -> anyhow::Result<()> {
     let refused: Vec<String> = s
         .faults
@@ -520,6 +519,40 @@ pub(crate) fn label(f: &Fault) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 24: a backend states what it can do, and a scenario it cannot run is refused
+    /// before the run starts, naming each fault and why. Every shipped scenario runs on
+    /// `local`; `external` refuses exactly those that kill or pause a server; `containers`
+    /// (for now) those with a link fault or a queue limit.
+    #[test]
+    fn each_backend_refuses_exactly_the_shipped_faults_it_cannot_do() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios");
+        let mut paths: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "toml")).collect();
+        paths.sort();
+        let (mut external, mut containers) = (0, 0);
+        for s in crate::scenario::load(&paths).unwrap() {
+            assert!(refuse_unsupported(&s, BackendKind::Local).is_ok(), "{}", s.name);
+            let faults: Vec<(FaultKind, FaultTarget)> = s.faults.iter().map(|f| (f.get_ref().kind, s.parse_target(&f.get_ref().target).unwrap())).collect();
+            let on_server = faults.iter().any(|(k, t)| matches!(k, FaultKind::Kill | FaultKind::Pause) && matches!(t, FaultTarget::Broker | FaultTarget::Database));
+            match refuse_unsupported(&s, BackendKind::External) {
+                Ok(()) => assert!(!on_server, "{}: external must refuse a server fault", s.name),
+                Err(e) => {
+                    assert!(on_server, "{}: {e}", s.name);
+                    assert!(e.to_string().contains("backend external cannot run this scenario's faults") && e.to_string().contains("the servers are shared"), "{e}");
+                    external += 1;
+                }
+            }
+            let unwired = faults.iter().any(|(k, _)| matches!(k, FaultKind::Toxic | FaultKind::Down | FaultKind::QueueLimit));
+            match refuse_unsupported(&s, BackendKind::Containers) {
+                Ok(()) => assert!(!unwired, "{}", s.name),
+                Err(e) => {
+                    assert!(unwired, "{}: {e}", s.name);
+                    containers += 1;
+                }
+            }
+        }
+        assert!(external > 0 && containers > 0, "shipped scenarios cover both refusals: {external} {containers}");
+    }
 
     /// A cause a scenario names (`fault:<kind> <target>`, what the parser accepts) is the tag
     /// its fault's window carries: for every fault of every shipped scenario, the report's
