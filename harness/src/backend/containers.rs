@@ -1,16 +1,21 @@
 //! `containers`: PostgreSQL and RabbitMQ from testcontainers' modules, and a Toxiproxy
-//! image as a generic image, on one Docker network. Runs only where a Docker engine answers
-//! (ci/test starts the containers, restarts one and removes them where one does; scenario
-//! runs on it are not wired yet: `runner::drive` refuses them).
+//! image as a generic image, on one Docker network. Runs only where a Docker engine answers.
 //!
 //! Images are settings (issue 24): `CHAOS_POSTGRES_IMAGE`, `CHAOS_RABBITMQ_IMAGE`,
 //! `CHAOS_TOXIPROXY_IMAGE` (`name[:tag]`), the official images by default. Where no registry
 //! answers, `ci/images/build` builds stand-ins that honour the interface used here (ports,
-//! trust auth, the readiness lines) and prints these settings.
+//! trust auth, the readiness lines, the management API) and prints these settings.
+//!
+//! A run's replicas are processes on the host; each of their links goes through the
+//! Toxiproxy container (a published slot per link, [`HostPorts`]) to the servers by their
+//! container names. Accounts, policies and the unacked count go through RabbitMQ's
+//! management API. Every host port is fixed for the run, so a restarted container keeps
+//! them.
 //!
 //! Faults: kill = `docker stop -t 0` (SIGKILL), restart = `docker start` on the same
-//! container (data kept), pause = `docker pause`. The host ports of a restarted container
-//! can change; [`ContainersBackend::endpoints`] always reports the current ones.
+//! container (data kept), pause = `docker pause`. Every container carries the run's label
+//! ([`RUN_LABEL`]); those of a run whose process is gone are removed before a run starts
+//! ([`reap_leftovers`]).
 
 use std::time::Duration;
 
@@ -27,9 +32,6 @@ pub const RABBITMQ_TAG: &str = "3.10-management-alpine";
 pub const TOXIPROXY_IMAGE: &str = "ghcr.io/shopify/toxiproxy";
 pub const TOXIPROXY_TAG: &str = "2.12.0";
 pub const TOXIPROXY_API_PORT: u16 = 8474;
-/// Ports the Toxiproxy container exposes for proxies: database, broker.
-pub const TOXIPROXY_DB_PORT: u16 = 8666;
-pub const TOXIPROXY_BROKER_PORT: u16 = 8667;
 /// Container names on the run's network (Toxiproxy's upstreams).
 pub const POSTGRES_HOST: &str = "craig-postgres";
 pub const RABBITMQ_HOST: &str = "craig-rabbitmq";
@@ -151,36 +153,112 @@ pub async fn probe() -> Result<(), String> {
     }
 }
 
-pub fn postgres_request(network: &str, image: &ImageRef) -> ContainerRequest<Postgres> {
+/// Host ports the run's containers publish, fixed for the run (outside the kernel's
+/// ephemeral range, as the local backend's servers): a restarted container comes back on
+/// the same ones, so the links and URLs made at start stay good.
+#[derive(Debug, Clone)]
+pub struct HostPorts {
+    pub postgres: u16,
+    pub amqp: u16,
+    pub management: u16,
+    pub toxiproxy_api: u16,
+    /// (port inside the Toxiproxy container, host port): one per replica link.
+    pub proxies: Vec<(u16, u16)>,
+}
+
+/// Links the Toxiproxy container can serve (two per replica): more than the largest fleet
+/// a scenario may ask for.
+pub const PROXY_SLOTS: u16 = 24;
+/// The first port inside the Toxiproxy container a link listens on.
+pub const PROXY_BASE_PORT: u16 = 20_000;
+
+impl HostPorts {
+    pub fn pick() -> Result<Self, BackendError> {
+        let free = super::local::free_port;
+        let proxies = (0..PROXY_SLOTS).map(|i| Ok((PROXY_BASE_PORT + i, free()?))).collect::<Result<Vec<_>, BackendError>>()?;
+        Ok(Self { postgres: free()?, amqp: free()?, management: free()?, toxiproxy_api: free()?, proxies })
+    }
+}
+
+/// The label every container of a run carries, its value the run's network: what
+/// [`reap_leftovers`] looks for.
+pub const RUN_LABEL: &str = "craig-chaos.run";
+
+pub fn postgres_request(network: &str, image: &ImageRef, ports: &HostPorts) -> ContainerRequest<Postgres> {
     Postgres::default()
         .with_host_auth()
         .with_name(image.name.clone())
         .with_tag(image.tag.clone())
         .with_network(network)
         .with_container_name(format!("{POSTGRES_HOST}-{network}"))
+        .with_mapped_port(ports.postgres, 5432.tcp())
+        .with_label(RUN_LABEL, network)
         .with_startup_timeout(Duration::from_secs(60))
 }
 
-pub fn rabbitmq_request(network: &str, image: &ImageRef) -> ContainerRequest<RabbitMq> {
+pub fn rabbitmq_request(network: &str, image: &ImageRef, ports: &HostPorts) -> ContainerRequest<RabbitMq> {
     RabbitMq::default()
         .with_name(image.name.clone())
         .with_tag(image.tag.clone())
         .with_network(network)
         .with_container_name(format!("{RABBITMQ_HOST}-{network}"))
+        .with_mapped_port(ports.amqp, 5672.tcp())
+        .with_mapped_port(ports.management, 15672.tcp())
+        .with_label(RUN_LABEL, network)
         .with_startup_timeout(Duration::from_secs(90))
 }
 
 /// The official Toxiproxy image, or `craig-chaos/toxiproxy-api` (`chaos proxy --api
-/// 0.0.0.0:8474` as its entrypoint): the same API, ports and readiness line.
-pub fn toxiproxy_request(network: &str, image: &ImageRef) -> ContainerRequest<GenericImage> {
-    GenericImage::new(image.name.clone(), image.tag.clone())
+/// 0.0.0.0:8474` as its entrypoint): the same API, ports and readiness line. Every link
+/// slot is published to its fixed host port.
+pub fn toxiproxy_request(network: &str, image: &ImageRef, ports: &HostPorts) -> ContainerRequest<GenericImage> {
+    let mut r = GenericImage::new(image.name.clone(), image.tag.clone())
         .with_exposed_port(TOXIPROXY_API_PORT.tcp())
-        .with_exposed_port(TOXIPROXY_DB_PORT.tcp())
-        .with_exposed_port(TOXIPROXY_BROKER_PORT.tcp())
         .with_wait_for(WaitFor::message_on_either_std("Starting Toxiproxy HTTP server"))
         .with_network(network)
         .with_container_name(format!("craig-toxiproxy-{network}"))
-        .with_startup_timeout(Duration::from_secs(60))
+        .with_mapped_port(ports.toxiproxy_api, TOXIPROXY_API_PORT.tcp())
+        .with_label(RUN_LABEL, network)
+        .with_startup_timeout(Duration::from_secs(60));
+    for (inside, host) in &ports.proxies {
+        r = r.with_mapped_port(*host, inside.tcp());
+    }
+    r
+}
+
+/// Containers and networks of runs whose process is gone (a killed `chaos run` leaves them:
+/// its network is `craig-chaos-<pid>`), removed before a run starts, through the docker
+/// CLI; best effort, each step bounded.
+pub async fn reap_leftovers() {
+    let docker = |args: Vec<String>| async move {
+        let out = tokio::time::timeout(Duration::from_secs(30), tokio::process::Command::new("docker").args(&args).kill_on_drop(true).output()).await;
+        match out {
+            Ok(Ok(o)) if o.status.success() => String::from_utf8_lossy(&o.stdout).lines().map(str::to_owned).collect::<Vec<_>>(),
+            _ => Vec::new(),
+        }
+    };
+    let listed = docker(vec!["ps".into(), "-a".into(), "--filter".into(), format!("label={RUN_LABEL}"), "--format".into(), format!("{{{{.ID}}}} {{{{.Label \"{RUN_LABEL}\"}}}}")]).await;
+    let mut dead_networks = std::collections::BTreeSet::new();
+    for line in listed {
+        let Some((id, network)) = line.split_once(' ') else { continue };
+        if leftover(network) {
+            docker(vec!["rm".into(), "-f".into(), "-v".into(), id.to_owned()]).await;
+            dead_networks.insert(network.to_owned());
+        }
+    }
+    for network in dead_networks {
+        docker(vec!["network".into(), "rm".into(), network.clone()]).await;
+        tracing::info!(event = "chaos.containers_reaped", network = %network, "removed the containers of a run whose process is gone");
+    }
+}
+
+/// Whether `network` (`craig-chaos-<pid>`) belongs to a process that is gone.
+fn leftover(network: &str) -> bool {
+    match network.strip_prefix("craig-chaos-").and_then(|p| p.parse::<i32>().ok()) {
+        Some(pid) if pid as u32 == std::process::id() => false,
+        Some(pid) => !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        None => false,
+    }
 }
 
 pub struct ContainersBackend {
@@ -189,8 +267,9 @@ pub struct ContainersBackend {
     rabbitmq: ContainerAsync<RabbitMq>,
     toxiproxy: ContainerAsync<GenericImage>,
     services: Vec<String>,
-    pg_port: u16,
-    amqp_port: u16,
+    ports: HostPorts,
+    /// Link slots handed out ([`ContainersBackend::proxy_listen`]).
+    links: usize,
 }
 
 fn tc(what: &str) -> impl Fn(testcontainers::TestcontainersError) -> BackendError + '_ {
@@ -200,35 +279,90 @@ fn tc(what: &str) -> impl Fn(testcontainers::TestcontainersError) -> BackendErro
 impl ContainersBackend {
     pub async fn start(services: &[&str]) -> Result<Self, BackendError> {
         let images = Images::from_env()?;
+        reap_leftovers().await;
         let network = format!("craig-chaos-{}", std::process::id());
-        let postgres = postgres_request(&network, &images.postgres).start().await.map_err(tc("starting the postgres container"))?;
-        let rabbitmq = rabbitmq_request(&network, &images.rabbitmq).start().await.map_err(tc("starting the rabbitmq container"))?;
-        let toxiproxy = toxiproxy_request(&network, &images.toxiproxy).start().await.map_err(tc("starting the toxiproxy container"))?;
-        let mut b = Self {
-            network,
-            postgres,
-            rabbitmq,
-            toxiproxy,
-            services: services.iter().map(|s| s.to_string()).collect(),
-            pg_port: 0,
-            amqp_port: 0,
-        };
-        b.refresh_ports().await?;
-        super::create_databases(b.pg_port, &b.services).await?;
+        let ports = HostPorts::pick()?;
+        let postgres = postgres_request(&network, &images.postgres, &ports).start().await.map_err(tc("starting the postgres container"))?;
+        let rabbitmq = rabbitmq_request(&network, &images.rabbitmq, &ports).start().await.map_err(tc("starting the rabbitmq container"))?;
+        let toxiproxy =
+            toxiproxy_request(&network, &images.toxiproxy, &ports).start().await.map_err(tc("starting the toxiproxy container"))?;
+        let b = Self { network, postgres, rabbitmq, toxiproxy, services: services.iter().map(|s| s.to_string()).collect(), ports, links: 0 };
+        super::create_databases(b.ports.postgres, &b.services).await?;
         Ok(b)
-    }
-
-    async fn refresh_ports(&mut self) -> Result<(), BackendError> {
-        self.pg_port = self.postgres.get_host_port_ipv4(5432).await.map_err(tc("postgres port"))?;
-        self.amqp_port = self.rabbitmq.get_host_port_ipv4(5672).await.map_err(tc("rabbitmq port"))?;
-        Ok(())
     }
 
     pub fn endpoints(&self) -> Endpoints {
         // Toxiproxy reaches the servers by container name on the run's network.
         let db = format!("{POSTGRES_HOST}-{}:5432", self.network);
         let mq = format!("{RABBITMQ_HOST}-{}:5672", self.network);
-        Endpoints::loopback(&self.services, self.pg_port, self.amqp_port, db, mq)
+        Endpoints::loopback(&self.services, self.ports.postgres, self.ports.amqp, db, mq)
+    }
+
+    /// The next link slot: where a proxy listens inside the Toxiproxy container, and where
+    /// a replica on the host reaches it.
+    pub fn proxy_listen(&mut self) -> Result<(String, String), BackendError> {
+        let (inside, host) = *self.ports.proxies.get(self.links).ok_or_else(|| {
+            BackendError::failed("wiring a replica's link", format!("the Toxiproxy container has {PROXY_SLOTS} link slots, all taken"))
+        })?;
+        self.links += 1;
+        Ok((format!("0.0.0.0:{inside}"), format!("127.0.0.1:{host}")))
+    }
+
+    /// A call to the RabbitMQ container's management API, as the admin; a 404 is `None`.
+    async fn management(&self, what: &str, method: reqwest::Method, path: &str, body: Option<&serde_json::Value>) -> Result<Option<reqwest::Response>, BackendError> {
+        let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().expect("reqwest client");
+        let mut request = client.request(method, format!("http://127.0.0.1:{}/api{path}", self.ports.management)).basic_auth("guest", Some("guest"));
+        if let Some(b) = body {
+            request = request.json(b);
+        }
+        match request.send().await {
+            Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => Ok(None),
+            Ok(r) if r.status().is_success() => Ok(Some(r)),
+            Ok(r) => Err(BackendError::failed(what.to_owned(), format!("the management API answered HTTP {} to {path}", r.status()))),
+            Err(e) => Err(BackendError::failed(what.to_owned(), e)),
+        }
+    }
+
+    /// One account per service on the vhost `/` (ADR-022 #1202), in ONE definitions
+    /// import through the management API, each checked to log in; their AMQP URLs.
+    pub async fn accounts(&self, accounts: &[craig_sandbox::Account]) -> Result<Vec<String>, BackendError> {
+        let what = "creating the service accounts";
+        let admin = format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.ports.amqp);
+        let (defs, urls) = craig_sandbox::definitions(accounts, "/", &admin, |name| craig_sandbox::sandbox_name(&format!("{}/{name}", self.network)))
+            .map_err(|e| BackendError::failed("service account URL", e))?;
+        self.management(what, reqwest::Method::POST, "/definitions", Some(&defs)).await?.ok_or_else(|| BackendError::failed(what, "no /api/definitions"))?;
+        craig_sandbox::wait_logins(&urls).await.map_err(|e| BackendError::failed(what, e))?;
+        Ok(urls)
+    }
+
+    pub async fn set_policy(&self, name: &str, pattern: &str, definition: &serde_json::Value) -> Result<(), BackendError> {
+        let what = "setting a queue policy";
+        let body = serde_json::json!({"pattern": pattern, "definition": definition, "apply-to": "queues", "priority": 10});
+        self.management(what, reqwest::Method::PUT, &format!("/policies/%2f/{name}"), Some(&body)).await?.ok_or_else(|| BackendError::failed(what, "HTTP 404"))?;
+        Ok(())
+    }
+
+    /// Remove a policy (absent is fine).
+    pub async fn clear_policy(&self, name: &str) -> Result<(), BackendError> {
+        self.management("clearing a queue policy", reqwest::Method::DELETE, &format!("/policies/%2f/{name}"), None).await.map(drop)
+    }
+
+    /// Deliveries of `queues` handed to a consumer and not yet acked; a statistic not
+    /// collected yet is unknown (an error), never 0.
+    pub async fn unacked(&self, queues: &[String]) -> Result<u64, BackendError> {
+        let what = "counting unacked deliveries";
+        let Some(r) = self.management(what, reqwest::Method::GET, "/queues/%2f?columns=name,messages_unacknowledged", None).await? else {
+            return Err(BackendError::failed(what, "HTTP 404"));
+        };
+        let rows: Vec<serde_json::Value> = r.json().await.map_err(|e| BackendError::failed(what, e))?;
+        let mut total = 0;
+        for q in rows.iter().filter(|q| queues.iter().any(|n| Some(n.as_str()) == q["name"].as_str())) {
+            match q["messages_unacknowledged"].as_u64() {
+                Some(n) => total += n,
+                None => return Err(BackendError::failed(what, format!("queue {}: messages_unacknowledged not reported yet", q["name"]))),
+            }
+        }
+        Ok(total)
     }
 
     /// The run's Docker network (`craig-chaos-<pid>`); every container's name ends with it.
@@ -237,9 +371,8 @@ impl ContainersBackend {
     }
 
     /// The Toxiproxy API base URL on the host.
-    pub async fn toxiproxy_api(&self) -> Result<String, BackendError> {
-        let port = self.toxiproxy.get_host_port_ipv4(TOXIPROXY_API_PORT).await.map_err(tc("toxiproxy port"))?;
-        Ok(format!("http://127.0.0.1:{port}"))
+    pub fn toxiproxy_api(&self) -> String {
+        format!("http://127.0.0.1:{}", self.ports.toxiproxy_api)
     }
 
     async fn container_op(&self, t: Target, op: &'static str) -> Result<(), BackendError> {
@@ -261,15 +394,17 @@ impl ContainersBackend {
         self.container_op(t, "kill").await
     }
 
+    /// `docker start` of the killed container: the same data and the same host ports.
     pub async fn restart(&mut self, t: Target) -> Result<(), BackendError> {
-        self.container_op(t, "start").await?;
-        self.refresh_ports().await
+        self.container_op(t, "start").await
     }
 
     pub async fn pause(&mut self, t: Target, paused: bool) -> Result<(), BackendError> {
         self.container_op(t, if paused { "pause" } else { "unpause" }).await
     }
 
+    /// Remove the run's containers (and with the last of them its network: testcontainers
+    /// removes a network it made once no container of it is left).
     pub async fn stop(self) -> Result<(), BackendError> {
         let a = self.toxiproxy.rm().await;
         let b = self.rabbitmq.rm().await;
@@ -284,9 +419,20 @@ mod tests {
 
     use super::*;
 
+    fn ports() -> HostPorts {
+        HostPorts { postgres: 11001, amqp: 11002, management: 11003, toxiproxy_api: 11004, proxies: vec![(20_000, 11010), (20_001, 11011)] }
+    }
+
+    /// (host, container) of every published port.
+    fn published<I: Image>(r: &ContainerRequest<I>) -> Vec<(u16, u16)> {
+        r.ports().map(|p| p.iter().map(|m| (m.host_port(), m.container_port().as_u16())).collect()).unwrap_or_default()
+    }
+
     #[test]
     fn postgres_wiring() {
-        let r = postgres_request("net1", &Images::default().postgres);
+        let r = postgres_request("net1", &Images::default().postgres, &ports());
+        assert_eq!(published(&r), [(11001, 5432)], "a fixed host port: a restart keeps it");
+        assert_eq!(r.labels().get(RUN_LABEL).map(String::as_str), Some("net1"));
         assert_eq!(r.image().name(), "postgres");
         assert_eq!(r.descriptor(), format!("postgres:{POSTGRES_TAG}"));
         assert_eq!(r.network().as_deref(), Some("net1"));
@@ -298,18 +444,18 @@ mod tests {
 
     #[test]
     fn rabbitmq_wiring() {
-        let r = rabbitmq_request("net1", &Images::default().rabbitmq);
+        let r = rabbitmq_request("net1", &Images::default().rabbitmq, &ports());
         assert_eq!(r.descriptor(), format!("rabbitmq:{RABBITMQ_TAG}"));
+        assert_eq!(published(&r), [(11002, 5672), (11003, 15672)]);
         assert_eq!(r.container_name().as_deref(), Some("craig-rabbitmq-net1"));
         assert!(format!("{:?}", r.ready_conditions()).contains("Server startup complete"));
     }
 
     #[test]
     fn toxiproxy_wiring() {
-        let r = toxiproxy_request("net1", &Images::default().toxiproxy);
+        let r = toxiproxy_request("net1", &Images::default().toxiproxy, &ports());
         assert_eq!(r.descriptor(), format!("{TOXIPROXY_IMAGE}:{TOXIPROXY_TAG}"));
-        let ports: Vec<u16> = r.expose_ports().iter().map(|p| p.as_u16()).collect();
-        assert_eq!(ports, [TOXIPROXY_API_PORT, TOXIPROXY_DB_PORT, TOXIPROXY_BROKER_PORT]);
+        assert_eq!(published(&r), [(11004, TOXIPROXY_API_PORT), (11010, 20_000), (11011, 20_001)], "the API and every link slot");
         assert!(format!("{:?}", r.ready_conditions()).contains("Starting Toxiproxy HTTP server"));
         assert_eq!(r.network().as_deref(), Some("net1"));
     }
@@ -327,9 +473,9 @@ mod tests {
         .unwrap();
         assert_eq!(stand_ins.postgres, ImageRef { name: "craig-chaos/postgres".into(), tag: "15".into() });
         assert_eq!(stand_ins.rabbitmq, ImageRef { name: "registry.local:5000/mq/rabbitmq".into(), tag: "latest".into() });
-        let r = postgres_request("net1", &stand_ins.postgres);
+        let r = postgres_request("net1", &stand_ins.postgres, &ports());
         assert_eq!(r.descriptor(), "craig-chaos/postgres:15");
-        assert_eq!(toxiproxy_request("net1", &stand_ins.toxiproxy).descriptor(), "craig-chaos/toxiproxy-api:dev");
+        assert_eq!(toxiproxy_request("net1", &stand_ins.toxiproxy, &ports()).descriptor(), "craig-chaos/toxiproxy-api:dev");
         assert_eq!(ImageRef::parse("localhost:5000/pg").unwrap(), ImageRef { name: "localhost:5000/pg".into(), tag: "latest".into() });
         assert_eq!(ImageRef::parse("library/postgres:15.4-bookworm").unwrap().tag, "15.4-bookworm");
         for bad in ["postgres:", "a b", "pg@sha256:00", ":15", "pg:15:x", "Postgres:15", "pg:-x", "registry:x/pg", "pg//x", "pg/"] {

@@ -266,14 +266,7 @@ impl Backend {
         let urls = match self {
             Backend::Local(b) => b.accounts(&accounts).await?,
             Backend::External(b) => b.accounts(&accounts).await?,
-            Backend::Containers(_) => {
-                return Err(BackendError::Unsupported {
-                    backend: "containers",
-                    fault: "service accounts",
-                    target: Target::Broker,
-                    why: "per-service accounts on the RabbitMQ container are not wired yet; use local or external",
-                });
-            }
+            Backend::Containers(b) => b.accounts(&accounts).await?,
         };
         Ok(craig_fleet::service::ALL.iter().map(|s| s.name().to_owned()).zip(urls).collect())
     }
@@ -283,22 +276,36 @@ impl Backend {
         match self {
             Backend::Local(b) => b.set_policy(name, pattern, definition).await,
             Backend::External(b) => b.set_policy(name, pattern, definition).await,
-            Backend::Containers(_) => Err(BackendError::Unsupported {
-                backend: "containers",
-                fault: "queue policy",
-                target: Target::Broker,
-                why: "policies on the RabbitMQ container are not wired yet; use local or external",
-            }),
+            Backend::Containers(b) => b.set_policy(name, pattern, definition).await,
         }
     }
 
     /// Deliveries of `queues` handed to consumers and not yet acked; None where this
-    /// backend cannot count them (containers).
+    /// backend cannot count them.
     pub async fn unacked(&self, queues: &[String]) -> Result<Option<u64>, BackendError> {
         match self {
             Backend::Local(b) => b.unacked(queues).await.map(Some),
             Backend::External(b) => b.unacked(queues).await.map(Some),
-            Backend::Containers(_) => Ok(None),
+            Backend::Containers(b) => b.unacked(queues).await.map(Some),
+        }
+    }
+
+    /// The Toxiproxy API the run's links go through when the backend runs one (the
+    /// containers backend's Toxiproxy container); None: the harness serves its own.
+    pub fn toxiproxy_api(&self) -> Option<String> {
+        match self {
+            Backend::Containers(b) => Some(b.toxiproxy_api()),
+            _ => None,
+        }
+    }
+
+    /// Where the next replica link's proxy listens, and where a replica reaches it: in the
+    /// Toxiproxy container, a published slot; None: on loopback, any free port (the
+    /// harness's own proxy).
+    pub fn proxy_listen(&mut self) -> Result<Option<(String, String)>, BackendError> {
+        match self {
+            Backend::Containers(b) => b.proxy_listen().map(Some),
+            _ => Ok(None),
         }
     }
 
@@ -306,7 +313,7 @@ impl Backend {
         match self {
             Backend::Local(b) => b.clear_policy(name).await,
             Backend::External(b) => b.clear_policy(name).await,
-            Backend::Containers(_) => Ok(()),
+            Backend::Containers(b) => b.clear_policy(name).await,
         }
     }
 

@@ -476,11 +476,8 @@ async fn drive(
     let ep = backend.lock().await.endpoints();
     let kind = backend.lock().await.kind();
     faults::refuse_unsupported(s, kind)?;
-    if matches!(kind, BackendKind::Containers) {
-        anyhow::bail!("scenario runs on the containers backend need its Toxiproxy wiring, which is not built yet; use local or external");
-    }
     let deployed = deploy(s, opts, seed, log, &ep, &backend).await?;
-    let fleet = start(s, opts, seed, &ep, &deployed).await?;
+    let fleet = start(s, opts, seed, &ep, &backend, &deployed).await?;
     let writer = workload::Writer { s, log, replicas: &fleet.replicas, cases: &deployed.cases_pool, secret: &fleet.secret, exports: Default::default() };
     let mut load = load_and_faults(s, opts, seed, log, &ep, &backend, &deployed, &fleet, &writer).await?;
     heal(s, seed, log, &fleet, &writer, &mut load).await?;
@@ -551,7 +548,8 @@ async fn deploy(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, ep: &crat
 /// What [`start`] started: the fault proxy (its API) and the replicas behind it.
 struct Fleet {
     toxi: ToxiproxyClient,
-    api_task: tokio::task::JoinHandle<()>,
+    /// The harness's own Toxiproxy API server, where the backend runs none.
+    api_task: Option<tokio::task::JoinHandle<()>>,
     logs_dir: PathBuf,
     secret: String,
     replicas: Replicas,
@@ -560,10 +558,30 @@ struct Fleet {
 /// Start: the fault proxy, a link through it for each replica's database and broker
 /// connections, and every replica that starts with the run (its crash points, mutants and
 /// markers armed).
-async fn start(s: &Scenario, opts: &RunOptions, seed: u64, ep: &crate::backend::Endpoints, deployed: &Deployed) -> anyhow::Result<Fleet> {
+async fn start(
+    s: &Scenario,
+    opts: &RunOptions,
+    seed: u64,
+    ep: &crate::backend::Endpoints,
+    backend: &Arc<Mutex<Backend>>,
+    deployed: &Deployed,
+) -> anyhow::Result<Fleet> {
     use anyhow::Context as _;
-    let (api_addr, api_task) = api::serve(FaultProxy::new(seed.rotate_left(17)), "127.0.0.1:0".parse()?).await?;
-    let toxi = ToxiproxyClient::new(format!("http://{api_addr}"));
+    // The backend's Toxiproxy (the containers backend's container), else the harness's own.
+    let backend_api = backend.lock().await.toxiproxy_api();
+    let (toxi, api_task) = match backend_api {
+        Some(url) => (ToxiproxyClient::new(url), None),
+        None => {
+            let (api_addr, api_task) = api::serve(FaultProxy::new(seed.rotate_left(17)), "127.0.0.1:0".parse()?).await?;
+            (ToxiproxyClient::new(format!("http://{api_addr}")), Some(api_task))
+        }
+    };
+    // Where a link listens, and where its replica reaches it.
+    let link = || async {
+        let slot = backend.lock().await.proxy_listen()?;
+        anyhow::Ok(slot.map_or(("127.0.0.1:0".to_owned(), None), |(listen, reach)| (listen, Some(reach))))
+    };
+    let through = |url: &str, at: &str| url.replacen(&crate::backend::external_authority(url), at, 1);
     let logs_dir = opts.report_dir.join("logs").join(&s.name);
     // Fresh logs: the collector and the failpoint markers read them whole, and a report
     // folder reused by an earlier run (ci/test's) must not lend its lines to this one.
@@ -576,11 +594,13 @@ async fn start(s: &Scenario, opts: &RunOptions, seed: u64, ep: &crate::backend::
     for (svc, entry) in &s.fleet {
         for i in 1..=entry.get_ref().count() {
             let name = format!("{svc}-{i}");
-            let db = toxi.create_proxy(&format!("{name}->database"), "127.0.0.1:0", &ep.database_addr).await?;
-            let mq = toxi.create_proxy(&format!("{name}->broker"), "127.0.0.1:0", &ep.broker_addr).await?;
-            let db_url = ep.database_url(svc).unwrap().replacen(&ep.database_addr, &db.listen, 1);
+            let (db_listen, db_reach) = link().await?;
+            let db = toxi.create_proxy(&format!("{name}->database"), &db_listen, &ep.database_addr).await?;
+            let (mq_listen, mq_reach) = link().await?;
+            let mq = toxi.create_proxy(&format!("{name}->broker"), &mq_listen, &ep.broker_addr).await?;
+            let db_url = through(ep.database_url(svc).unwrap(), &db_reach.unwrap_or(db.listen));
             let account = deployed.accounts.get(svc).with_context(|| format!("no broker account for {svc}"))?;
-            let amqp_url = account.replacen(&ep.broker_addr, &mq.listen, 1);
+            let amqp_url = through(account, &mq_reach.unwrap_or(mq.listen));
             let mut spec = ReplicaSpec::new(svc.clone(), i);
             spec.compat = entry.get_ref().compat_of(i);
             spec.failpoints = faults::failpoints_for(s, &name);
@@ -759,7 +779,9 @@ async fn collect_all(
     for p in deployed.pools.values() {
         p.close().await;
     }
-    fleet.api_task.abort();
+    if let Some(t) = fleet.api_task {
+        t.abort();
+    }
     Ok(())
 }
 

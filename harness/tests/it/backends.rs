@@ -248,7 +248,7 @@ async fn containers_backend_starts_keeps_data_across_a_restart_and_leaves_nothin
 
     // The Toxiproxy container (official or stand-in) answers its API.
     if let Backend::Containers(c) = &backend {
-        let api = craig_chaos::proxy::ToxiproxyClient::new(c.toxiproxy_api().await.unwrap());
+        let api = craig_chaos::proxy::ToxiproxyClient::new(c.toxiproxy_api());
         let version = api.version().await.unwrap();
         assert!(version.contains("2.12.0"), "Toxiproxy API version {version:?}");
     }

@@ -19,11 +19,10 @@ impl Room for QueueLimit {
     type Applied = (String, Result<HeadDropProbe, String>);
     const STARTS_ITSELF: bool = true;
 
-    fn supported(backend: BackendKind, _: &FaultTarget) -> Result<(), &'static str> {
-        match backend {
-            BackendKind::Containers => Err("queue policies on the RabbitMQ container are not wired yet"),
-            _ => Ok(()),
-        }
+    /// A policy through the backend: rabbitmqctl (local), the management API (external,
+    /// containers).
+    fn supported(_: BackendKind, _: &FaultTarget) -> Result<(), &'static str> {
+        Ok(())
     }
 
     async fn apply(cx: &Cx, f: &Fault, target: &FaultTarget) -> anyhow::Result<Self::Applied> {
