@@ -8,6 +8,11 @@
 //! - `CHAOS_BACKEND`: auto (default), local, external or containers.
 //! - `CHAOS_SCENARIOS`: another folder (or file) of scenarios.
 //!
+//! - The containers backend (issue 24): where a Docker engine answers and `CHAOS_BACKEND` is
+//!   not `containers` already, [`CONTAINERS_SUBSET`] runs on it too, as
+//!   `containers::<name>` (one scenario per fault kind, and twins); without an engine those
+//!   tests are listed and ignored, so a run says the backend went untested.
+//!
 //! A test passes when the scenario met every expectation; it fails with the verdict lines,
 //! the unmet invariants' counts and witnesses, the report folder and the commands that
 //! reproduce it. An inconclusive run fails too (`chaos run` exits 3 for it). A scenario file
@@ -22,6 +27,34 @@ use craig_chaos::report::RunReport;
 use craig_chaos::runner::{RunOptions, derived_seed, run_scenario, scenario_seed};
 use craig_chaos::scenario::{self, Scenario};
 use libtest_mimic::{Arguments, Failed, Trial};
+
+/// The scenarios that also run on the containers backend: one per fault kind (a server
+/// killed, a toxic, a link down, a queue limit, backends terminated, a crash point, a mutant
+/// with refused staging, a rollout) and the twins `pre-1128-black-hole` and
+/// `rolling-upgrade-1128`.
+const CONTAINERS_SUBSET: &[&str] = &[
+    "broker-kill",
+    "database-restart",
+    "lost-confirm",
+    "consumer-ack-failure",
+    "pre-1128-black-hole",
+    "broker-nacks",
+    "dead-letters-audit-db-down",
+    "outbox-notify-listener-lost",
+    "crash-claim-stamp",
+    "mutant-stage-after-commit",
+    "rolling-upgrade-1128",
+];
+
+/// Whether a Docker engine answers on its socket (`DOCKER_HOST` as unix://, else the
+/// default): a connect, no more, so listing the tests stays instant.
+fn docker_answers() -> bool {
+    let host = std::env::var("DOCKER_HOST").unwrap_or_else(|_| "unix:///var/run/docker.sock".into());
+    match host.strip_prefix("unix://") {
+        Some(path) => std::os::unix::net::UnixStream::connect(path).is_ok(),
+        None => host.strip_prefix("tcp://").is_some_and(|addr| std::net::TcpStream::connect(addr).is_ok()),
+    }
+}
 
 /// `ci/test`'s run seed.
 const DEFAULT_SEED: u64 = 20261130;
@@ -84,6 +117,7 @@ fn main() -> ExitCode {
         }
     };
     let mut trials = Vec::new();
+    let docker = Docker::default();
     for file in files {
         let parsed = std::fs::read_to_string(&file)
             .map_err(|e| format!("{}: {e}", file.display()))
@@ -98,6 +132,14 @@ fn main() -> ExitCode {
                     let seeds = settings.seeds;
                     trials.push(Trial::test(name.clone(), move || run_one(&name, &s, run_seed, seeds, backend)));
                 }
+                if settings.backend != BackendKind::Containers && CONTAINERS_SUBSET.contains(&s.name.as_str()) {
+                    let name = format!("containers::{}", s.name);
+                    let run_seed = settings.seed;
+                    let s = s.clone();
+                    trials.push(
+                        Trial::test(name.clone(), move || run_one(&name, &s, run_seed, 1, BackendKind::Containers)).with_ignored_flag(!docker.answers()),
+                    );
+                }
             }
             Err(e) => {
                 // A file that does not parse is a red test, never a silently shorter list.
@@ -106,7 +148,26 @@ fn main() -> ExitCode {
             }
         }
     }
+    // A subset name that matches no shipped scenario is a red test, never a shorter subset.
+    if std::env::var_os("CHAOS_SCENARIOS").is_none() && settings.backend != BackendKind::Containers {
+        for name in CONTAINERS_SUBSET {
+            let test = format!("containers::{name}");
+            if !trials.iter().any(|t| t.name() == test) {
+                trials.push(Trial::test(test, move || Err(Failed::from(format!("CONTAINERS_SUBSET names {name}, which no file under scenarios/ is")))));
+            }
+        }
+    }
     libtest_mimic::run(&args, trials).exit_code()
+}
+
+/// [`docker_answers`], asked once.
+#[derive(Default)]
+struct Docker(std::cell::OnceCell<bool>);
+
+impl Docker {
+    fn answers(&self) -> bool {
+        *self.0.get_or_init(docker_answers)
+    }
 }
 
 fn run_one(test: &str, s: &Scenario, run_seed: u64, seeds: u32, backend: BackendKind) -> Result<(), Failed> {
@@ -138,8 +199,10 @@ fn run_one(test: &str, s: &Scenario, run_seed: u64, seeds: u32, backend: Backend
         seed_env.push_str(&format!("CHAOS_SCENARIOS={} ", Path::new(&dir).display()));
     }
     let exact = if seeds > 1 { format!("scenario::{}", s.name) } else { test.to_owned() };
+    // A containers:: test is its own name on any backend setting.
+    let backend_env = if test.starts_with("containers::") { String::new() } else { format!("CHAOS_BACKEND={backend_used} ") };
     let nextest = format!(
-        "{seed_env}CHAOS_BACKEND={backend_used} cargo nextest run --cargo-profile ci --workspace --features craig-fleet/failpoints -E 'binary(scenarios) and test(={exact})'"
+        "{seed_env}{backend_env}cargo nextest run --cargo-profile ci --workspace --features craig-fleet/failpoints -E 'binary(scenarios) and test(={exact})'"
     );
     let results = std::slice::from_ref(&result);
     let rep = RunReport { run_id: test, seed: run_seed, backend: &backend_used, command: &chaos, results };
