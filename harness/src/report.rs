@@ -31,6 +31,8 @@ impl RunReport<'_> {
                 "amendment": r.amendment,
                 "compat": r.compat,
                 "seed": r.seed,
+                // The backend that ran it (`auto` resolved).
+                "backend": r.backend,
                 "faults": r.faults,
                 "invariants": r.invariants,
                 "passed": r.passed,

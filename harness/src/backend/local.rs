@@ -32,7 +32,11 @@ pub fn probe() -> Result<(), String> {
 
 fn pg_bindir() -> Result<PathBuf, BackendError> {
     if let Ok(dir) = std::env::var("CHAOS_PG_BINDIR") {
-        return Ok(PathBuf::from(dir));
+        let dir = PathBuf::from(dir);
+        if dir.join("initdb").exists() && dir.join("postgres").exists() {
+            return Ok(dir);
+        }
+        return Err(BackendError::Unavailable { backend: "local", why: format!("CHAOS_PG_BINDIR={} holds no initdb and postgres", dir.display()) });
     }
     let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
         .into_iter()
@@ -64,7 +68,11 @@ fn pg_bindir() -> Result<PathBuf, BackendError> {
 
 fn rabbitmq_script() -> Result<PathBuf, BackendError> {
     if let Ok(p) = std::env::var("CHAOS_RABBITMQ_SERVER") {
-        return Ok(PathBuf::from(p));
+        let p = PathBuf::from(p);
+        if p.is_file() {
+            return Ok(p);
+        }
+        return Err(BackendError::Unavailable { backend: "local", why: format!("CHAOS_RABBITMQ_SERVER={} is no file", p.display()) });
     }
     // The Debian wrapper in /usr/sbin re-launches as the rabbitmq user via su, which would
     // make beam a grandchild; the real script keeps beam our direct child.

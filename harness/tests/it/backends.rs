@@ -290,3 +290,73 @@ fn tempdir() -> std::path::PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// Issue 24's newcomer: Docker and no PostgreSQL or RabbitMQ server binaries (the local
+/// backend's settings point at nothing, as on a machine without them). `auto` picks the
+/// containers backend, and a scenario runs there and meets its expectations. Skipped
+/// where no Docker engine answers.
+#[tokio::test]
+async fn a_newcomer_with_docker_and_no_server_binaries_runs_on_containers() {
+    if craig_chaos::backend::containers::probe().await.is_err() {
+        eprintln!("skipped: no Docker engine answers");
+        return;
+    }
+    let empty = tempdir().join("no-servers");
+    std::fs::create_dir_all(&empty).unwrap();
+    let report = tempdir().join("newcomer-report");
+    let scenario = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios/lost-confirm.toml");
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_chaos"))
+        .args(["run", scenario.to_str().unwrap(), "--seed", "7", "--report", report.to_str().unwrap()])
+        .env_remove("CHAOS_BACKEND")
+        .env("CHAOS_PG_BINDIR", &empty)
+        .env("CHAOS_RABBITMQ_SERVER", empty.join("rabbitmq-server"))
+        .output()
+        .await
+        .unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{said}");
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(report.join("report.json")).unwrap()).unwrap();
+    let backends: Vec<&str> = json["scenarios"].as_array().unwrap().iter().map(|r| r["backend"].as_str().unwrap_or("?")).collect();
+    assert_eq!(backends, ["containers"], "{said}");
+}
+
+/// Issue 24's clean-up: a `chaos run` on containers killed with SIGKILL (no chance to clean
+/// up) leaves its containers behind, labelled with its run; the next containers start
+/// removes them and their network. Skipped where no Docker engine answers.
+#[tokio::test]
+async fn a_killed_runs_containers_are_reaped_by_the_next_start() {
+    if craig_chaos::backend::containers::probe().await.is_err() {
+        eprintln!("skipped: no Docker engine answers");
+        return;
+    }
+    let docker = |args: Vec<String>| {
+        let out = std::process::Command::new("docker").args(&args).output().expect("the docker CLI");
+        assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect::<Vec<_>>()
+    };
+    let report = tempdir().join("killed-run-report");
+    let scenario = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios/lost-confirm.toml");
+    let mut run = tokio::process::Command::new(env!("CARGO_BIN_EXE_chaos"))
+        .args(["run", scenario.to_str().unwrap(), "--backend", "containers", "--report", report.to_str().unwrap()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let network = format!("craig-chaos-{}", run.id().unwrap());
+    let of_run = || docker(vec!["ps".into(), "-a".into(), "--filter".into(), format!("label={}={network}", craig_chaos::backend::containers::RUN_LABEL), "--format".into(), "{{.Names}}".into()]);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while of_run().len() < 3 {
+        assert!(Instant::now() < deadline, "the run never had its three containers up");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    run.start_kill().unwrap();
+    run.wait().await.unwrap();
+    assert_eq!(of_run().len(), 3, "a SIGKILLed run leaves its containers behind");
+
+    let (backend, _) = Backend::start(BackendKind::Containers, "reaper", &["cases"]).await.unwrap();
+    assert!(of_run().is_empty(), "the next start removed the killed run's containers");
+    let networks = docker(vec!["network".into(), "ls".into(), "--format".into(), "{{.Name}}".into()]);
+    assert!(!networks.contains(&network), "and its network");
+    backend.stop().await.unwrap();
+}
