@@ -8,10 +8,12 @@
 //! - `CHAOS_BACKEND`: auto (default), local, external or containers.
 //! - `CHAOS_SCENARIOS`: another folder (or file) of scenarios.
 //!
-//! - The containers backend (issue 24): where a Docker engine answers and `CHAOS_BACKEND` is
-//!   not `containers` already, [`CONTAINERS_SUBSET`] runs on it too, as
-//!   `containers::<name>` (one scenario per fault kind, and twins); without an engine those
-//!   tests are listed and ignored, so a run says the backend went untested.
+//! - The containers backend (issue 24): where a Docker engine answers, its images are set up
+//!   (`CHAOS_TOXIPROXY_IMAGE`, which `ci/images/build` prints: a link fault needs our
+//!   Toxiproxy-API server's counters) and `CHAOS_BACKEND` is not `containers` already,
+//!   [`CONTAINERS_SUBSET`] runs on it too, as `containers::<name>` (one scenario per fault
+//!   kind, and twins); otherwise those tests are listed and ignored, so a run says the
+//!   backend went untested.
 //!
 //! A test passes when the scenario met every expectation; it fails with the verdict lines,
 //! the unmet invariants' counts and witnesses, the report folder and the commands that
@@ -165,8 +167,9 @@ fn main() -> ExitCode {
 struct Docker(std::cell::OnceCell<bool>);
 
 impl Docker {
+    /// An engine answers, and the images are set up (`CHAOS_TOXIPROXY_IMAGE`).
     fn answers(&self) -> bool {
-        *self.0.get_or_init(docker_answers)
+        *self.0.get_or_init(|| std::env::var_os("CHAOS_TOXIPROXY_IMAGE").is_some() && docker_answers())
     }
 }
 

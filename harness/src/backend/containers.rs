@@ -12,10 +12,11 @@
 //! management API. Every host port is fixed for the run, so a restarted container keeps
 //! them.
 //!
-//! Faults: kill = `docker stop -t 0` (SIGKILL), restart = `docker start` on the same
-//! container (data kept), pause = `docker pause`. Every container carries the run's label
-//! ([`RUN_LABEL`]); those of a run whose process is gone are removed before a run starts
-//! ([`reap_leftovers`]).
+//! Faults: kill = `docker kill` (SIGKILL, no shutdown), restart = `docker start` on the same
+//! container (data kept) and a wait until its server serves, pause = `docker pause`; each
+//! with the engine's own word as evidence (`docker inspect`). Every container carries the
+//! run's labels ([`RUN_LABEL`], [`HOST_LABEL`], [`PID_LABEL`]); those of a run of this
+//! machine whose process is gone are removed before a run starts ([`reap_leftovers`]).
 
 use std::time::Duration;
 
@@ -180,33 +181,56 @@ impl HostPorts {
     }
 }
 
-/// The label every container of a run carries, its value the run's network: what
-/// [`reap_leftovers`] looks for.
+/// The labels every container of a run carries: the run's network, and the machine (its
+/// boot id) and process that started it. [`reap_leftovers`] removes only those of this
+/// machine whose process is gone: an engine shared with other machines or PID namespaces
+/// (a remote `DOCKER_HOST`, CI jobs on one socket) keeps theirs.
 pub const RUN_LABEL: &str = "craig-chaos.run";
+pub const HOST_LABEL: &str = "craig-chaos.host";
+pub const PID_LABEL: &str = "craig-chaos.pid";
+
+/// This machine's boot id (`/proc/sys/kernel/random/boot_id`); None where there is none,
+/// and then nothing is ever reaped.
+fn host_id() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty())
+}
+
+/// A run's labels on a container request.
+fn labelled<I: testcontainers::Image>(r: ContainerRequest<I>, network: &str) -> ContainerRequest<I> {
+    r.with_label(RUN_LABEL, network)
+        .with_label(HOST_LABEL, host_id().unwrap_or_else(|| "unknown".into()))
+        .with_label(PID_LABEL, std::process::id().to_string())
+}
 
 pub fn postgres_request(network: &str, image: &ImageRef, ports: &HostPorts) -> ContainerRequest<Postgres> {
-    Postgres::default()
+    let r = Postgres::default()
         .with_host_auth()
         .with_name(image.name.clone())
         .with_tag(image.tag.clone())
         .with_network(network)
         .with_container_name(format!("{POSTGRES_HOST}-{network}"))
         .with_mapped_port(ports.postgres, 5432.tcp())
-        .with_label(RUN_LABEL, network)
-        .with_startup_timeout(Duration::from_secs(60))
+        .with_startup_timeout(Duration::from_secs(60));
+    labelled(r, network)
 }
 
 pub fn rabbitmq_request(network: &str, image: &ImageRef, ports: &HostPorts) -> ContainerRequest<RabbitMq> {
-    RabbitMq::default()
+    let r = RabbitMq::default()
         .with_name(image.name.clone())
         .with_tag(image.tag.clone())
         .with_network(network)
         .with_container_name(format!("{RABBITMQ_HOST}-{network}"))
         .with_mapped_port(ports.amqp, 5672.tcp())
         .with_mapped_port(ports.management, 15672.tcp())
-        .with_label(RUN_LABEL, network)
-        .with_startup_timeout(Duration::from_secs(90))
+        // The management API's counts are samples, every 5 s by default: the drain's unacked
+        // count must be fresher than its 1 s quiet window.
+        .with_env_var("RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS", format!("-rabbit collect_statistics_interval {STATS_INTERVAL_MS}"))
+        .with_startup_timeout(Duration::from_secs(90));
+    labelled(r, network)
 }
+
+/// How often the RabbitMQ container's management API samples its counts (ms).
+pub const STATS_INTERVAL_MS: u64 = 250;
 
 /// The official Toxiproxy image, or `craig-chaos/toxiproxy-api` (`chaos proxy --api
 /// 0.0.0.0:8474` as its entrypoint): the same API, ports and readiness line. Every link
@@ -218,46 +242,48 @@ pub fn toxiproxy_request(network: &str, image: &ImageRef, ports: &HostPorts) -> 
         .with_network(network)
         .with_container_name(format!("craig-toxiproxy-{network}"))
         .with_mapped_port(ports.toxiproxy_api, TOXIPROXY_API_PORT.tcp())
-        .with_label(RUN_LABEL, network)
         .with_startup_timeout(Duration::from_secs(60));
     for (inside, host) in &ports.proxies {
         r = r.with_mapped_port(*host, inside.tcp());
     }
-    r
+    labelled(r, network)
 }
 
-/// Containers and networks of runs whose process is gone (a killed `chaos run` leaves them:
-/// its network is `craig-chaos-<pid>`), removed before a run starts, through the docker
-/// CLI; best effort, each step bounded.
+/// Containers and networks of runs of THIS machine whose process is gone (a SIGKILLed
+/// `chaos run` leaves them), removed before a run starts, through the docker CLI; best
+/// effort, each step bounded.
 pub async fn reap_leftovers() {
-    let docker = |args: Vec<String>| async move {
-        let out = tokio::time::timeout(Duration::from_secs(30), tokio::process::Command::new("docker").args(&args).kill_on_drop(true).output()).await;
-        match out {
-            Ok(Ok(o)) if o.status.success() => String::from_utf8_lossy(&o.stdout).lines().map(str::to_owned).collect::<Vec<_>>(),
-            _ => Vec::new(),
-        }
-    };
-    let listed = docker(vec!["ps".into(), "-a".into(), "--filter".into(), format!("label={RUN_LABEL}"), "--format".into(), format!("{{{{.ID}}}} {{{{.Label \"{RUN_LABEL}\"}}}}")]).await;
+    let Some(host) = host_id() else { return };
+    let format = format!("{{{{.ID}}}} {{{{.Label \"{HOST_LABEL}\"}}}} {{{{.Label \"{PID_LABEL}\"}}}} {{{{.Label \"{RUN_LABEL}\"}}}}");
+    let listed = docker(&["ps", "-a", "--filter", &format!("label={RUN_LABEL}"), "--format", &format]).await.unwrap_or_default();
     let mut dead_networks = std::collections::BTreeSet::new();
-    for line in listed {
-        let Some((id, network)) = line.split_once(' ') else { continue };
-        if leftover(network) {
-            docker(vec!["rm".into(), "-f".into(), "-v".into(), id.to_owned()]).await;
+    for line in listed.lines() {
+        let mut f = line.split(' ');
+        let (Some(id), Some(on), Some(pid), Some(network)) = (f.next(), f.next(), f.next(), f.next()) else { continue };
+        if on == host && pid.parse::<i32>().is_ok_and(process_gone) {
+            let _ = docker(&["rm", "-f", "-v", id]).await;
             dead_networks.insert(network.to_owned());
         }
     }
     for network in dead_networks {
-        docker(vec!["network".into(), "rm".into(), network.clone()]).await;
+        let _ = docker(&["network", "rm", &network]).await;
         tracing::info!(event = "chaos.containers_reaped", network = %network, "removed the containers of a run whose process is gone");
     }
 }
 
-/// Whether `network` (`craig-chaos-<pid>`) belongs to a process that is gone.
-fn leftover(network: &str) -> bool {
-    match network.strip_prefix("craig-chaos-").and_then(|p| p.parse::<i32>().ok()) {
-        Some(pid) if pid as u32 == std::process::id() => false,
-        Some(pid) => !std::path::Path::new(&format!("/proc/{pid}")).exists(),
-        None => false,
+/// Whether process `pid` of this machine is gone (never this process).
+fn process_gone(pid: i32) -> bool {
+    pid as u32 != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// `docker ARGS` through the CLI, bounded (30 s); its stdout, or why it failed.
+async fn docker(args: &[&str]) -> Result<String, String> {
+    let run = tokio::process::Command::new("docker").args(args).kill_on_drop(true).output();
+    match tokio::time::timeout(Duration::from_secs(30), run).await {
+        Ok(Ok(o)) if o.status.success() => Ok(String::from_utf8_lossy(&o.stdout).into_owned()),
+        Ok(Ok(o)) => Err(format!("docker {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim())),
+        Ok(Err(e)) => Err(format!("docker CLI not runnable: {e}")),
+        Err(_) => Err(format!("docker {}: no answer within 30 s", args.join(" "))),
     }
 }
 
@@ -280,7 +306,8 @@ impl ContainersBackend {
     pub async fn start(services: &[&str]) -> Result<Self, BackendError> {
         let images = Images::from_env()?;
         reap_leftovers().await;
-        let network = format!("craig-chaos-{}", std::process::id());
+        // The pid and a random part: unique on this machine and on an engine it shares.
+        let network = format!("craig-chaos-{}-{}", std::process::id(), &uuid::Uuid::now_v7().simple().to_string()[24..]);
         let ports = HostPorts::pick()?;
         let postgres = postgres_request(&network, &images.postgres, &ports).start().await.map_err(tc("starting the postgres container"))?;
         let rabbitmq = rabbitmq_request(&network, &images.rabbitmq, &ports).start().await.map_err(tc("starting the rabbitmq container"))?;
@@ -365,7 +392,8 @@ impl ContainersBackend {
         Ok(total)
     }
 
-    /// The run's Docker network (`craig-chaos-<pid>`); every container's name ends with it.
+    /// The run's Docker network (`craig-chaos-<pid>-<random>`); every container's name ends
+    /// with it.
     pub fn network(&self) -> &str {
         &self.network
     }
@@ -375,32 +403,81 @@ impl ContainersBackend {
         format!("http://127.0.0.1:{}", self.ports.toxiproxy_api)
     }
 
-    async fn container_op(&self, t: Target, op: &'static str) -> Result<(), BackendError> {
-        let what = format!("{op} the {t} container");
-        let r = match (t, op) {
-            (Target::Database, "kill") => self.postgres.stop_with_timeout(Some(0)).await,
-            (Target::Broker, "kill") => self.rabbitmq.stop_with_timeout(Some(0)).await,
-            (Target::Database, "start") => self.postgres.start().await,
-            (Target::Broker, "start") => self.rabbitmq.start().await,
-            (Target::Database, "pause") => self.postgres.pause().await,
-            (Target::Broker, "pause") => self.rabbitmq.pause().await,
-            (Target::Database, _) => self.postgres.unpause().await,
-            (Target::Broker, _) => self.rabbitmq.unpause().await,
-        };
-        r.map_err(|e| BackendError::failed(what, e))
+    /// The container of `t`.
+    fn id(&self, t: Target) -> &str {
+        match t {
+            Target::Database => self.postgres.id(),
+            Target::Broker => self.rabbitmq.id(),
+        }
     }
 
-    pub async fn kill(&mut self, t: Target) -> Result<(), BackendError> {
-        self.container_op(t, "kill").await
+    /// `docker kill` (SIGKILL: no shutdown, as a crash) of the target's container; the
+    /// evidence is the engine's own word that it is not running, with its exit code.
+    pub async fn kill(&mut self, t: Target) -> Result<Option<String>, BackendError> {
+        let id = self.id(t).to_owned();
+        docker(&["kill", &id]).await.map_err(|e| BackendError::failed(format!("killing the {t} container"), e))?;
+        let state = docker(&["inspect", "-f", "{{.State.Running}} {{.State.ExitCode}}", &id]).await.unwrap_or_default();
+        Ok(match state.trim().split_once(' ') {
+            Some(("false", code)) => Some(format!("container of the {t} killed (docker inspect: not running, exit {code})")),
+            _ => None,
+        })
     }
 
-    /// `docker start` of the killed container: the same data and the same host ports.
+    /// `docker start` of the killed container (the same data and the same host ports),
+    /// then wait until its server serves again, as the local backend does: a database out of
+    /// crash recovery (60 s), a broker that takes a login (90 s).
     pub async fn restart(&mut self, t: Target) -> Result<(), BackendError> {
-        self.container_op(t, "start").await
+        let id = self.id(t).to_owned();
+        docker(&["start", &id]).await.map_err(|e| BackendError::failed(format!("starting the {t} container"), e))?;
+        let (bound, deadline) = match t {
+            Target::Database => (Duration::from_secs(60), tokio::time::Instant::now() + Duration::from_secs(60)),
+            Target::Broker => (Duration::from_secs(90), tokio::time::Instant::now() + Duration::from_secs(90)),
+        };
+        loop {
+            let serving = match t {
+                Target::Database => {
+                    use sqlx::Connection as _;
+                    let url = format!("postgres://postgres@127.0.0.1:{}/postgres", self.ports.postgres);
+                    match tokio::time::timeout(Duration::from_secs(3), sqlx::PgConnection::connect(&url)).await {
+                        Ok(Ok(c)) => {
+                            let _ = c.close().await;
+                            true
+                        }
+                        _ => false,
+                    }
+                }
+                Target::Broker => {
+                    let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.ports.amqp);
+                    match craig_mq::publisher::connect_within(&url, 0, "chaos-ready-check", Duration::from_secs(3)).await {
+                        Ok(c) => {
+                            let _ = tokio::time::timeout(Duration::from_secs(2), c.close(200, "ready".into())).await;
+                            true
+                        }
+                        Err(_) => false,
+                    }
+                }
+            };
+            if serving {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(BackendError::failed(format!("restarting the {t} container"), format!("not serving within {bound:?}")));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 
-    pub async fn pause(&mut self, t: Target, paused: bool) -> Result<(), BackendError> {
-        self.container_op(t, if paused { "pause" } else { "unpause" }).await
+    /// `docker pause` / `unpause` (the cgroup freezer); on a pause, the evidence is the
+    /// engine's own word that the container is paused.
+    pub async fn pause(&mut self, t: Target, paused: bool) -> Result<Option<String>, BackendError> {
+        let id = self.id(t).to_owned();
+        let op = if paused { "pause" } else { "unpause" };
+        docker(&[op, &id]).await.map_err(|e| BackendError::failed(format!("{op} the {t} container"), e))?;
+        if !paused {
+            return Ok(None);
+        }
+        let state = docker(&["inspect", "-f", "{{.State.Paused}}", &id]).await.unwrap_or_default();
+        Ok((state.trim() == "true").then(|| format!("container of the {t} paused (docker inspect: paused)")))
     }
 
     /// Remove the run's containers (and with the last of them its network: testcontainers
@@ -433,6 +510,8 @@ mod tests {
         let r = postgres_request("net1", &Images::default().postgres, &ports());
         assert_eq!(published(&r), [(11001, 5432)], "a fixed host port: a restart keeps it");
         assert_eq!(r.labels().get(RUN_LABEL).map(String::as_str), Some("net1"));
+        assert_eq!(r.labels().get(PID_LABEL), Some(&std::process::id().to_string()));
+        assert_eq!(r.labels().get(HOST_LABEL).cloned(), host_id().or(Some("unknown".into())));
         assert_eq!(r.image().name(), "postgres");
         assert_eq!(r.descriptor(), format!("postgres:{POSTGRES_TAG}"));
         assert_eq!(r.network().as_deref(), Some("net1"));
@@ -447,6 +526,8 @@ mod tests {
         let r = rabbitmq_request("net1", &Images::default().rabbitmq, &ports());
         assert_eq!(r.descriptor(), format!("rabbitmq:{RABBITMQ_TAG}"));
         assert_eq!(published(&r), [(11002, 5672), (11003, 15672)]);
+        let env: Vec<_> = r.env_vars().map(|(k, v)| (k.into_owned(), v.into_owned())).collect();
+        assert!(env.contains(&("RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS".into(), format!("-rabbit collect_statistics_interval {STATS_INTERVAL_MS}"))), "{env:?}");
         assert_eq!(r.container_name().as_deref(), Some("craig-rabbitmq-net1"));
         assert!(format!("{:?}", r.ready_conditions()).contains("Server startup complete"));
     }

@@ -191,6 +191,12 @@ pub enum Backend {
 impl Backend {
     /// Start `kind` (resolving `auto`) with one database per service. Prints the choice.
     pub async fn start(requested: BackendKind, run_label: &str, services: &[&str]) -> Result<(Backend, Choice), BackendError> {
+        let choice = Self::resolve(requested).await?;
+        Self::start_chosen(choice, run_label, services).await
+    }
+
+    /// Which backend `requested` means here (`auto` resolved by probing), nothing started.
+    pub async fn resolve(requested: BackendKind) -> Result<Choice, BackendError> {
         let local_probe = local::probe();
         let docker_probe = if matches!(requested, BackendKind::Containers)
             || (matches!(requested, BackendKind::Auto) && local_probe.is_err())
@@ -199,7 +205,11 @@ impl Backend {
         } else {
             Err("not probed".into())
         };
-        let choice = choose(requested, local_probe, docker_probe)?;
+        choose(requested, local_probe, docker_probe)
+    }
+
+    /// Start the backend [`resolve`](Self::resolve) chose.
+    pub async fn start_chosen(choice: Choice, run_label: &str, services: &[&str]) -> Result<(Backend, Choice), BackendError> {
         let backend = match choice.kind {
             BackendKind::Local => Backend::Local(local::LocalBackend::start(services).await?),
             BackendKind::External => Backend::External(external::ExternalBackend::start(run_label, services).await?),
@@ -232,7 +242,7 @@ impl Backend {
         match self {
             Backend::Local(b) => Ok(b.kill(target).await?.map(|pid| format!("pid {pid} (and its process group) died"))),
             Backend::External(_) => Err(external::unsupported("kill", target)),
-            Backend::Containers(b) => b.kill(target).await.map(|()| Some(format!("container of the {target} killed"))),
+            Backend::Containers(b) => b.kill(target).await,
         }
     }
 
@@ -252,9 +262,7 @@ impl Backend {
         match self {
             Backend::Local(b) => b.pause(target, paused).await,
             Backend::External(_) => Err(external::unsupported(if paused { "pause" } else { "resume" }, target)),
-            Backend::Containers(b) => {
-                b.pause(target, paused).await.map(|()| paused.then(|| format!("container of the {target} paused")))
-            }
+            Backend::Containers(b) => b.pause(target, paused).await,
         }
     }
 

@@ -27,6 +27,25 @@ fn cuts_off_database(tag: &str, label: &str, replica: &str) -> bool {
     }
 }
 
+/// Whether fault `tag` can lose the answer to a statement `replica` had already sent, so
+/// that its work committed though the handler heard an error: the database killed (after the
+/// commit, before the answer), this replica's own link down, or a toxic on it that breaks its
+/// connections (`timeout`, `reset_peer`, `limit_data`). A pause or a slowed link delivers
+/// the answer late, never loses it: a 503 under one is a pool that gave no connection, and
+/// nothing was sent.
+fn loses_answers(tag: &str, label: &str, replica: &str) -> bool {
+    let own_link = |link: &str| link.strip_prefix(replica) == Some("->database");
+    match tag.strip_prefix("fault:").and_then(|t| t.split_once(' ')) {
+        Some(("kill", "database")) => true,
+        Some(("down", link)) => own_link(link),
+        Some(("toxic", link)) if own_link(link) => {
+            let what = label.split_once(" (").map_or("", |(_, rest)| rest.trim_end_matches(')'));
+            matches!(what.split_whitespace().next(), Some("timeout" | "reset_peer" | "limit_data"))
+        }
+        _ => false,
+    }
+}
+
 /// Whether a fault of `spans` (`History::fault_spans`) cut `replica` off its database at
 /// `t` (`cuts_off_database`, with the windows' slack).
 fn cut_off_at(spans: &[(String, String, u64, u64)], replica: &str, t: u64) -> bool {
@@ -57,8 +76,8 @@ struct Attempt {
 ///   residue, a sentinel finalize that itself fails, is excused the same way when a fault
 ///   cut the run's replica off its database at the run's commit (`cut_off_at`) and an
 ///   attempt it could have served (unanswered; a live 200, since a failed finalize still
-///   relays the body; or a 503 inside the cut, since an INSERT whose acknowledgement the cut
-///   lost committed all the same) went out before the run. Both only as the database recorded it
+///   relays the body; or a 503 under a fault that loses answers (`loses_answers`), since an
+///   INSERT whose acknowledgement was lost committed all the same) went out before the run. Both only as the database recorded it
 ///   (`Event::ClaimVersion`, the harness's trigger): the first run's generation never left
 ///   `processing`, and the re-run's was claimed no sooner than that claim expired.
 ///   Anything else is `kind:executed_twice`.
@@ -100,10 +119,13 @@ pub fn sentinel_integrity(h: &History) -> Verdict {
         };
         let compat = h.compat_at(replica, e.t_ms);
         let no_answer = (status.is_none() || (*status == Some(200) && body_sha256.is_none())) && !*gone;
-        // A 503 inside a database cut may have been served too: the handler's INSERT can
-        // commit with its acknowledgement lost to the cut, and the handler then answers 503
-        // (the live path's `failed` finalize fails as well, the row stays `processing`).
-        let servable = status.is_none() || (*status == Some(200) && !*replayed) || (*status == Some(503) && cut_off_at(&spans, replica, e.t_ms));
+        // A 503 under a fault that loses answers may have been served too: the handler's
+        // INSERT can commit with its acknowledgement lost, and the handler then answers 503
+        // marked `OutcomeUnknown`, which keeps the claim `processing` (`loses_answers`).
+        let loses = spans.iter().any(|(tag, label, from, to)| {
+            from.saturating_sub(WINDOW_SLACK_MS) <= e.t_ms && e.t_ms <= to.saturating_add(WINDOW_SLACK_MS) && loses_answers(tag, label, replica)
+        });
+        let servable = status.is_none() || (*status == Some(200) && !*replayed) || (*status == Some(503) && loses);
         if replica != "none" && (no_answer || servable) {
             attempts.entry((key.as_str(), *size, replica.as_str())).or_default().push(Attempt { sent: e.t_ms, no_answer, servable });
         }

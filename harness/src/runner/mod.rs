@@ -432,9 +432,13 @@ async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: 
     use anyhow::Context as _;
     let services: Vec<String> = s.fleet.keys().cloned().collect();
     let svc_refs: Vec<&str> = services.iter().map(String::as_str).collect();
+    // A fault the chosen backend cannot do refuses the scenario before anything starts.
+    let chosen = Backend::resolve(opts.backend).await.context("choosing the backend")?;
+    result.backend = chosen.kind.name().to_owned();
+    faults::refuse_unsupported(s, chosen.kind)?;
     let (backend, choice): (Backend, Choice) =
         bounded(BACKEND_BOUND, "starting the backend", async {
-            Backend::start(opts.backend, &format!("{}-{seed}", s.name), &svc_refs).await.context("starting the backend")
+            Backend::start_chosen(chosen, &format!("{}-{seed}", s.name), &svc_refs).await.context("starting the backend")
         })
         .await?;
     result.backend = choice.kind.name().to_owned();
@@ -463,8 +467,8 @@ fn schema_compat(s: &Scenario, svc: &str) -> craig_fleet::CompatSet {
 
 /// One run of `s` on a started backend, as named phases in order: [`deploy`] → [`start`]
 /// → [`load_and_faults`] → [`heal`] → [`drain`] → [`collect_all`]; the judging follows in
-/// [`run_scenario`] ([`judge`]). A fault the backend cannot do refuses the scenario first
-/// (`faults::refuse_unsupported`).
+/// [`run_scenario`] ([`judge`]). A fault the backend cannot do refused the scenario before
+/// the backend started (`faults::refuse_unsupported`, in [`execute`]).
 async fn drive(
     s: &Scenario,
     opts: &RunOptions,
@@ -474,8 +478,6 @@ async fn drive(
     metrics: &mut BTreeMap<String, BTreeMap<String, f64>>,
 ) -> anyhow::Result<()> {
     let ep = backend.lock().await.endpoints();
-    let kind = backend.lock().await.kind();
-    faults::refuse_unsupported(s, kind)?;
     let deployed = deploy(s, opts, seed, log, &ep, &backend).await?;
     let fleet = start(s, opts, seed, &ep, &backend, &deployed).await?;
     let writer = workload::Writer { s, log, replicas: &fleet.replicas, cases: &deployed.cases_pool, secret: &fleet.secret, exports: Default::default() };
@@ -596,6 +598,15 @@ async fn start(
             let name = format!("{svc}-{i}");
             let (db_listen, db_reach) = link().await?;
             let db = toxi.create_proxy(&format!("{name}->database"), &db_listen, &ep.database_addr).await?;
+            // A link fault proves it fired by the proxy's own counters; a Toxiproxy that
+            // keeps none (the official image) could never show it, so the scenario is
+            // refused before any replica starts.
+            if db.cut_connections.is_none() && s.faults.iter().any(|f| matches!(f.get_ref().kind, FaultKind::Toxic | FaultKind::Down)) {
+                anyhow::bail!(
+                    "the Toxiproxy at {} keeps no counters (the official image?), so a link fault could never prove it fired; use craig-chaos/toxiproxy-api (ci/images/build, CHAOS_TOXIPROXY_IMAGE)",
+                    toxi.base()
+                );
+            }
             let (mq_listen, mq_reach) = link().await?;
             let mq = toxi.create_proxy(&format!("{name}->broker"), &mq_listen, &ep.broker_addr).await?;
             let db_url = through(ep.database_url(svc).unwrap(), &db_reach.unwrap_or(db.listen));

@@ -80,6 +80,14 @@ async fn create_export(
     // The row's id is ours: a write whose acknowledgement the connection lost is read back
     // by it, never sent again (a second row would be a second export).
     let id = Uuid::now_v7();
+    // A connection first: a pool that gives none sent nothing, and the export was not made.
+    let mut conn = match state.pool.acquire().await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(event = "cases.export_failed", error = %e);
+            return error_response(StatusCode::SERVICE_UNAVAILABLE, "database unavailable; the export was not made");
+        }
+    };
     let mut written = lost_ack(
         sqlx::query(
             "INSERT INTO exports (id, size_bytes, idempotency_key, cache_key, generation, body_sha256, created_by, replica) \
@@ -93,10 +101,11 @@ async fn create_export(
         .bind(&digest)
         .bind(claims.sub)
         .bind(std::env::var("CRAIG_REPLICA").ok())
-        .execute(&state.pool)
+        .execute(&mut *conn)
         .await
         .map(drop),
     );
+    drop(conn);
     // The statement may have committed: the connection broke after it was sent. Read it
     // back (the pool waits out a short cut): found, the export was made and is answered.
     // Not found, an INSERT still in flight on the old connection may yet commit, so the
@@ -145,12 +154,18 @@ fn lost_ack<T>(r: Result<T, sqlx::Error>) -> Result<T, sqlx::Error> {
     }
 }
 
-/// Whether a failed statement may have committed: the connection broke with the statement
-/// sent (I/O, TLS, a protocol error, the connection's worker gone). A pool that gave no
-/// connection sent nothing, a value that could not be encoded was never sent, and a
-/// database error is the server's answer (the statement rolled back).
+/// Whether a statement sent on a connection the pool gave may have committed: the
+/// connection broke with it sent (I/O, TLS, a protocol error, the connection's worker gone),
+/// or the server said it is going away or the connection failed (SQLSTATE class 08, 57P01..
+/// 57P03: such a notice can follow a commit whose answer never came). A value that could not
+/// be encoded was never sent, and any other database error is the server's answer to the
+/// statement (it rolled back).
 fn outcome_unknown(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed)
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| c.starts_with("08") || matches!(c.as_ref(), "57P01" | "57P02" | "57P03")),
+        _ => false,
+    }
 }
 
 /// Request body. `id` is optional: a client (the harness) that names the referral can

@@ -14,8 +14,9 @@ use crate::scenario::{Fault, FaultTarget};
 pub(super) struct Terminate;
 
 impl Room for Terminate {
-    /// The application name, and the task terminating its backends until the hold ends.
-    type Applied = (String, tokio::task::JoinHandle<Vec<i32>>);
+    /// The application name, and the task terminating its backends until the hold ends
+    /// (aborted with the fault's own task: a failed run tears it down).
+    type Applied = (String, AbortOnDrop);
 
     fn supported(_: BackendKind, _: &FaultTarget) -> Result<(), &'static str> {
         Ok(())
@@ -60,12 +61,24 @@ impl Room for Terminate {
             pool.close().await;
             pids
         });
-        Ok((name, task))
+        Ok((name, AbortOnDrop(Some(task))))
     }
 
-    async fn heal(cx: &Cx, _: &Fault, _: &FaultTarget, (name, task): Self::Applied) -> anyhow::Result<()> {
-        let pids = task.await.context("the terminating task panicked")?;
+    async fn heal(cx: &Cx, _: &Fault, _: &FaultTarget, (name, mut task): Self::Applied) -> anyhow::Result<()> {
+        let pids = task.0.take().expect("held until healed").await.context("the terminating task panicked")?;
         cx.evidence((!pids.is_empty()).then(|| format!("{} backend(s) named {name} terminated (pids {pids:?})", pids.len())));
         Ok(())
+    }
+}
+
+/// The terminating loop, aborted when dropped before it was awaited (the fault's task
+/// aborted mid-hold): it must not go on cutting connections of a run being torn down.
+pub(super) struct AbortOnDrop(Option<tokio::task::JoinHandle<Vec<i32>>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(t) = self.0.take() {
+            t.abort();
+        }
     }
 }

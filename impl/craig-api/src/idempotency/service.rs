@@ -180,6 +180,11 @@ where
         // cannot vouch that nothing committed: then the claim is left to expire.
         if rparts.extensions.get::<super::OutcomeUnknown>().is_some() {
             tracing::warn!(event = "idempotency.outcome_unknown", cache_key = %ck, generation, status, "the handler's outcome is unknown: the claim stays processing until it expires");
+            // The key answers 409 until then: the client is told when to come back.
+            let mut rparts = rparts;
+            if !rparts.headers.contains_key(header::RETRY_AFTER) {
+                rparts.headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs(cfg.claim_ttl)));
+            }
             return Response::from_parts(rparts, rbody);
         }
         let outcome = store.finalize_failed(&ck, generation, status).await;

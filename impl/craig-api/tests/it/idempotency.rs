@@ -164,7 +164,9 @@ async fn a_non_2xx_of_unknown_outcome_keeps_the_claim_until_it_expires() {
     let s = Server::start("outcome_unknown", config()).await;
     let http = client();
     let url = format!("{}/unknown", s.base);
-    assert_eq!(post(&http, &url, Some("u"), vec![]).await.status(), 503);
+    let first = post(&http, &url, Some("u"), vec![]).await;
+    assert_eq!(first.status(), 503);
+    assert_eq!(first.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("2"), "told when the claim expires");
     let retry = post(&http, &url, Some("u"), vec![]).await;
     assert_eq!(retry.status(), 409, "the claim is kept, not freed");
     assert!(retry.headers().get("retry-after").is_some());
