@@ -127,10 +127,16 @@ impl Images {
     }
 }
 
-/// Whether a Docker engine answers (`DOCKER_HOST` or `/var/run/docker.sock`).
+/// The engine this backend uses: `DOCKER_HOST`, else the default socket.
+fn docker_host() -> String {
+    std::env::var("DOCKER_HOST").unwrap_or_else(|_| "unix:///var/run/docker.sock".into())
+}
+
+/// Whether a Docker engine answers (`DOCKER_HOST` or `/var/run/docker.sock`), and the
+/// `docker` CLI reaches it (the server faults and the reaper use it).
 pub async fn probe() -> Result<(), String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let host = std::env::var("DOCKER_HOST").unwrap_or_else(|_| "unix:///var/run/docker.sock".into());
+    let host = docker_host();
     let reply = async {
         let mut buf = Vec::new();
         if let Some(path) = host.strip_prefix("unix://") {
@@ -147,7 +153,9 @@ pub async fn probe() -> Result<(), String> {
         Ok::<_, std::io::Error>(buf)
     };
     match tokio::time::timeout(Duration::from_secs(3), reply).await {
-        Ok(Ok(buf)) if String::from_utf8_lossy(&buf).contains("OK") => Ok(()),
+        Ok(Ok(buf)) if String::from_utf8_lossy(&buf).contains("OK") => {
+            docker(&["version", "--format", "{{.Server.Version}}"]).await.map(drop).map_err(|e| format!("the engine at {host} answers, but the docker CLI does not reach it: {e}"))
+        }
         Ok(Ok(_)) => Err(format!("the Docker engine at {host} did not answer /_ping with OK")),
         Ok(Err(e)) => Err(format!("no Docker engine at {host} ({e}); install and start Docker to use this backend")),
         Err(_) => Err(format!("the Docker engine at {host} did not answer within 3 s")),
@@ -175,24 +183,29 @@ pub const PROXY_BASE_PORT: u16 = 20_000;
 
 impl HostPorts {
     pub fn pick() -> Result<Self, BackendError> {
-        let free = super::local::free_port;
+        let free = super::local::free_port_for_containers;
         let proxies = (0..PROXY_SLOTS).map(|i| Ok((PROXY_BASE_PORT + i, free()?))).collect::<Result<Vec<_>, BackendError>>()?;
         Ok(Self { postgres: free()?, amqp: free()?, management: free()?, toxiproxy_api: free()?, proxies })
     }
 }
 
-/// The labels every container of a run carries: the run's network, and the machine (its
-/// boot id) and process that started it. [`reap_leftovers`] removes only those of this
-/// machine whose process is gone: an engine shared with other machines or PID namespaces
-/// (a remote `DOCKER_HOST`, CI jobs on one socket) keeps theirs.
+/// The labels every container of a run carries: the run's network, and the machine and PID
+/// namespace (its boot id and namespace, [`host_id`]) and process that started it.
+/// [`reap_leftovers`] removes only those of this machine and namespace whose process is
+/// gone: an engine shared with other machines or PID namespaces (a remote `DOCKER_HOST`,
+/// CI jobs in containers on one socket) keeps theirs.
 pub const RUN_LABEL: &str = "craig-chaos.run";
 pub const HOST_LABEL: &str = "craig-chaos.host";
 pub const PID_LABEL: &str = "craig-chaos.pid";
 
-/// This machine's boot id (`/proc/sys/kernel/random/boot_id`); None where there is none,
-/// and then nothing is ever reaped.
+/// This machine's boot id (`/proc/sys/kernel/random/boot_id`) and this process's PID
+/// namespace (`/proc/self/ns/pid`): pids mean something only within both (CI jobs in
+/// containers on one host share the boot id, not the namespace). None where either is
+/// missing, and then nothing is ever reaped.
 fn host_id() -> Option<String> {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty())
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty())?;
+    let ns = std::fs::read_link("/proc/self/ns/pid").ok()?;
+    Some(format!("{boot}/{}", ns.display()))
 }
 
 /// A run's labels on a container request.
@@ -278,7 +291,8 @@ fn process_gone(pid: i32) -> bool {
 
 /// `docker ARGS` through the CLI, bounded (30 s); its stdout, or why it failed.
 async fn docker(args: &[&str]) -> Result<String, String> {
-    let run = tokio::process::Command::new("docker").args(args).kill_on_drop(true).output();
+    // The engine the probe asked (a CLI context could name another).
+    let run = tokio::process::Command::new("docker").args(args).env("DOCKER_HOST", docker_host()).kill_on_drop(true).output();
     match tokio::time::timeout(Duration::from_secs(30), run).await {
         Ok(Ok(o)) if o.status.success() => Ok(String::from_utf8_lossy(&o.stdout).into_owned()),
         Ok(Ok(o)) => Err(format!("docker {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim())),
@@ -434,13 +448,28 @@ impl ContainersBackend {
             Target::Broker => (Duration::from_secs(90), tokio::time::Instant::now() + Duration::from_secs(90)),
         };
         loop {
+            // A container that exited again (its server refused its data, or crashed at boot)
+            // will not serve: said at once, with its last log lines.
+            if docker(&["inspect", "-f", "{{.State.Running}}", &id]).await.is_ok_and(|r| r.trim() == "false") {
+                let tail = match tokio::time::timeout(
+                    Duration::from_secs(10),
+                    tokio::process::Command::new("docker").args(["logs", "--tail", "20", &id]).env("DOCKER_HOST", docker_host()).kill_on_drop(true).output(),
+                )
+                .await
+                {
+                    // Its server's output, both streams.
+                    Ok(Ok(o)) => format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)),
+                    _ => "(docker logs gave nothing)".to_owned(),
+                };
+                return Err(BackendError::failed(format!("restarting the {t} container"), format!("it exited again; its log ends:\n{tail}")));
+            }
             let serving = match t {
                 Target::Database => {
                     use sqlx::Connection as _;
                     let url = format!("postgres://postgres@127.0.0.1:{}/postgres", self.ports.postgres);
                     match tokio::time::timeout(Duration::from_secs(3), sqlx::PgConnection::connect(&url)).await {
                         Ok(Ok(c)) => {
-                            let _ = c.close().await;
+                            let _ = tokio::time::timeout(Duration::from_secs(2), c.close()).await;
                             true
                         }
                         _ => false,

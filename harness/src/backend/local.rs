@@ -93,7 +93,21 @@ fn rabbitmq_script() -> Result<PathBuf, BackendError> {
 /// would connect to itself (TCP simultaneous open) and keep the restart from binding. Out
 /// of that range, only another listener can take the port. (The proxy tests pick their
 /// listeners' ports here too: a disabled proxy re-listens on its port.)
+///
+/// The lower half of that range: the containers backend publishes its many fixed ports from
+/// the upper half ([`free_port_for_containers`]), so a killed private server's port, free
+/// while it is down, is never what a containers run starting meanwhile picks.
 pub fn free_port() -> Result<u16, BackendError> {
+    pick_port(false)
+}
+
+/// A free port from the upper half of the non-ephemeral range, for the containers backend's
+/// published ports (see [`free_port`]).
+pub fn free_port_for_containers() -> Result<u16, BackendError> {
+    pick_port(true)
+}
+
+fn pick_port(upper: bool) -> Result<u16, BackendError> {
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let (lo, hi) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
@@ -103,6 +117,8 @@ pub fn free_port() -> Result<u16, BackendError> {
         })
         .unwrap_or((32768, 60999));
     let (from, to) = non_ephemeral(lo, hi);
+    let mid = from + (to - from) / 2;
+    let (from, to) = if upper { (mid, to) } else { (from, mid) };
     let span = to - from;
     let start = (std::process::id().wrapping_mul(7919) + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) * 131) % span;
     for k in 0..span.min(2000) {
@@ -169,6 +185,12 @@ mod port_tests {
             })
             .unwrap_or((32768, 60999));
         assert!(!(lo..=hi).contains(&p), "{p} is in the ephemeral range {lo}-{hi}");
+        // Private servers and the containers' published ports never share a port.
+        let (from, to) = non_ephemeral(lo, hi);
+        let mid = from + (to - from) / 2;
+        assert!((from..mid).contains(&p), "{p} not in the lower half {from}..{mid}");
+        let c = u32::from(free_port_for_containers().unwrap());
+        assert!((mid..to).contains(&c), "{c} not in the upper half {mid}..{to}");
     }
 }
 

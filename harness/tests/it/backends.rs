@@ -335,7 +335,7 @@ async fn a_killed_runs_containers_are_reaped_by_the_next_start() {
         String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect::<Vec<_>>()
     };
     let report = tempdir().join("killed-run-report");
-    let scenario = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios/lost-confirm.toml");
+    let scenario = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios/broker-kill.toml");
     let mut run = tokio::process::Command::new(env!("CARGO_BIN_EXE_chaos"))
         .args(["run", scenario.to_str().unwrap(), "--backend", "containers", "--report", report.to_str().unwrap()])
         .stdout(std::process::Stdio::null())

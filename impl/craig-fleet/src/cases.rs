@@ -114,9 +114,17 @@ async fn create_export(
         && outcome_unknown(e)
     {
         tracing::warn!(event = "cases.export_outcome_unknown", export_id = %id, error = %e, "the export's write lost its acknowledgement: reading it back");
+        let server_closed = matches!(e, sqlx::Error::Database(_));
         let found = lost_ack(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM exports WHERE id = $1").bind(id).fetch_one(&state.pool).await);
-        if let Ok(1) = found {
-            written = Ok(());
+        match found {
+            Ok(1) => written = Ok(()),
+            // The server closed that connection itself (it said so): no INSERT of it is still
+            // in flight, so not found is final, and the export was not made.
+            Ok(_) if server_closed => {
+                tracing::error!(event = "cases.export_failed", export_id = %id, "the server closed the connection and the export is not there");
+                return error_response(StatusCode::SERVICE_UNAVAILABLE, "database unavailable; the export was not made");
+            }
+            _ => {}
         }
     }
     if let Err(e) = written {
@@ -156,14 +164,15 @@ fn lost_ack<T>(r: Result<T, sqlx::Error>) -> Result<T, sqlx::Error> {
 
 /// Whether a statement sent on a connection the pool gave may have committed: the
 /// connection broke with it sent (I/O, TLS, a protocol error, the connection's worker gone),
-/// or the server said it is going away or the connection failed (SQLSTATE class 08, 57P01..
-/// 57P03: such a notice can follow a commit whose answer never came). A value that could not
+/// or the server said it is going away or the connection failed (SQLSTATE class 08, 57P01,
+/// 57P02: such a notice can follow a commit whose answer never came; the read-back then
+/// decides, the server having closed that connection itself). A value that could not
 /// be encoded was never sent, and any other database error is the server's answer to the
 /// statement (it rolled back).
 fn outcome_unknown(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(db) => db.code().is_some_and(|c| c.starts_with("08") || matches!(c.as_ref(), "57P01" | "57P02" | "57P03")),
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| c.starts_with("08") || matches!(c.as_ref(), "57P01" | "57P02")),
         _ => false,
     }
 }
