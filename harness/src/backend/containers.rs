@@ -291,11 +291,20 @@ fn process_gone(pid: i32) -> bool {
 
 /// `docker ARGS` through the CLI, bounded (30 s); its stdout, or why it failed.
 async fn docker(args: &[&str]) -> Result<String, String> {
+    let o = docker_output(args).await?;
+    if o.status.success() {
+        Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+    } else {
+        Err(format!("docker {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim()))
+    }
+}
+
+/// `docker ARGS`, bounded (30 s), whatever its exit: both its streams.
+async fn docker_output(args: &[&str]) -> Result<std::process::Output, String> {
     // The engine the probe asked (a CLI context could name another).
     let run = tokio::process::Command::new("docker").args(args).env("DOCKER_HOST", docker_host()).kill_on_drop(true).output();
     match tokio::time::timeout(Duration::from_secs(30), run).await {
-        Ok(Ok(o)) if o.status.success() => Ok(String::from_utf8_lossy(&o.stdout).into_owned()),
-        Ok(Ok(o)) => Err(format!("docker {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim())),
+        Ok(Ok(o)) => Ok(o),
         Ok(Err(e)) => Err(format!("docker CLI not runnable: {e}")),
         Err(_) => Err(format!("docker {}: no answer within 30 s", args.join(" "))),
     }
@@ -443,24 +452,16 @@ impl ContainersBackend {
     pub async fn restart(&mut self, t: Target) -> Result<(), BackendError> {
         let id = self.id(t).to_owned();
         docker(&["start", &id]).await.map_err(|e| BackendError::failed(format!("starting the {t} container"), e))?;
-        let (bound, deadline) = match t {
-            Target::Database => (Duration::from_secs(60), tokio::time::Instant::now() + Duration::from_secs(60)),
-            Target::Broker => (Duration::from_secs(90), tokio::time::Instant::now() + Duration::from_secs(90)),
-        };
+        let bound = Duration::from_secs(if t == Target::Database { 60 } else { 90 });
+        let deadline = tokio::time::Instant::now() + bound;
         loop {
             // A container that exited again (its server refused its data, or crashed at boot)
             // will not serve: said at once, with its last log lines.
             if docker(&["inspect", "-f", "{{.State.Running}}", &id]).await.is_ok_and(|r| r.trim() == "false") {
-                let tail = match tokio::time::timeout(
-                    Duration::from_secs(10),
-                    tokio::process::Command::new("docker").args(["logs", "--tail", "20", &id]).env("DOCKER_HOST", docker_host()).kill_on_drop(true).output(),
-                )
-                .await
-                {
-                    // Its server's output, both streams.
-                    Ok(Ok(o)) => format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)),
-                    _ => "(docker logs gave nothing)".to_owned(),
-                };
+                // Its server's output, both streams.
+                let tail = docker_output(&["logs", "--tail", "20", &id])
+                    .await
+                    .map_or_else(|_| "(docker logs gave nothing)".to_owned(), |o| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)));
                 return Err(BackendError::failed(format!("restarting the {t} container"), format!("it exited again; its log ends:\n{tail}")));
             }
             let serving = match t {

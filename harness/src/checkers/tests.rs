@@ -1292,9 +1292,9 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
     assert_eq!(residue((56, 1_162), down, "503", 30_778), (1, None), "the cut lost the commit's acknowledgement: a 503 for committed work");
     assert_eq!(residue((56, 1_162), "cases-2->database", "503", 30_778), (0, Some(1)), "a 503 with another replica's link cut");
     assert_eq!(residue((56, 1_162), down, "503", 29_000), (0, Some(1)), "a 503, re-claimed before the claim expired");
-    // A killed database or a connection-breaking toxic on the replica's own link can lose
-    // the answer to a committed INSERT: a 503 under one may have been served.
-    for (kind, target) in [("kill", "database"), ("toxic", "cases-1->database (reset_peer upstream)"), ("toxic", "cases-1->database (timeout downstream)")] {
+    // A 503 to cases-1 under fault `kind` on `target`, its run under generation 1, and a re-run
+    // under generation 2 once that claim expired.
+    let answered_503_under = |kind: &str, target: &str| {
         let mut h = History::default();
         started(&mut h, 0, "cases-1", &[]);
         window(&mut h, (56, 1_162), kind, target);
@@ -1304,22 +1304,18 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
         claim(&mut h, 30_773, "f", 10, 2, "processing", 60_773);
         run(&mut h, 30_778, "f", 10, 2);
         h.sort();
-        let v = sentinel_integrity(&h);
+        sentinel_integrity(&h)
+    };
+    // A killed database or a connection-breaking toxic on the replica's own link can lose
+    // the answer to a committed INSERT: a 503 under one may have been served.
+    for (kind, target) in [("kill", "database"), ("toxic", "cases-1->database (reset_peer upstream)"), ("toxic", "cases-1->database (timeout downstream)")] {
+        let v = answered_503_under(kind, target);
         assert_eq!((v.counts["reexecuted_after_claim_expiry"], v.culprits.get("kind:executed_twice").copied()), (1, None), "{kind} {target}: {v:?}");
     }
     // A pause or a slowed link loses no answer: a 503 under one sent nothing (the pool gave
     // no connection), so it served no run, though it is an excused 503.
     for (kind, target) in [("pause", "database"), ("toxic", "cases-1->database (latency downstream)")] {
-        let mut h = History::default();
-        started(&mut h, 0, "cases-1", &[]);
-        window(&mut h, (56, 1_162), kind, target);
-        claim(&mut h, 56, "f", 10, 1, "processing", 30_056);
-        run(&mut h, 60, "f", 10, 1);
-        h.push(55, Event::HttpExchange { key: "f".into(), size: 10, replica: "cases-1".into(), status: Some(503), replayed: false, too_large: false, body_len: 0, body_sha256: None, cancelled: false, retry_after: None });
-        claim(&mut h, 30_773, "f", 10, 2, "processing", 60_773);
-        run(&mut h, 30_778, "f", 10, 2);
-        h.sort();
-        let v = sentinel_integrity(&h);
+        let v = answered_503_under(kind, target);
         assert_eq!((v.counts["reexecuted_after_claim_expiry"], v.culprits.get("kind:executed_twice").copied()), (0, Some(1)), "{kind} {target}: {v:?}");
         assert_eq!(v.counts["unavailable_during_database_fault"], 1, "{kind} {target}: the 503 itself is excused");
     }

@@ -441,7 +441,6 @@ async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: 
             Backend::start_chosen(chosen, &format!("{}-{seed}", s.name), &svc_refs).await.context("starting the backend")
         })
         .await?;
-    result.backend = choice.kind.name().to_owned();
     if opts.progress {
         eprintln!("  backend: {} ({})", choice.kind, choice.reason);
     }

@@ -274,15 +274,18 @@ async fn containers_backend_starts_keeps_data_across_a_restart_and_leaves_nothin
     };
     backend.stop().await.unwrap();
     // Nothing of the run is left: no container on its network, no network.
-    let docker = |args: &[&str]| {
-        let out = std::process::Command::new("docker").args(args).output().expect("the docker CLI (a Docker engine answers here)");
-        assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect::<Vec<_>>()
-    };
     let containers: Vec<String> = docker(&["ps", "-a", "--format", "{{.Names}}"]).into_iter().filter(|n| n.ends_with(&format!("-{network}"))).collect();
     assert!(containers.is_empty(), "containers of the run left behind: {containers:?}");
     let networks: Vec<String> = docker(&["network", "ls", "--format", "{{.Name}}"]).into_iter().filter(|n| *n == network).collect();
     assert!(networks.is_empty(), "the run's network left behind");
+}
+
+/// `docker ARGS` through the CLI (a Docker engine answers where this is called): its
+/// stdout's lines; a failed command fails the test.
+fn docker<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(args: &[S]) -> Vec<String> {
+    let out = std::process::Command::new("docker").args(args).output().expect("the docker CLI (a Docker engine answers here)");
+    assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect()
 }
 
 fn tempdir() -> std::path::PathBuf {
@@ -329,11 +332,6 @@ async fn a_killed_runs_containers_are_reaped_by_the_next_start() {
         eprintln!("skipped: no Docker engine answers");
         return;
     }
-    let docker = |args: Vec<String>| {
-        let out = std::process::Command::new("docker").args(&args).output().expect("the docker CLI");
-        assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect::<Vec<_>>()
-    };
     let report = tempdir().join("killed-run-report");
     let scenario = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios/broker-kill.toml");
     let mut run = tokio::process::Command::new(env!("CARGO_BIN_EXE_chaos"))
@@ -347,7 +345,7 @@ async fn a_killed_runs_containers_are_reaped_by_the_next_start() {
     let pid = run.id().unwrap();
     // (container, its run's network) of the run's containers, by the pid it labels them with.
     let of_run = || {
-        docker(vec!["ps".into(), "-a".into(), "--filter".into(), format!("label={PID_LABEL}={pid}"), "--format".into(), format!("{{{{.Names}}}} {{{{.Label \"{RUN_LABEL}\"}}}}")])
+        docker(&["ps".into(), "-a".into(), "--filter".into(), format!("label={PID_LABEL}={pid}"), "--format".into(), format!("{{{{.Names}}}} {{{{.Label \"{RUN_LABEL}\"}}}}")])
     };
     let deadline = Instant::now() + Duration::from_secs(120);
     while of_run().len() < 3 {
@@ -362,7 +360,7 @@ async fn a_killed_runs_containers_are_reaped_by_the_next_start() {
 
     let (backend, _) = Backend::start(BackendKind::Containers, "reaper", &["cases"]).await.unwrap();
     assert!(of_run().is_empty(), "the next start removed the killed run's containers");
-    let networks = docker(vec!["network".into(), "ls".into(), "--format".into(), "{{.Name}}".into()]);
+    let networks = docker(&["network", "ls", "--format", "{{.Name}}"]);
     assert!(!networks.contains(&network), "and its network");
     backend.stop().await.unwrap();
 }

@@ -56,29 +56,28 @@ pub const FAULTS: &[&str] = &["exports::commit_ack_lost"];
 /// `failpoints`); it says so when it does (`failpoint.fault`).
 #[inline]
 pub fn fault(name: &'static str) -> bool {
-    #[cfg(feature = "failpoints")]
-    if let Some(Some(arg)) = fail::eval(name, |arg| arg) {
-        if arg == "on" {
-            tracing::warn!(event = "failpoint.fault", failpoint = name, "test-only fault fired");
-            return true;
-        }
-    }
-    let _ = name;
-    false
+    armed(name, "failpoint.fault")
 }
 
 /// Whether mutant `name` is armed (always false without feature `failpoints`). Each time it
 /// changes behaviour it says so (`failpoint.mutant`): the evidence that it fired.
 #[inline]
 pub fn mutant(name: &'static str) -> bool {
+    armed(name, "failpoint.mutant")
+}
+
+/// Whether failpoint `name` answers `return(on)` on this hit; if so, logs `event` (the
+/// evidence the harness reads). Always false without feature `failpoints`.
+#[inline]
+fn armed(name: &'static str, event: &'static str) -> bool {
     #[cfg(feature = "failpoints")]
     if let Some(Some(arg)) = fail::eval(name, |arg| arg) {
         if arg == "on" {
-            tracing::warn!(event = "failpoint.mutant", failpoint = name, "test-only mutant changed behaviour");
+            tracing::warn!(event, failpoint = name, "test-only failpoint changed behaviour");
             return true;
         }
     }
-    let _ = name;
+    let _ = (name, event);
     false
 }
 
