@@ -182,10 +182,20 @@ pub const PROXY_SLOTS: u16 = 24;
 pub const PROXY_BASE_PORT: u16 = 20_000;
 
 impl HostPorts {
-    pub fn pick() -> Result<Self, BackendError> {
-        let free = super::local::free_port_for_containers;
+    /// Picks the run's ports, each leased ([`super::local::PortLease`]) so no other run on
+    /// the machine picks one while a killed container has let it go: hold the leases for
+    /// the run.
+    pub fn pick() -> Result<(Self, Vec<super::local::PortLease>), BackendError> {
+        let mut leases = Vec::new();
+        let mut free = || {
+            let lease = super::local::lease_port_for_containers()?;
+            let port = lease.port();
+            leases.push(lease);
+            Ok::<_, BackendError>(port)
+        };
         let proxies = (0..PROXY_SLOTS).map(|i| Ok((PROXY_BASE_PORT + i, free()?))).collect::<Result<Vec<_>, BackendError>>()?;
-        Ok(Self { postgres: free()?, amqp: free()?, management: free()?, toxiproxy_api: free()?, proxies })
+        let ports = Self { postgres: free()?, amqp: free()?, management: free()?, toxiproxy_api: free()?, proxies };
+        Ok((ports, leases))
     }
 }
 
@@ -319,6 +329,7 @@ pub struct ContainersBackend {
     ports: HostPorts,
     /// Link slots handed out ([`ContainersBackend::proxy_listen`]).
     links: usize,
+    _leases: Vec<super::local::PortLease>,
 }
 
 fn tc(what: &str) -> impl Fn(testcontainers::TestcontainersError) -> BackendError + '_ {
@@ -331,12 +342,12 @@ impl ContainersBackend {
         reap_leftovers().await;
         // The pid and a random part: unique on this machine and on an engine it shares.
         let network = format!("craig-chaos-{}-{}", std::process::id(), &uuid::Uuid::now_v7().simple().to_string()[24..]);
-        let ports = HostPorts::pick()?;
+        let (ports, leases) = HostPorts::pick()?;
         let postgres = postgres_request(&network, &images.postgres, &ports).start().await.map_err(tc("starting the postgres container"))?;
         let rabbitmq = rabbitmq_request(&network, &images.rabbitmq, &ports).start().await.map_err(tc("starting the rabbitmq container"))?;
         let toxiproxy =
             toxiproxy_request(&network, &images.toxiproxy, &ports).start().await.map_err(tc("starting the toxiproxy container"))?;
-        let b = Self { network, postgres, rabbitmq, toxiproxy, services: services.iter().map(|s| s.to_string()).collect(), ports, links: 0 };
+        let b = Self { network, postgres, rabbitmq, toxiproxy, services: services.iter().map(|s| s.to_string()).collect(), ports, links: 0, _leases: leases };
         super::create_databases(b.ports.postgres, &b.services).await?;
         Ok(b)
     }

@@ -91,23 +91,85 @@ fn rabbitmq_script() -> Result<PathBuf, BackendError> {
 /// every outgoing connection (the replicas' proxies reconnecting, the readiness probe)
 /// draws its source port from the ephemeral range, and one that drew the server's own port
 /// would connect to itself (TCP simultaneous open) and keep the restart from binding. Out
-/// of that range, only another listener can take the port. (The proxy tests pick their
-/// listeners' ports here too: a disabled proxy re-listens on its port.)
+/// of that range, only another listener can take the port, and every port this crate picks
+/// is leased ([`PortLease`]), so no other run on the machine picks it meanwhile.
 ///
 /// The lower half of that range: the containers backend publishes its many fixed ports from
-/// the upper half ([`free_port_for_containers`]), so a killed private server's port, free
-/// while it is down, is never what a containers run starting meanwhile picks.
-pub fn free_port() -> Result<u16, BackendError> {
+/// the upper half ([`lease_port_for_containers`]).
+pub fn lease_port() -> Result<PortLease, BackendError> {
     pick_port(false)
 }
 
-/// A free port from the upper half of the non-ephemeral range, for the containers backend's
-/// published ports (see [`free_port`]).
-pub fn free_port_for_containers() -> Result<u16, BackendError> {
+/// A leased free port from the upper half of the non-ephemeral range, for the containers
+/// backend's published ports (see [`lease_port`]).
+pub fn lease_port_for_containers() -> Result<PortLease, BackendError> {
     pick_port(true)
 }
 
-fn pick_port(upper: bool) -> Result<u16, BackendError> {
+/// [`lease_port`] held for the rest of the process (tests' listeners).
+pub fn free_port() -> Result<u16, BackendError> {
+    let lease = lease_port()?;
+    let port = lease.port();
+    KEPT.lock().unwrap_or_else(|e| e.into_inner()).push(lease);
+    Ok(port)
+}
+
+static KEPT: std::sync::Mutex<Vec<PortLease>> = std::sync::Mutex::new(Vec::new());
+
+/// A port this process picked, reserved against every other process that picks ports here
+/// (any run of this crate on the machine: nextest runs many at once) until dropped: a lock
+/// on a file named after the port in a shared directory, which the kernel releases when the
+/// process dies. A port is free while its listener is closed (a server killed, a proxy
+/// link down), and without the lease another run could pick it then and keep it from coming
+/// back (seen: a connection to a disabled proxy's port answered, CI at 38ba52f). Where the
+/// directory cannot be used the port is picked without a lease.
+#[derive(Debug)]
+pub struct PortLease {
+    port: u16,
+    _lock: Option<std::fs::File>,
+}
+
+impl PortLease {
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+}
+
+/// The shared directory of port locks (one for every user: the ports are the machine's).
+fn lease_dir() -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = std::env::temp_dir().join("craig-chaos-ports");
+    if std::fs::create_dir(&dir).is_ok() {
+        let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777));
+    }
+    dir.is_dir().then_some(dir)
+}
+
+/// Leases `port` unless another process holds it (None); without a usable lock file the
+/// port is handed out unleased.
+fn try_lease(dir: Option<&Path>, port: u16) -> Option<PortLease> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let Some(dir) = dir else { return Some(PortLease { port, _lock: None }) };
+    let path = dir.join(port.to_string());
+    let file = match std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path) {
+        Ok(f) => {
+            let _ = f.set_permissions(std::fs::Permissions::from_mode(0o666));
+            f
+        }
+        // Made by another user and not writable: lock it for reading.
+        Err(_) => match std::fs::File::open(&path) {
+            Ok(f) => f,
+            Err(_) => return Some(PortLease { port, _lock: None }),
+        },
+    };
+    match file.try_lock() {
+        Ok(()) => Some(PortLease { port, _lock: Some(file) }),
+        Err(std::fs::TryLockError::WouldBlock) => None,
+        Err(std::fs::TryLockError::Error(_)) => Some(PortLease { port, _lock: None }),
+    }
+}
+
+fn pick_port(upper: bool) -> Result<PortLease, BackendError> {
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let (lo, hi) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
@@ -120,11 +182,15 @@ fn pick_port(upper: bool) -> Result<u16, BackendError> {
     let mid = from + (to - from) / 2;
     let (from, to) = if upper { (mid, to) } else { (from, mid) };
     let span = to - from;
+    let dir = lease_dir();
     let start = (std::process::id().wrapping_mul(7919) + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) * 131) % span;
     for k in 0..span.min(2000) {
         let port = (from + (start + k) % span) as u16;
+        // Leased first, so a port another run holds (its listener closed for a fault) is
+        // never probed, let alone picked.
+        let Some(lease) = try_lease(dir.as_deref(), port) else { continue };
         if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return Ok(port);
+            return Ok(lease);
         }
     }
     Err(BackendError::failed("finding a free port", format!("none free in {from}..{to} (outside the ephemeral range {lo}-{hi})")))
@@ -174,6 +240,18 @@ mod port_tests {
     }
 
     #[test]
+    fn a_leased_port_is_never_picked_again_until_its_lease_is_dropped() {
+        let dir = lease_dir().expect("the lease directory");
+        let held = lease_port().unwrap();
+        // Free to bind (no listener), yet another picker skips it.
+        assert!(std::net::TcpListener::bind(("127.0.0.1", held.port())).is_ok());
+        assert!(try_lease(Some(&dir), held.port()).is_none(), "{} leased twice", held.port());
+        let port = held.port();
+        drop(held);
+        assert_eq!(try_lease(Some(&dir), port).map(|l| l.port()), Some(port), "released with its lease");
+    }
+
+    #[test]
     fn private_server_ports_stay_out_of_the_ephemeral_range() {
         assert_eq!(non_ephemeral(32768, 60999), (10_000, 32768));
         assert_eq!(non_ephemeral(1024, 50000), (50001, 65_536));
@@ -189,7 +267,7 @@ mod port_tests {
         let (from, to) = non_ephemeral(lo, hi);
         let mid = from + (to - from) / 2;
         assert!((from..mid).contains(&p), "{p} not in the lower half {from}..{mid}");
-        let c = u32::from(free_port_for_containers().unwrap());
+        let c = u32::from(lease_port_for_containers().unwrap().port());
         assert!((mid..to).contains(&c), "{c} not in the upper half {mid}..{to}");
     }
 }
@@ -210,6 +288,8 @@ struct Server {
     run_as: Option<(Uid, Gid)>,
     log: PathBuf,
     child: Option<Child>,
+    /// Its ports, leased for as long as it may be restarted on them.
+    _ports: Vec<PortLease>,
 }
 
 impl Server {
@@ -665,7 +745,8 @@ fn pg_server(root: &Path) -> Result<(Server, u16), BackendError> {
     };
     let data = dir.join("data");
     cluster_from_template(&bindir, run_as, &dir, &data)?;
-    let port = free_port()?;
+    let lease = lease_port()?;
+    let port = lease.port();
     let server = Server {
         name: "PostgreSQL",
         program: bindir.join("postgres"),
@@ -682,6 +763,7 @@ fn pg_server(root: &Path) -> Result<(Server, u16), BackendError> {
         run_as,
         log: root.join("pg.log"),
         child: None,
+        _ports: vec![lease],
     };
     Ok((server, port))
 }
@@ -748,7 +830,8 @@ fn rmq_server(root: &Path) -> Result<(Server, u16), BackendError> {
     for sub in ["mnesia", "log", "home"] {
         std::fs::create_dir_all(dir.join(sub)).map_err(|e| BackendError::failed("creating rabbitmq dirs", e))?;
     }
-    let (port, dist) = (free_port()?, free_port()?);
+    let leases = vec![lease_port()?, lease_port()?];
+    let (port, dist) = (leases[0].port(), leases[1].port());
     let conf = dir.join("rabbitmq.conf");
     let definitions = dir.join("definitions.json");
     std::fs::write(&definitions, boot_definitions(root, port)?.to_string())
@@ -789,6 +872,7 @@ fn rmq_server(root: &Path) -> Result<(Server, u16), BackendError> {
         run_as: None,
         log: root.join("rabbitmq.log"),
         child: None,
+        _ports: leases,
     };
     Ok((server, port))
 }

@@ -109,7 +109,7 @@ async fn update(State(p): State<FaultProxy>, Path(name): Path<String>, body: axu
 }
 
 async fn delete(State(p): State<FaultProxy>, Path(name): Path<String>) -> ApiResult<StatusCode> {
-    p.delete(&name)?;
+    p.delete(&name).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

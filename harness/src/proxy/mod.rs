@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio::task::AbortHandle;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use client::ToxiproxyClient;
@@ -119,7 +119,7 @@ struct Proxy {
     enabled: bool,
     toxics: Vec<Toxic>,
     tx: watch::Sender<ToxicSet>,
-    accept: Option<AbortHandle>,
+    accept: Option<JoinHandle<()>>,
     /// Cancelling it cuts every live connection of this proxy.
     conns: CancellationToken,
     stats: Arc<Stats>,
@@ -145,13 +145,20 @@ impl Proxy {
         self.tx.send_replace(Arc::new(self.toxics.clone()));
     }
 
-    fn stop(&mut self) {
-        if let Some(h) = self.accept.take() {
+    /// Stops accepting and cuts live connections. The listener closes when the returned
+    /// accept task has ended: await it (see [`closed`]) before answering, so a client told
+    /// "disabled" or "deleted" can no longer connect (Toxiproxy closes its listener before
+    /// it answers).
+    #[must_use = "the listener is open until the accept task has ended"]
+    fn stop(&mut self) -> Option<JoinHandle<()>> {
+        let accept = self.accept.take();
+        if let Some(h) = &accept {
             h.abort();
         }
         self.stats.cut.fetch_add(self.stats.live.load(Ordering::Relaxed), Ordering::Relaxed);
         self.conns.cancel();
         self.conns = CancellationToken::new();
+        accept
     }
 }
 
@@ -204,37 +211,51 @@ impl FaultProxy {
         if enabled {
             proxy.accept = Some(self.spawn_accept(listener, &proxy));
         }
-        let mut map = self.proxies.lock().unwrap();
-        if map.contains_key(name) {
-            proxy.stop();
-            return Err(ProxyError::Exists(name.into()));
+        let raced = {
+            let mut map = self.proxies.lock().unwrap();
+            if map.contains_key(name) {
+                Err(proxy.stop())
+            } else {
+                let info = proxy.info(name);
+                map.insert(name.to_owned(), proxy);
+                Ok(info)
+            }
+        };
+        match raced {
+            Ok(info) => Ok(info),
+            Err(accept) => {
+                closed(accept).await;
+                Err(ProxyError::Exists(name.into()))
+            }
         }
-        let info = proxy.info(name);
-        map.insert(name.to_owned(), proxy);
-        Ok(info)
     }
 
-    pub fn delete(&self, name: &str) -> Result<(), ProxyError> {
+    pub async fn delete(&self, name: &str) -> Result<(), ProxyError> {
         let mut p = self.proxies.lock().unwrap().remove(name).ok_or_else(|| ProxyError::NoProxy(name.into()))?;
-        p.stop();
+        closed(p.stop()).await;
         Ok(())
     }
 
     /// Enable or disable ("down"): disabling closes the listener and cuts live connections.
     pub async fn set_enabled(&self, name: &str, enabled: bool) -> Result<ProxyInfo, ProxyError> {
-        let listen = {
+        let (listen, stopped) = {
             let mut map = self.proxies.lock().unwrap();
             let p = map.get_mut(name).ok_or_else(|| ProxyError::NoProxy(name.into()))?;
             if p.enabled == enabled {
                 return Ok(p.info(name));
             }
-            if !enabled {
-                p.stop();
+            if enabled {
+                (p.listen, None)
+            } else {
+                let accept = p.stop();
                 p.enabled = false;
-                return Ok(p.info(name));
+                (p.listen, Some((p.info(name), accept)))
             }
-            p.listen
         };
+        if let Some((info, accept)) = stopped {
+            closed(accept).await;
+            return Ok(info);
+        }
         let listener = bind(&listen.to_string()).await?;
         let mut map = self.proxies.lock().unwrap();
         let p = map.get_mut(name).ok_or_else(|| ProxyError::NoProxy(name.into()))?;
@@ -312,7 +333,7 @@ impl FaultProxy {
         Ok(())
     }
 
-    fn spawn_accept(&self, listener: TcpListener, proxy: &Proxy) -> AbortHandle {
+    fn spawn_accept(&self, listener: TcpListener, proxy: &Proxy) -> JoinHandle<()> {
         let upstream = proxy.upstream.clone();
         let rx = proxy.tx.subscribe();
         let conns = proxy.conns.clone();
@@ -333,7 +354,14 @@ impl FaultProxy {
                 tokio::spawn(link::run(sock, upstream.clone(), rx.clone(), conn_seed, conns.clone(), stats.clone()));
             }
         })
-        .abort_handle()
+    }
+}
+
+/// Waits until a stopped accept task has ended, and with it its listener (an aborted task's
+/// future is dropped when the runtime next polls it, which may be after abort returns).
+async fn closed(accept: Option<JoinHandle<()>>) {
+    if let Some(h) = accept {
+        let _ = h.await;
     }
 }
 

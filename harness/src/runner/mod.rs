@@ -551,6 +551,8 @@ struct Fleet {
     toxi: ToxiproxyClient,
     /// The harness's own Toxiproxy API server, where the backend runs none.
     api_task: Option<tokio::task::JoinHandle<()>>,
+    /// The ports its links listen on, leased for the run.
+    _link_ports: Vec<crate::backend::local::PortLease>,
     logs_dir: PathBuf,
     secret: String,
     replicas: Replicas,
@@ -578,9 +580,22 @@ async fn start(
         }
     };
     // Where a link listens, and where its replica reaches it.
-    let link = || async {
+    // On loopback (the harness's own proxy) a link takes a leased port outside the
+    // ephemeral range: a link that is down has closed its listener, and must get its port
+    // back when it comes up, so no outgoing connection (an ephemeral source port) and no
+    // other run (the lease) may take it meanwhile.
+    let mut link_ports = Vec::new();
+    let mut link = async || {
         let slot = backend.lock().await.proxy_listen()?;
-        anyhow::Ok(slot.map_or(("127.0.0.1:0".to_owned(), None), |(listen, reach)| (listen, Some(reach))))
+        anyhow::Ok(match slot {
+            Some((listen, reach)) => (listen, Some(reach)),
+            None => {
+                let lease = crate::backend::local::lease_port()?;
+                let listen = format!("127.0.0.1:{}", lease.port());
+                link_ports.push(lease);
+                (listen, None)
+            }
+        })
     };
     let through = |url: &str, at: &str| url.replacen(&crate::backend::external_authority(url), at, 1);
     let logs_dir = opts.report_dir.join("logs").join(&s.name);
@@ -653,7 +668,7 @@ async fn start(
             replicas.insert(name, Arc::new(Mutex::new(r)));
         }
     }
-    Ok(Fleet { toxi, api_task, logs_dir, secret, replicas: Arc::new(replicas) })
+    Ok(Fleet { toxi, api_task, _link_ports: link_ports, logs_dir, secret, replicas: Arc::new(replicas) })
 }
 
 /// What runs from [`load_and_faults`] to [`collect_all`]: the fault schedule, the sampler

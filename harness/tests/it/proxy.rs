@@ -449,6 +449,23 @@ async fn disabling_cuts_live_connections_and_refuses_new_ones_until_enabled() {
     assert_eq!(read_exact_n(&mut again, 4).await, b"back");
 }
 
+/// Disabled means closed by the time the answer comes (Toxiproxy closes its listener before
+/// it answers): the accept task's abort used to drop the listener only when the runtime next
+/// polled it, and a connect right after "disabled" was accepted (CI, 38ba52f). Many cycles,
+/// in both the server process and in process, so the window is hit if it is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disabled_or_deleted_proxy_is_closed_when_the_answer_comes() {
+    for rig in [new_rig().await, in_process_rig().await] {
+        for cycle in 0..100 {
+            rig.api.set_enabled("svc", false).await.unwrap();
+            assert!(TcpStream::connect(&rig.listen).await.is_err(), "cycle {cycle}: connected to a disabled proxy");
+            rig.api.set_enabled("svc", true).await.unwrap();
+        }
+        rig.api.delete_proxy("svc").await.unwrap();
+        assert!(TcpStream::connect(&rig.listen).await.is_err(), "connected to a deleted proxy");
+    }
+}
+
 #[tokio::test]
 async fn api_errors_and_reset_follow_toxiproxy() {
     for rig in [new_rig().await, in_process_rig().await] {
