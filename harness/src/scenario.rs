@@ -531,6 +531,11 @@ pub enum FaultKind {
     Kill,
     /// SIGSTOP for `duration_ms`, then SIGCONT.
     Pause,
+    /// The broker or the database cut off at the network for `duration_ms`: nothing
+    /// refused, nothing arrives, what was sent waits for the heal (containers: `docker
+    /// network disconnect`; local and external: every replica's link to it held in the
+    /// fault proxy). Issue 24.
+    Partition,
     /// A Toxiproxy toxic on a link for `duration_ms`.
     Toxic,
     /// A link disabled ("down") for `duration_ms`.
@@ -566,6 +571,7 @@ impl FaultKind {
             FaultKind::Crash => "crash",
             FaultKind::Kill => "kill",
             FaultKind::Pause => "pause",
+            FaultKind::Partition => "partition",
             FaultKind::Toxic => "toxic",
             FaultKind::Down => "down",
             FaultKind::QueueLimit => "queue_limit",
@@ -1094,6 +1100,10 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
             (FaultKind::Kill | FaultKind::Pause, FaultTarget::Link { .. }) => {
                 return Err(err(span, "kill and pause target a replica, the broker or the database, not a link".into()));
             }
+            (FaultKind::Partition, FaultTarget::Broker | FaultTarget::Database) => {}
+            (FaultKind::Partition, _) => {
+                return Err(err(span, "a partition cuts off \"broker\" or \"database\"".into()));
+            }
             (FaultKind::Toxic | FaultKind::Down, FaultTarget::Link { .. }) => {}
             (FaultKind::Toxic | FaultKind::Down, _) => {
                 return Err(err(span, "toxic and down target a link like \"cases-1->broker\"".into()));
@@ -1158,7 +1168,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         } else if fault.application_name.is_some() {
             return Err(err(key_in(f.span(), "application_name"), "application_name belongs to a terminate fault".into()));
         }
-        if matches!(fault.kind, FaultKind::Pause | FaultKind::Toxic | FaultKind::Down | FaultKind::QueueLimit | FaultKind::Terminate | FaultKind::RefuseStaging) && fault.duration_ms.is_none() {
+        if matches!(fault.kind, FaultKind::Pause | FaultKind::Partition | FaultKind::Toxic | FaultKind::Down | FaultKind::QueueLimit | FaultKind::Terminate | FaultKind::RefuseStaging) && fault.duration_ms.is_none() {
             return Err(err(span, "this fault needs duration_ms (when it heals)".into()));
         }
         if let Trigger::AfterPublished(n) = fault.at {
@@ -1438,6 +1448,24 @@ effect_once = { violate = "compat:pre-d2" }
 
         let e = rejected(&GOOD.replace("writes = 10", "writes = -1"));
         assert_eq!(e.line, 9, "{e}");
+    }
+
+    #[test]
+    fn a_partition_cuts_off_a_server_for_a_while() {
+        let partition = |target: &str, hold: &str| {
+            GOOD.replace("[expect]", &format!("[[faults]]\nkind = \"partition\"\ntarget = \"{target}\"\nat = {{ after_ms = 100 }}\n{hold}\n[expect]"))
+        };
+        for target in ["broker", "database"] {
+            let s = parse_str(&partition(target, "duration_ms = 500\n")).unwrap();
+            assert_eq!(s.faults[2].get_ref().kind.name(), "partition");
+        }
+        for target in ["cases-1", "rules-1->broker"] {
+            let e = rejected(&partition(target, "duration_ms = 500\n"));
+            assert_eq!(e.line, 25, "{e}: the fault's own line");
+            assert!(e.reason.contains("a partition cuts off \"broker\" or \"database\""), "{e}");
+        }
+        let e = rejected(&partition("broker", ""));
+        assert!(e.reason.contains("needs duration_ms"), "{e}");
     }
 
     #[test]

@@ -32,8 +32,9 @@ use libtest_mimic::{Arguments, Failed, Trial};
 
 /// The scenarios that also run on the containers backend: one per fault kind (a server
 /// killed, a toxic, a link down, a queue limit, backends terminated, a crash point, a mutant
-/// with refused staging, a rollout) and the twins `pre-1128-black-hole` and
-/// `rolling-upgrade-1128`.
+/// with refused staging, a rollout, a server partitioned off the run's network, a server
+/// paused) and the twins `pre-1128-black-hole`, `rolling-upgrade-1128` and
+/// `pre-1128-broker-partition` (red on a real network partition).
 const CONTAINERS_SUBSET: &[&str] = &[
     "broker-kill",
     "database-restart",
@@ -46,6 +47,9 @@ const CONTAINERS_SUBSET: &[&str] = &[
     "crash-claim-stamp",
     "mutant-stage-after-commit",
     "rolling-upgrade-1128",
+    "broker-partition",
+    "pre-1128-broker-partition",
+    "database-pause",
 ];
 
 /// Whether a Docker engine answers on its socket (`DOCKER_HOST` as unix://, else the

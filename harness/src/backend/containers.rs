@@ -521,6 +521,27 @@ impl ContainersBackend {
         Ok((state.trim() == "true").then(|| format!("container of the {t} paused (docker inspect: paused)")))
     }
 
+    /// A network partition of the target's container (issue 24): `docker network
+    /// disconnect` from the run's network, and `connect` again at the heal. The server keeps
+    /// running and its connections stay open on both sides; nothing reaches it and nothing
+    /// it sends arrives (the Toxiproxy container's links and the published ports alike)
+    /// until it is connected again, when TCP retransmits what waited. The evidence is the
+    /// engine's word that the container is on no network of the run.
+    pub async fn partition(&mut self, t: Target, cut: bool) -> Result<Option<String>, BackendError> {
+        let id = self.id(t).to_owned();
+        let op = if cut { "disconnect" } else { "connect" };
+        docker(&["network", op, &self.network, &id]).await.map_err(|e| BackendError::failed(format!("network {op} of the {t} container"), e))?;
+        let networks = docker(&["inspect", "-f", "{{range $k, $v := .NetworkSettings.Networks}}{{$k}} {{end}}", &id]).await.unwrap_or_default();
+        let on = networks.split_whitespace().any(|n| n == self.network);
+        if cut {
+            Ok((!on).then(|| format!("container of the {t} off the run's network (docker inspect: networks [{}])", networks.trim())))
+        } else if on {
+            Ok(None)
+        } else {
+            Err(BackendError::failed(format!("reconnecting the {t} container"), format!("docker inspect: networks [{}]", networks.trim())))
+        }
+    }
+
     /// Remove the run's containers (and with the last of them its network: testcontainers
     /// removes a network it made once no container of it is left).
     pub async fn stop(self) -> Result<(), BackendError> {

@@ -266,6 +266,22 @@ impl Backend {
         }
     }
 
+    /// Partition the target's server from the network (`cut`), or heal it: the containers
+    /// backend's `docker network disconnect`/`connect`. The other backends' servers listen
+    /// on the host's loopback, with no network to take them off: the `partition` fault
+    /// holds their replicas' links in the fault proxy instead (`runner::faults::partition`).
+    pub async fn partition(&mut self, target: Target, cut: bool) -> Result<Option<String>, BackendError> {
+        match self {
+            Backend::Containers(b) => b.partition(target, cut).await,
+            Backend::Local(_) | Backend::External(_) => Err(BackendError::Unsupported {
+                backend: self.kind().name(),
+                fault: "partition",
+                target,
+                why: "its servers listen on the host's loopback, on no network to take them off (the fault proxy holds the links instead)",
+            }),
+        }
+    }
+
     /// One least-privilege broker account per service (ADR-022 #1202, permissions from
     /// `craig_fleet::access`), in `craig_fleet::service::ALL` order: each one's AMQP URL.
     /// The admin URL of [`endpoints`](Self::endpoints) stays the operator's.

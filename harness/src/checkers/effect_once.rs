@@ -76,7 +76,7 @@ pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
                 let toxic_type = target.split_once(" (").and_then(|(_, t)| t.split_whitespace().next()).unwrap_or("");
                 let breaks = kind == "down" || matches!(toxic_type, "timeout" | "reset_peer" | "limit_data");
                 let opener = match (kind.as_str(), link) {
-                    ("kill" | "pause", "database") => Opener::Database,
+                    ("kill" | "pause" | "partition", "database") => Opener::Database,
                     ("down" | "toxic", l) if breaks => match l.strip_suffix("->database") {
                         Some(r) => Opener::Link { replica: r.to_owned() },
                         None => continue,

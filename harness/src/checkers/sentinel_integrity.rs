@@ -17,7 +17,7 @@ use super::*;
 fn cuts_off_database(tag: &str, label: &str, replica: &str) -> bool {
     let own_link = |link: &str| link.strip_prefix(replica) == Some("->database");
     match tag.strip_prefix("fault:").and_then(|t| t.split_once(' ')) {
-        Some(("kill" | "pause", "database")) => true,
+        Some(("kill" | "pause" | "partition", "database")) => true,
         Some(("down", link)) => own_link(link),
         Some(("toxic", link)) if own_link(link) => {
             let what = label.split_once(" (").map_or("", |(_, rest)| rest.trim_end_matches(')'));
@@ -30,8 +30,8 @@ fn cuts_off_database(tag: &str, label: &str, replica: &str) -> bool {
 /// Whether fault `tag` can lose the answer to a statement `replica` had already sent, so
 /// that its work committed though the handler heard an error: the database killed (after the
 /// commit, before the answer), this replica's own link down, or a toxic on it that breaks its
-/// connections (`timeout`, `reset_peer`, `limit_data`). A pause or a slowed link delivers
-/// the answer late, never loses it: a 503 under one is a pool that gave no connection, and
+/// connections (`timeout`, `reset_peer`, `limit_data`). A pause, a partition or a slowed
+/// link delivers the answer late, never loses it: a 503 under one is a pool that gave no connection, and
 /// nothing was sent.
 fn loses_answers(tag: &str, label: &str, replica: &str) -> bool {
     let own_link = |link: &str| link.strip_prefix(replica) == Some("->database");
@@ -90,7 +90,7 @@ struct Attempt {
 ///   over-cap body (`kind:false_sentinel`). Clients that went away on purpose are not
 ///   judged on bytes; a 409 must carry `Retry-After` (`kind:no_retry_after`), a 503 is
 ///   excused only inside the window of a fault that cuts the replica off its database (the
-///   server killed or paused, the replica's own link down or toxic; counted), and any other
+///   server killed, paused or partitioned, the replica's own link down or toxic; counted), and any other
 ///   status than 200 or 409 is `kind:unexpected_status`.
 pub fn sentinel_integrity(h: &History) -> Verdict {
     let mut v = Verdict::new("sentinel_integrity");

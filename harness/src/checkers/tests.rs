@@ -1312,9 +1312,10 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
         let v = answered_503_under(kind, target);
         assert_eq!((v.counts["reexecuted_after_claim_expiry"], v.culprits.get("kind:executed_twice").copied()), (1, None), "{kind} {target}: {v:?}");
     }
-    // A pause or a slowed link loses no answer: a 503 under one sent nothing (the pool gave
-    // no connection), so it served no run, though it is an excused 503.
-    for (kind, target) in [("pause", "database"), ("toxic", "cases-1->database (latency downstream)")] {
+    // A pause, a partition or a slowed link loses no answer (what was sent waits, then
+    // arrives): a 503 under one sent nothing (the pool gave no connection), so it served no
+    // run, though it is an excused 503.
+    for (kind, target) in [("pause", "database"), ("partition", "database"), ("toxic", "cases-1->database (latency downstream)")] {
         let v = answered_503_under(kind, target);
         assert_eq!((v.counts["reexecuted_after_claim_expiry"], v.culprits.get("kind:executed_twice").copied()), (0, Some(1)), "{kind} {target}: {v:?}");
         assert_eq!(v.counts["unavailable_during_database_fault"], 1, "{kind} {target}: the 503 itself is excused");

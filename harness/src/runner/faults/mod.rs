@@ -9,6 +9,7 @@
 //! |---|---|
 //! | [`kill`] | `kill` of the broker, the database or a replica |
 //! | [`pause`] | `pause` of the broker, the database or a replica |
+//! | [`partition`] | `partition` of the broker or the database from every replica |
 //! | [`rollout`] | `upgrade`, `downgrade` of a replica |
 //! | [`toxic`] | `toxic` on a replica's link |
 //! | [`down`] | `down` of a replica's link |
@@ -23,6 +24,7 @@
 mod armed;
 mod down;
 mod kill;
+mod partition;
 mod pause;
 mod queue_limit;
 mod refuse_staging;
@@ -379,6 +381,7 @@ pub(crate) fn supported(kind: FaultKind, backend: BackendKind, target: &FaultTar
     match kind {
         FaultKind::Kill => kill::Kill::supported(backend, target),
         FaultKind::Pause => pause::Pause::supported(backend, target),
+        FaultKind::Partition => partition::Partition::supported(backend, target),
         FaultKind::Upgrade | FaultKind::Downgrade => rollout::Rollout::supported(backend, target),
         FaultKind::Toxic => toxic::ToxicRoom::supported(backend, target),
         FaultKind::Down => down::Down::supported(backend, target),
@@ -475,6 +478,7 @@ async fn inject(
     match f.kind {
         FaultKind::Kill => run::<kill::Kill>(&cx, &f, &target).await,
         FaultKind::Pause => run::<pause::Pause>(&cx, &f, &target).await,
+        FaultKind::Partition => run::<partition::Partition>(&cx, &f, &target).await,
         FaultKind::Upgrade | FaultKind::Downgrade => run::<rollout::Rollout>(&cx, &f, &target).await,
         FaultKind::Toxic => run::<toxic::ToxicRoom>(&cx, &f, &target).await,
         FaultKind::Down => run::<down::Down>(&cx, &f, &target).await,

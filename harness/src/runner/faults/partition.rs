@@ -1,0 +1,104 @@
+//! `partition`: the broker or the database cut off from every replica for the hold
+//! (`duration_ms`), at the network: nothing is refused or reset, nothing arrives. The
+//! connections stay open and what was sent waits, as TCP retransmits it, until the heal;
+//! a peer that stops waiting (a heartbeat, a confirm or connect timeout) gives up on its own.
+//!
+//! - containers: `docker network disconnect` of the server's container from the run's
+//!   network, `connect` at the heal. Everything that reaches the server through that
+//!   network is cut: the Toxiproxy container's links and the published ports (the
+//!   harness's own connections too). Evidence: the engine's word that it is off the
+//!   network.
+//! - local, external: the servers listen on the host's loopback, on no network to take them
+//!   off. Every replica's link to the server is held in the fault proxy instead: a
+//!   `latency` toxic longer than the hold on both streams, removed at the heal, which sends
+//!   what it held at once (Toxiproxy's rule; new connections are accepted and then hear
+//!   nothing, where a real partition lets their SYN go unanswered). The harness's own
+//!   connections are not cut. Evidence: payload held, read from the toxics before removal
+//!   (issue 22.9: not heartbeats alone).
+
+use super::kill::server;
+use super::{Cx, Room, not_supported};
+use crate::backend::BackendKind;
+use crate::proxy::{Stream, Toxic, ToxicKind};
+use crate::scenario::{Fault, FaultTarget};
+
+pub(super) struct Partition;
+
+/// What the heal undoes.
+pub(super) enum Cut {
+    /// The container is off the run's network.
+    Container(crate::backend::Target),
+    /// Held links: (proxy, toxic) pairs.
+    Links(Vec<(String, String)>),
+}
+
+/// The proxy toxic's latency: longer than any hold, so nothing passes until the heal
+/// removes it.
+const HELD_MS: u64 = 24 * 3_600_000;
+
+impl Room for Partition {
+    type Applied = Cut;
+
+    /// Every backend: containers at the network, the others in the fault proxy.
+    fn supported(_: BackendKind, target: &FaultTarget) -> Result<(), &'static str> {
+        match target {
+            FaultTarget::Broker | FaultTarget::Database => Ok(()),
+            _ => Err("a partition cuts off the broker or the database"),
+        }
+    }
+
+    async fn apply(cx: &Cx, f: &Fault, target: &FaultTarget) -> anyhow::Result<Cut> {
+        let Some(t) = server(target) else { return Err(not_supported(f)) };
+        let mut backend = cx.backend.lock().await;
+        if backend.kind() == BackendKind::Containers {
+            let off = backend.partition(t, true).await?;
+            cx.evidence(off);
+            return Ok(Cut::Container(t));
+        }
+        drop(backend);
+        let to = match target {
+            FaultTarget::Broker => "broker",
+            _ => "database",
+        };
+        let mut held = Vec::new();
+        for name in cx.replicas.keys() {
+            let proxy = format!("{name}->{to}");
+            for stream in [Stream::Upstream, Stream::Downstream] {
+                let toxic = Toxic {
+                    name: format!("fault-{}-{}", cx.index, stream.as_str()),
+                    stream,
+                    toxicity: 1.0,
+                    kind: ToxicKind::Latency { latency: HELD_MS, jitter: 0 },
+                };
+                cx.toxi.add_toxic(&proxy, &toxic).await?;
+                held.push((proxy.clone(), toxic.name));
+            }
+        }
+        Ok(Cut::Links(held))
+    }
+
+    async fn heal(cx: &Cx, _: &Fault, _: &FaultTarget, cut: Cut) -> anyhow::Result<()> {
+        match cut {
+            Cut::Container(t) => {
+                cx.backend.lock().await.partition(t, false).await?;
+            }
+            Cut::Links(held) => {
+                // Evidence before removal: payload the links held (an idle link's heartbeats
+                // are not a partition anyone noticed).
+                let (mut bytes, mut conns, mut links) = (0, 0, 0);
+                for (proxy, name) in &held {
+                    if let Some(a) = cx.toxi.proxy(proxy).await?.affected.get(name).filter(|a| a.payload_bytes > 0) {
+                        bytes += a.payload_bytes;
+                        conns += a.connections;
+                        links += 1;
+                    }
+                }
+                cx.evidence((bytes > 0).then(|| format!("{bytes} bytes of payload held on {links} link directions over {conns} connections")));
+                for (proxy, name) in &held {
+                    cx.toxi.remove_toxic(proxy, name).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
