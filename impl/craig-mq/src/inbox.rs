@@ -4,7 +4,7 @@
 //! [`handle_idempotently`]: an atomic `INSERT … ON CONFLICT DO NOTHING` records the
 //! envelope; if the envelope was already recorded AND stamped `processed_at`, the handler
 //! is skipped (a dedup hit). Otherwise the handler runs and, on success, `processed_at` is
-//! stamped.
+//! stamped (a failed stamp is tried again for up to [`STAMP_RETRY_FOR`]).
 //!
 //! **The #1180 boundary, stated plainly:** this is best-effort at-least-once, NOT
 //! exactly-once. The inbox opens no transaction around the handler: the handler's own
@@ -96,10 +96,7 @@ where
         .map_err(|source| InboxError::Handler { queue: consumer_queue.to_owned(), source })?;
     crash::hit("inbox::after_handler_before_stamp");
 
-    sqlx::query("UPDATE event_inbox SET processed_at = now() WHERE envelope_id = $1 AND processed_at IS NULL")
-        .bind(envelope.id)
-        .execute(db)
-        .await?;
+    stamp(db, envelope, consumer_queue).await?;
     let outcome = if inserted { InboxOutcome::Processed } else { InboxOutcome::Reprocessed };
     if outcome == InboxOutcome::Reprocessed {
         tracing::info!(event = "inbox.reprocessed", envelope_id = %envelope.id, queue = consumer_queue,
@@ -107,6 +104,37 @@ where
     }
     crate::metrics::inbox(outcome);
     Ok(outcome)
+}
+
+/// How long [`stamp`] keeps trying before it gives the delivery back.
+pub const STAMP_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// `processed_at` for a handler that succeeded. The UPDATE is idempotent, so a failed one is
+/// tried again (backing off 50 ms to 1 s) for up to [`STAMP_RETRY_FOR`]: the #1180 window is
+/// a crash between the handler's commit and this stamp, and a stamp that merely waited for a
+/// pooled connection (seen: a consumer's pool timed out for seconds after a database pause,
+/// its backlog of 32 handlers competing, and every such envelope ran twice) must not widen
+/// it. Past that time (the database really is gone) the error is returned, the delivery is
+/// retried, and the handler re-runs: the ADR's residue.
+async fn stamp(db: &PgPool, envelope: &EventEnvelope, consumer_queue: &str) -> Result<(), sqlx::Error> {
+    let started = tokio::time::Instant::now();
+    let mut backoff = std::time::Duration::from_millis(50);
+    loop {
+        let tried = sqlx::query("UPDATE event_inbox SET processed_at = now() WHERE envelope_id = $1 AND processed_at IS NULL")
+            .bind(envelope.id)
+            .execute(db)
+            .await;
+        match tried {
+            Ok(_) => return Ok(()),
+            Err(e) if started.elapsed() + backoff < STAMP_RETRY_FOR => {
+                tracing::warn!(event = "inbox.stamp_retry", envelope_id = %envelope.id, queue = consumer_queue, error = %e,
+                    backoff_ms = backoff.as_millis() as u64, "the handler succeeded; processed_at not stamped yet, trying again");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(std::time::Duration::from_secs(1));
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------
