@@ -61,7 +61,8 @@
 //! hang_share = 0.0          # new transmissions accepted and never answered
 //!
 //! [[faults]]
-//! kind = "crash"            # crash | kill | pause | toxic | down | queue_limit | upgrade | downgrade
+//! kind = "crash"            # crash | kill | pause | partition | toxic | down | queue_limit | upgrade
+//!                           # | downgrade | mutant | refuse_staging
 //!                           # | terminate (target "database": pg_terminate_backend on every
 //!                           # backend named application_name, default craig-outbox-listener,
 //!                           # every 250 ms for duration_ms)

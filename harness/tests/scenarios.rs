@@ -33,8 +33,8 @@ use libtest_mimic::{Arguments, Failed, Trial};
 /// The scenarios that also run on the containers backend: one per fault kind (a server
 /// killed, a toxic, a link down, a queue limit, backends terminated, a crash point, a mutant
 /// with refused staging, a rollout, a server partitioned off the run's network, a server
-/// paused) and the twins `pre-1128-black-hole`, `rolling-upgrade-1128` and
-/// `pre-1128-broker-partition` (red on a real network partition).
+/// paused, exports under a partitioned database) and the twins `pre-1128-black-hole`,
+/// `rolling-upgrade-1128` and `pre-1128-broker-partition` (red on a real network partition).
 const CONTAINERS_SUBSET: &[&str] = &[
     "broker-kill",
     "database-restart",
@@ -49,6 +49,7 @@ const CONTAINERS_SUBSET: &[&str] = &[
     "rolling-upgrade-1128",
     "broker-partition",
     "pre-1128-broker-partition",
+    "exports-database-partition",
     "database-pause",
 ];
 

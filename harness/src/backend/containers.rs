@@ -475,29 +475,7 @@ impl ContainersBackend {
                     .map_or_else(|_| "(docker logs gave nothing)".to_owned(), |o| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)));
                 return Err(BackendError::failed(format!("restarting the {t} container"), format!("it exited again; its log ends:\n{tail}")));
             }
-            let serving = match t {
-                Target::Database => {
-                    use sqlx::Connection as _;
-                    let url = format!("postgres://postgres@127.0.0.1:{}/postgres", self.ports.postgres);
-                    match tokio::time::timeout(Duration::from_secs(3), sqlx::PgConnection::connect(&url)).await {
-                        Ok(Ok(c)) => {
-                            let _ = tokio::time::timeout(Duration::from_secs(2), c.close()).await;
-                            true
-                        }
-                        _ => false,
-                    }
-                }
-                Target::Broker => {
-                    let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.ports.amqp);
-                    match craig_mq::publisher::connect_within(&url, 0, "chaos-ready-check", Duration::from_secs(3)).await {
-                        Ok(c) => {
-                            let _ = tokio::time::timeout(Duration::from_secs(2), c.close(200, "ready".into())).await;
-                            true
-                        }
-                        Err(_) => false,
-                    }
-                }
-            };
+            let serving = self.serving(t).await;
             if serving {
                 return Ok(());
             }
@@ -521,12 +499,41 @@ impl ContainersBackend {
         Ok((state.trim() == "true").then(|| format!("container of the {t} paused (docker inspect: paused)")))
     }
 
+    /// Whether the target's server serves through its published port: a database that
+    /// takes a connection, a broker that takes a login (3 s each).
+    async fn serving(&self, t: Target) -> bool {
+        match t {
+            Target::Database => {
+                use sqlx::Connection as _;
+                let url = format!("postgres://postgres@127.0.0.1:{}/postgres", self.ports.postgres);
+                match tokio::time::timeout(Duration::from_secs(3), sqlx::PgConnection::connect(&url)).await {
+                    Ok(Ok(c)) => {
+                        let _ = tokio::time::timeout(Duration::from_secs(2), c.close()).await;
+                        true
+                    }
+                    _ => false,
+                }
+            }
+            Target::Broker => {
+                let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.ports.amqp);
+                match craig_mq::publisher::connect_within(&url, 0, "chaos-ready-check", Duration::from_secs(3)).await {
+                    Ok(c) => {
+                        let _ = tokio::time::timeout(Duration::from_secs(2), c.close(200, "ready".into())).await;
+                        true
+                    }
+                    Err(_) => false,
+                }
+            }
+        }
+    }
+
     /// A network partition of the target's container (issue 24): `docker network
     /// disconnect` from the run's network, and `connect` again at the heal. The server keeps
-    /// running and its connections stay open on both sides; nothing reaches it and nothing
-    /// it sends arrives (the Toxiproxy container's links and the published ports alike)
-    /// until it is connected again, when TCP retransmits what waited. The evidence is the
-    /// engine's word that the container is on no network of the run.
+    /// running; nothing reaches it and nothing it sends arrives (the Toxiproxy container's
+    /// links and the published ports alike): open connections hang and are aborted, a new
+    /// link fails at once (the container's name no longer resolves). The heal connects it
+    /// again (perhaps at another address) and waits until it serves through its published
+    /// port. The evidence is the engine's word that the container is off the run's network.
     pub async fn partition(&mut self, t: Target, cut: bool) -> Result<Option<String>, BackendError> {
         let id = self.id(t).to_owned();
         let op = if cut { "disconnect" } else { "connect" };
@@ -534,12 +541,20 @@ impl ContainersBackend {
         let networks = docker(&["inspect", "-f", "{{range $k, $v := .NetworkSettings.Networks}}{{$k}} {{end}}", &id]).await.unwrap_or_default();
         let on = networks.split_whitespace().any(|n| n == self.network);
         if cut {
-            Ok((!on).then(|| format!("container of the {t} off the run's network (docker inspect: networks [{}])", networks.trim())))
-        } else if on {
-            Ok(None)
-        } else {
-            Err(BackendError::failed(format!("reconnecting the {t} container"), format!("docker inspect: networks [{}]", networks.trim())))
+            return Ok((!on).then(|| format!("container of the {t} off the run's network (docker inspect: networks [{}])", networks.trim())));
         }
+        if !on {
+            return Err(BackendError::failed(format!("reconnecting the {t} container"), format!("docker inspect: networks [{}]", networks.trim())));
+        }
+        // Back on the network (perhaps at another address): healed once it serves again.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while !self.serving(t).await {
+            if tokio::time::Instant::now() > deadline {
+                return Err(BackendError::failed(format!("reconnecting the {t} container"), "not serving within 30 s of docker network connect"));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Ok(None)
     }
 
     /// Remove the run's containers (and with the last of them its network: testcontainers

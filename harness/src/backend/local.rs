@@ -117,16 +117,18 @@ pub fn free_port() -> Result<u16, BackendError> {
 static KEPT: std::sync::Mutex<Vec<PortLease>> = std::sync::Mutex::new(Vec::new());
 
 /// A port this process picked, reserved against every other process that picks ports here
-/// (any run of this crate on the machine: nextest runs many at once) until dropped: a lock
-/// on a file named after the port in a shared directory, which the kernel releases when the
-/// process dies. A port is free while its listener is closed (a server killed, a proxy
-/// link down), and without the lease another run could pick it then and keep it from coming
-/// back (seen: a connection to a disabled proxy's port answered, CI at 38ba52f). Where the
-/// directory cannot be used the port is picked without a lease.
+/// (any run of this crate in this network namespace: nextest runs many at once) until
+/// dropped: a Unix socket bound to the abstract name `craig-chaos-port-<N>`, which the
+/// kernel releases when the socket closes or the process dies. No file, no directory, no
+/// permission for one user to get wrong for another; the abstract namespace is per network
+/// namespace, as the ports are. A port is free while its listener is closed (a server
+/// killed, a proxy link down or partitioned, a container killed), and without the lease
+/// another run could pick it then and keep it from coming back (seen: a connection to a
+/// disabled proxy's port answered, CI at 38ba52f).
 #[derive(Debug)]
 pub struct PortLease {
     port: u16,
-    _lock: Option<std::fs::File>,
+    _claim: std::os::unix::net::UnixListener,
 }
 
 impl PortLease {
@@ -135,37 +137,16 @@ impl PortLease {
     }
 }
 
-/// The shared directory of port locks (one for every user: the ports are the machine's).
-fn lease_dir() -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let dir = std::env::temp_dir().join("craig-chaos-ports");
-    if std::fs::create_dir(&dir).is_ok() {
-        let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777));
-    }
-    dir.is_dir().then_some(dir)
-}
-
-/// Leases `port` unless another process holds it (None); without a usable lock file the
-/// port is handed out unleased.
-fn try_lease(dir: Option<&Path>, port: u16) -> Option<PortLease> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let Some(dir) = dir else { return Some(PortLease { port, _lock: None }) };
-    let path = dir.join(port.to_string());
-    let file = match std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path) {
-        Ok(f) => {
-            let _ = f.set_permissions(std::fs::Permissions::from_mode(0o666));
-            f
-        }
-        // Made by another user and not writable: lock it for reading.
-        Err(_) => match std::fs::File::open(&path) {
-            Ok(f) => f,
-            Err(_) => return Some(PortLease { port, _lock: None }),
-        },
-    };
-    match file.try_lock() {
-        Ok(()) => Some(PortLease { port, _lock: Some(file) }),
-        Err(std::fs::TryLockError::WouldBlock) => None,
-        Err(std::fs::TryLockError::Error(_)) => Some(PortLease { port, _lock: None }),
+/// Leases `port` unless another process (or this one) holds it: `Ok(None)` then.
+fn try_lease(port: u16) -> Result<Option<PortLease>, BackendError> {
+    use std::os::linux::net::SocketAddrExt as _;
+    let name = format!("craig-chaos-port-{port}");
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+        .map_err(|e| BackendError::failed("leasing a port", e))?;
+    match std::os::unix::net::UnixListener::bind_addr(&addr) {
+        Ok(claim) => Ok(Some(PortLease { port, _claim: claim })),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Ok(None),
+        Err(e) => Err(BackendError::failed("leasing a port", format!("binding the abstract socket {name}: {e}"))),
     }
 }
 
@@ -182,13 +163,12 @@ fn pick_port(upper: bool) -> Result<PortLease, BackendError> {
     let mid = from + (to - from) / 2;
     let (from, to) = if upper { (mid, to) } else { (from, mid) };
     let span = to - from;
-    let dir = lease_dir();
     let start = (std::process::id().wrapping_mul(7919) + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) * 131) % span;
     for k in 0..span.min(2000) {
         let port = (from + (start + k) % span) as u16;
         // Leased first, so a port another run holds (its listener closed for a fault) is
         // never probed, let alone picked.
-        let Some(lease) = try_lease(dir.as_deref(), port) else { continue };
+        let Some(lease) = try_lease(port)? else { continue };
         if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
             return Ok(lease);
         }
@@ -241,14 +221,13 @@ mod port_tests {
 
     #[test]
     fn a_leased_port_is_never_picked_again_until_its_lease_is_dropped() {
-        let dir = lease_dir().expect("the lease directory");
         let held = lease_port().unwrap();
         // Free to bind (no listener), yet another picker skips it.
         assert!(std::net::TcpListener::bind(("127.0.0.1", held.port())).is_ok());
-        assert!(try_lease(Some(&dir), held.port()).is_none(), "{} leased twice", held.port());
+        assert!(try_lease(held.port()).unwrap().is_none(), "{} leased twice", held.port());
         let port = held.port();
         drop(held);
-        assert_eq!(try_lease(Some(&dir), port).map(|l| l.port()), Some(port), "released with its lease");
+        assert_eq!(try_lease(port).unwrap().map(|l| l.port()), Some(port), "released with its lease");
     }
 
     #[test]

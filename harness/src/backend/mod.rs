@@ -3,9 +3,12 @@
 //!
 //! | kind | servers | destructive faults |
 //! |---|---|---|
-//! | `local` | private child processes in a temp dir, on free ports | kill, pause, restart (data kept) |
+//! | `local` | private child processes in a temp dir, on leased free ports | kill, pause, restart (data kept) |
 //! | `external` | `DATABASE_URL` / `AMQP_URL`, one fresh database per service and one vhost per run | none: the servers are shared |
-//! | `containers` | testcontainers (postgres, rabbitmq; Toxiproxy as a generic image) | stop/start, pause |
+//! | `containers` | testcontainers (postgres, rabbitmq; Toxiproxy as a generic image) | kill/start, pause, partition (network disconnect) |
+//!
+//! A `partition` on `local` and `external` holds the replicas' links in the fault proxy
+//! instead (`runner::faults::partition`).
 //!
 //! `auto` picks local, then containers, then external, and says why.
 
@@ -267,9 +270,10 @@ impl Backend {
     }
 
     /// Partition the target's server from the network (`cut`), or heal it: the containers
-    /// backend's `docker network disconnect`/`connect`. The other backends' servers listen
-    /// on the host's loopback, with no network to take them off: the `partition` fault
-    /// holds their replicas' links in the fault proxy instead (`runner::faults::partition`).
+    /// backend's `docker network disconnect`/`connect`. The local servers listen on the
+    /// host's loopback, with no network to take them off, and external's are shared: the
+    /// `partition` fault holds the replicas' links in the fault proxy there instead
+    /// (`runner::faults::partition`).
     pub async fn partition(&mut self, target: Target, cut: bool) -> Result<Option<String>, BackendError> {
         match self {
             Backend::Containers(b) => b.partition(target, cut).await,
@@ -277,7 +281,7 @@ impl Backend {
                 backend: self.kind().name(),
                 fault: "partition",
                 target,
-                why: "its servers listen on the host's loopback, on no network to take them off (the fault proxy holds the links instead)",
+                why: "no network to take its servers off (local: the host's loopback; external: shared); the fault proxy holds the links instead",
             }),
         }
     }

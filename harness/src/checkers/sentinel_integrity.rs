@@ -29,14 +29,15 @@ fn cuts_off_database(tag: &str, label: &str, replica: &str) -> bool {
 
 /// Whether fault `tag` can lose the answer to a statement `replica` had already sent, so
 /// that its work committed though the handler heard an error: the database killed (after the
-/// commit, before the answer), this replica's own link down, or a toxic on it that breaks its
-/// connections (`timeout`, `reset_peer`, `limit_data`). A pause, a partition or a slowed
-/// link delivers the answer late, never loses it: a 503 under one is a pool that gave no connection, and
+/// commit, before the answer) or partitioned (on containers its connections are aborted), this
+/// replica's own link down, or a toxic on it that breaks its connections (`timeout`,
+/// `reset_peer`, `limit_data`). A pause or a slowed link delivers the answer late, never
+/// loses it: a 503 under one is a pool that gave no connection, and
 /// nothing was sent.
 fn loses_answers(tag: &str, label: &str, replica: &str) -> bool {
     let own_link = |link: &str| link.strip_prefix(replica) == Some("->database");
     match tag.strip_prefix("fault:").and_then(|t| t.split_once(' ')) {
-        Some(("kill", "database")) => true,
+        Some(("kill" | "partition", "database")) => true,
         Some(("down", link)) => own_link(link),
         Some(("toxic", link)) if own_link(link) => {
             let what = label.split_once(" (").map_or("", |(_, rest)| rest.trim_end_matches(')'));

@@ -1306,16 +1306,17 @@ fn sentinel_integrity_judges_runs_rows_and_answers() {
         h.sort();
         sentinel_integrity(&h)
     };
-    // A killed database or a connection-breaking toxic on the replica's own link can lose
-    // the answer to a committed INSERT: a 503 under one may have been served.
-    for (kind, target) in [("kill", "database"), ("toxic", "cases-1->database (reset_peer upstream)"), ("toxic", "cases-1->database (timeout downstream)")] {
+    // A killed or partitioned database (its connections aborted, on containers) or a
+    // connection-breaking toxic on the replica's own link can lose the answer to a committed
+    // INSERT: a 503 under one may have been served.
+    for (kind, target) in [("kill", "database"), ("partition", "database"), ("toxic", "cases-1->database (reset_peer upstream)"), ("toxic", "cases-1->database (timeout downstream)")] {
         let v = answered_503_under(kind, target);
         assert_eq!((v.counts["reexecuted_after_claim_expiry"], v.culprits.get("kind:executed_twice").copied()), (1, None), "{kind} {target}: {v:?}");
     }
-    // A pause, a partition or a slowed link loses no answer (what was sent waits, then
-    // arrives): a 503 under one sent nothing (the pool gave no connection), so it served no
-    // run, though it is an excused 503.
-    for (kind, target) in [("pause", "database"), ("partition", "database"), ("toxic", "cases-1->database (latency downstream)")] {
+    // A pause or a slowed link loses no answer (what was sent waits, then arrives): a 503
+    // under one sent nothing (the pool gave no connection), so it served no run, though it
+    // is an excused 503.
+    for (kind, target) in [("pause", "database"), ("toxic", "cases-1->database (latency downstream)")] {
         let v = answered_503_under(kind, target);
         assert_eq!((v.counts["reexecuted_after_claim_expiry"], v.culprits.get("kind:executed_twice").copied()), (0, Some(1)), "{kind} {target}: {v:?}");
         assert_eq!(v.counts["unavailable_during_database_fault"], 1, "{kind} {target}: the 503 itself is excused");

@@ -162,6 +162,18 @@ impl Proxy {
     }
 }
 
+/// A proxy dropped with its registry (the API server stopped at the end of a run) stops
+/// accepting and cuts its connections: its accept task would otherwise keep the listener
+/// (and a file descriptor) for the life of the process.
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        if let Some(h) = self.accept.take() {
+            h.abort();
+        }
+        self.conns.cancel();
+    }
+}
+
 /// The proxy registry behind the HTTP API.
 #[derive(Clone)]
 pub struct FaultProxy {

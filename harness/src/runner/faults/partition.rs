@@ -4,10 +4,12 @@
 //! a peer that stops waiting (a heartbeat, a confirm or connect timeout) gives up on its own.
 //!
 //! - containers: `docker network disconnect` of the server's container from the run's
-//!   network, `connect` at the heal. Everything that reaches the server through that
-//!   network is cut: the Toxiproxy container's links and the published ports (the
-//!   harness's own connections too). Evidence: the engine's word that it is off the
-//!   network.
+//!   network, `connect` at the heal, then a wait until it serves (its address may change).
+//!   Everything that reaches the server through that network is cut: the Toxiproxy
+//!   container's links and the published ports (the harness's own connections too). Open
+//!   connections hang and are aborted, not held (seen: the replicas' links end "connection
+//!   aborted"), and a new link fails at once, its upstream's name no longer resolving.
+//!   Evidence: the engine's word that it is off the network.
 //! - local, external: the servers listen on the host's loopback, on no network to take them
 //!   off. Every replica's link to the server is held in the fault proxy instead: a
 //!   `latency` toxic longer than the hold on both streams, removed at the heal, which sends
@@ -51,9 +53,18 @@ impl Room for Partition {
         let Some(t) = server(target) else { return Err(not_supported(f)) };
         let mut backend = cx.backend.lock().await;
         if backend.kind() == BackendKind::Containers {
-            let off = backend.partition(t, true).await?;
-            cx.evidence(off);
-            return Ok(Cut::Container(t));
+            match backend.partition(t, true).await {
+                Ok(off) => {
+                    cx.evidence(off);
+                    return Ok(Cut::Container(t));
+                }
+                Err(e) => {
+                    // A disconnect that failed half way must not leave the server off the
+                    // network for the rest of the run.
+                    let _ = backend.partition(t, false).await;
+                    return Err(e.into());
+                }
+            }
         }
         drop(backend);
         let to = match target {
@@ -70,7 +81,11 @@ impl Room for Partition {
                     toxicity: 1.0,
                     kind: ToxicKind::Latency { latency: HELD_MS, jitter: 0 },
                 };
-                cx.toxi.add_toxic(&proxy, &toxic).await?;
+                if let Err(e) = cx.toxi.add_toxic(&proxy, &toxic).await {
+                    // Nothing held past a failed apply: the heal never runs for it.
+                    let _ = release(cx, &held).await;
+                    return Err(e.into());
+                }
                 held.push((proxy.clone(), toxic.name));
             }
         }
@@ -83,22 +98,33 @@ impl Room for Partition {
                 cx.backend.lock().await.partition(t, false).await?;
             }
             Cut::Links(held) => {
-                // Evidence before removal: payload the links held (an idle link's heartbeats
-                // are not a partition anyone noticed).
+                // Evidence before removal, best effort (a failed read must not leave a link
+                // held): payload the links held (an idle link's heartbeats are not a
+                // partition anyone noticed).
                 let (mut bytes, mut conns, mut links) = (0, 0, 0);
                 for (proxy, name) in &held {
-                    if let Some(a) = cx.toxi.proxy(proxy).await?.affected.get(name).filter(|a| a.payload_bytes > 0) {
+                    let Ok(info) = cx.toxi.proxy(proxy).await else { continue };
+                    if let Some(a) = info.affected.get(name).filter(|a| a.payload_bytes > 0) {
                         bytes += a.payload_bytes;
                         conns += a.connections;
                         links += 1;
                     }
                 }
                 cx.evidence((bytes > 0).then(|| format!("{bytes} bytes of payload held on {links} link directions over {conns} connections")));
-                for (proxy, name) in &held {
-                    cx.toxi.remove_toxic(proxy, name).await?;
-                }
+                release(cx, &held).await?;
             }
         }
         Ok(())
     }
+}
+
+/// Removes every held link's toxic, each even when another fails; the first error.
+async fn release(cx: &Cx, held: &[(String, String)]) -> anyhow::Result<()> {
+    let mut first = None;
+    for (proxy, name) in held {
+        if let Err(e) = cx.toxi.remove_toxic(proxy, name).await {
+            first.get_or_insert(e);
+        }
+    }
+    first.map_or(Ok(()), |e| Err(e.into()))
 }
