@@ -66,6 +66,10 @@ pub enum Event {
     /// The inbox of `replica` reported re-running an envelope it had recorded but never
     /// stamped (`inbox.reprocessed`, the #1180 window): the system's own corroboration.
     Reprocessed { envelope: Uuid, replica: String },
+    /// The inbox of `replica` ran `envelope`'s handler and its `processed_at` stamp failed and
+    /// is being tried again (`inbox.stamp_retry`): the stamp was still pending then, so the
+    /// #1180 window of that run reaches this far (the system's own word).
+    StampRetry { envelope: Uuid, replica: String },
     /// financial's arbiter absorbed a replay of `envelope` (its `financial.payment_replay_absorbed`
     /// line, #1179): the stored payment's facts matched, nothing was written.
     PaymentAbsorbed { envelope: Uuid, replica: String },

@@ -121,7 +121,9 @@ static KEPT: std::sync::Mutex<Vec<PortLease>> = std::sync::Mutex::new(Vec::new()
 /// dropped: a Unix socket bound to the abstract name `craig-chaos-port-<N>`, which the
 /// kernel releases when the socket closes or the process dies. No file, no directory, no
 /// permission for one user to get wrong for another; the abstract namespace is per network
-/// namespace, as the ports are. A port is free while its listener is closed (a server
+/// namespace, as the host's loopback ports are. (The containers backend's published ports
+/// are bound by the Docker engine in its own namespace: a harness running in another one, in
+/// a container of its own, leases them in the wrong place.) A port is free while its listener is closed (a server
 /// killed, a proxy link down or partitioned, a container killed), and without the lease
 /// another run could pick it then and keep it from coming back (seen: a connection to a
 /// disabled proxy's port answered, CI at 38ba52f).

@@ -7,6 +7,22 @@ use super::*;
 /// this cannot have come between the two. It narrows the window; it never excuses alone.
 pub const STAMP_DUE_MS: u64 = 2_000;
 
+/// How long a stamp the inbox reported still pending (`inbox.stamp_retry`) may take from
+/// that report: its next attempt comes after at most 1 s of backoff and waits at most the
+/// node pool's 5 s for a connection (`craig_mq::inbox::STAMP_RETRY_FOR` bounds them all).
+pub const STAMP_PENDING_MS: u64 = 6_000;
+
+/// When the stamp of `envelope`'s run at `t` on `replica` was due: [`STAMP_DUE_MS`] after
+/// it, or, where that replica's inbox reported the stamp still pending before `until`
+/// (`Event::StampRetry`), [`STAMP_PENDING_MS`] after its last such report (the system's own
+/// word that the window was still open; never timing alone).
+fn stamp_due(retries: &HashMap<Uuid, Vec<(u64, String)>>, envelope: &Uuid, t: u64, until: u64, replica: Option<&str>) -> u64 {
+    let last = retries.get(envelope).and_then(|rs| {
+        rs.iter().filter(|(at, r)| (t..=until).contains(at) && replica.is_none_or(|x| x == r)).map(|(at, _)| *at).max()
+    });
+    (t + STAMP_DUE_MS).max(last.map_or(0, |l| l + STAMP_PENDING_MS))
+}
+
 /// Consumers whose side effect carries its own arbiter (ADR-022 #1179: financial's
 /// `payments_one_perdiem_per_placement_period`): the #1180 window excuses nothing for them —
 /// a re-run must be absorbed by the arbiter, so any second effect is a violation.
@@ -46,13 +62,14 @@ pub(super) struct WindowFault {
 }
 
 impl WindowFault {
-    /// Whether this fault could have stopped the stamp of an execution at `t1` on `replica`.
-    fn opens(&self, t1: u64, replica: Option<&str>) -> bool {
+    /// Whether this fault could have stopped the stamp of an execution at `t1` on `replica`,
+    /// its stamp due by `due` ([`stamp_due`]).
+    fn opens(&self, t1: u64, due: u64, replica: Option<&str>) -> bool {
         let applies = match &self.opener {
             Opener::Database => true,
             Opener::Crash { replica: r } | Opener::Link { replica: r } => replica == Some(r.as_str()),
         };
-        applies && self.from <= t1 + STAMP_DUE_MS && self.to >= t1
+        applies && self.from <= due && self.to >= t1
     }
 }
 
@@ -107,12 +124,15 @@ pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
 /// allowed. A re-execution is excused only when ALL hold:
 /// - a fault could have stopped the FIRST execution's stamp: a crash of the replica that ran
 ///   it, a kill/pause of the database, or a cut of that replica's own database link, in force
-///   within [`STAMP_DUE_MS`] after the first execution (and before the second);
+///   within [`STAMP_DUE_MS`] after the first execution (and before the second), or until
+///   [`STAMP_PENDING_MS`] after that replica's inbox last reported the stamp still pending
+///   (`inbox.stamp_retry`, before the second);
 /// - that fault has not already excused as many re-executions of that replica as its consume
 ///   session ran handlers at once (its own `subscriber.started concurrency=N`, else 1);
 /// - the system corroborates it: the inbox reported reprocessing that envelope
 ///   (`Event::Reprocessed`, from `inbox.reprocessed`) — logged by the replica that ran the
-///   re-execution, within [`STAMP_DUE_MS`] after it, each report excusing one re-run.
+///   re-execution, within [`STAMP_DUE_MS`] after it (or [`STAMP_PENDING_MS`] after its own
+///   last `inbox.stamp_retry`), each report excusing one re-run.
 ///   Timing alone never excuses;
 /// - the consumer is not arbiter-backed ([`ARBITER_BACKED`]): one that is must absorb the
 ///   re-run itself (#1179), so its second effect is never excused.
@@ -123,9 +143,13 @@ pub fn effect_once(h: &History) -> Verdict {
     let windows = h.fault_windows();
     // The inbox's own word, per envelope: (time, replica, already used for an excuse).
     let mut reprocessed: HashMap<Uuid, Vec<(u64, String, bool)>> = HashMap::new();
+    // And its word that a stamp was still pending (retried).
+    let mut retries: HashMap<Uuid, Vec<(u64, String)>> = HashMap::new();
     for e in h.iter() {
-        if let Event::Reprocessed { envelope, replica } = &e.event {
-            reprocessed.entry(*envelope).or_default().push((e.t_ms, replica.clone(), false));
+        match &e.event {
+            Event::Reprocessed { envelope, replica } => reprocessed.entry(*envelope).or_default().push((e.t_ms, replica.clone(), false)),
+            Event::StampRetry { envelope, replica } => retries.entry(*envelope).or_default().push((e.t_ms, replica.clone())),
+            _ => {}
         }
     }
     // For blaming a duplicate on the producer side: when each referral was written, and
@@ -164,8 +188,9 @@ pub fn effect_once(h: &History) -> Verdict {
         for pair in runs.windows(2) {
             let ((t1, r1), (t2, _)) = (&pair[0], &pair[1]);
             let on = r1.as_deref().unwrap_or("an unnamed replica");
+            let due = stamp_due(&retries, envelope, *t1, *t2, r1.as_deref());
             let candidates: Vec<usize> =
-                (0..faults.len()).filter(|&i| faults[i].opens(*t1, r1.as_deref()) && faults[i].from <= *t2).collect();
+                (0..faults.len()).filter(|&i| faults[i].opens(*t1, due, r1.as_deref()) && faults[i].from <= *t2).collect();
             let arbiter = arbitered.contains(envelope);
             let bound = handler_concurrency(h, r1.as_deref(), *t1);
             let free = candidates
@@ -176,9 +201,11 @@ pub fn effect_once(h: &History) -> Verdict {
             // Corroboration of THIS re-run: the replica that ran it logged `inbox.reprocessed`
             // for the envelope right after it (the line follows the stamp), once per re-run.
             let r2 = pair[1].1.as_deref();
+            // (The line follows the re-run's own stamp, which may have been retried.)
+            let reported_by = stamp_due(&retries, envelope, *t2, u64::MAX, r2);
             let report = reprocessed.get(envelope).and_then(|reports| {
                 reports.iter().position(|(t, r, spent)| {
-                    !spent && r2.is_none_or(|r2| r2 == r) && (t2.saturating_sub(WINDOW_SLACK_MS)..=t2 + STAMP_DUE_MS).contains(t)
+                    !spent && r2.is_none_or(|r2| r2 == r) && (t2.saturating_sub(WINDOW_SLACK_MS)..=reported_by).contains(t)
                 })
             });
             let corroborated = report.is_some();

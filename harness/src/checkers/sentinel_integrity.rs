@@ -29,7 +29,8 @@ fn cuts_off_database(tag: &str, label: &str, replica: &str) -> bool {
 
 /// Whether fault `tag` can lose the answer to a statement `replica` had already sent, so
 /// that its work committed though the handler heard an error: the database killed (after the
-/// commit, before the answer) or partitioned (on containers its connections are aborted), this
+/// commit, before the answer) or partitioned (on containers its connections are aborted; on
+/// local the links are held, which loses nothing, but the verdict does not know the backend), this
 /// replica's own link down, or a toxic on it that breaks its connections (`timeout`,
 /// `reset_peer`, `limit_data`). A pause or a slowed link delivers the answer late, never
 /// loses it: a 503 under one is a pool that gave no connection, and

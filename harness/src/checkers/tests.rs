@@ -937,6 +937,35 @@ fn a_crash_of_the_first_runs_replica_in_its_window_excuses_one_corroborated_reru
     assert!(v.witnesses[0].contains("after crash rules-1 (SIGABRT) @15ms; the inbox reported the reprocess"), "{:?}", v.witnesses);
 }
 
+/// A stamp the inbox retried (`inbox.stamp_retry`) was still pending: a crash 5 s after the
+/// run, past the 2 s a stamp is otherwise due in, came between handler and stamp and excuses
+/// the corroborated re-run; without the inbox's word it does not (timing alone never
+/// excuses). The re-run's own `inbox.reprocessed`, logged after ITS retried stamp, still
+/// corroborates it.
+#[test]
+fn a_stamp_the_inbox_retried_keeps_its_window_open_in_the_inboxs_word() {
+    let history = |retried: bool| {
+        let mut h = History::default();
+        effect_on(&mut h, 10, 101, "rules-1");
+        if retried {
+            for t in [2_000, 3_500, 4_600] {
+                h.push(t, Event::StampRetry { envelope: id(101), replica: "rules-1".into() });
+            }
+            // The re-run's own stamp was retried too, so its report comes late.
+            h.push(9_000, Event::StampRetry { envelope: id(101), replica: "rules-1".into() });
+        }
+        crash(&mut h, 5_000, "rules-1");
+        effect_on(&mut h, 7_000, 101, "rules-1");
+        reprocessed(&mut h, 12_000, 101, "rules-1");
+        h.sort();
+        effect_once(&h)
+    };
+    let v = history(true);
+    assert_eq!((v.validity, v.counts["crash_window_reexecutions"]), (Validity::Valid, 1), "{:?}", v.witnesses);
+    let v = history(false);
+    assert_eq!((v.validity, v.counts["unattributed"]), (Validity::Invalid, 1), "{:?}", v.witnesses);
+}
+
 /// #1179: the same crash-window re-run on financial (arbiter-backed) is never excused:
 /// its arbiter must absorb it. The second payment is blamed on the replica's compat
 /// (pre-1179, no arbiter) and on the crash between the runs.

@@ -394,11 +394,12 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
         }
         let absorbed = line.contains("event=\"financial.payment_replay_absorbed\"");
         let reprocessed = line.contains("event=\"inbox.reprocessed\"");
+        let stamp_retry = line.contains("event=\"inbox.stamp_retry\"");
         let stamped = line.contains("event=\"outbox.stamped\"");
         // A consumer handing a message to dead-lettering: the broker path's reject, or the
         // app path's confirmed surface to craig.dlx (#1196).
         let rejected = line.contains("event=\"subscriber.permanent_failure\"") || line.contains("event=\"inbox.surfaced_to_dlx\"");
-        if !reprocessed && !stamped && !rejected && !absorbed {
+        if !reprocessed && !stamp_retry && !stamped && !rejected && !absorbed {
             continue;
         }
         let Some(envelope) = line
@@ -413,6 +414,8 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
             Event::PaymentAbsorbed { envelope, replica: replica.to_owned() }
         } else if reprocessed {
             Event::Reprocessed { envelope, replica: replica.to_owned() }
+        } else if stamp_retry {
+            Event::StampRetry { envelope, replica: replica.to_owned() }
         } else if rejected {
             Event::Rejected { envelope, replica: replica.to_owned(), compat: compat.clone() }
         } else {

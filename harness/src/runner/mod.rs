@@ -558,6 +558,16 @@ struct Fleet {
     replicas: Replicas,
 }
 
+/// Whatever way a run ends (an error in heal, drain or collect too), the harness's own proxy
+/// API stops, and with its registry every link's listener, before the links' port leases go.
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        if let Some(t) = self.api_task.take() {
+            t.abort();
+        }
+    }
+}
+
 /// Start: the fault proxy, a link through it for each replica's database and broker
 /// connections, and every replica that starts with the run (its crash points, mutants and
 /// markers armed).
@@ -804,9 +814,8 @@ async fn collect_all(
     for p in deployed.pools.values() {
         p.close().await;
     }
-    if let Some(t) = fleet.api_task {
-        t.abort();
-    }
+    // (The fleet's Drop stops the harness's own proxy API, whatever way the run ends.)
+    drop(fleet);
     Ok(())
 }
 

@@ -106,34 +106,40 @@ where
     Ok(outcome)
 }
 
-/// How long [`stamp`] keeps trying before it gives the delivery back.
-pub const STAMP_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long [`stamp`] keeps trying, attempts included, before it gives the delivery back:
+/// well inside a stopping node's grace (the harness allows 15 s), so a drain never waits
+/// longer on it.
+pub const STAMP_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(8);
 
 /// `processed_at` for a handler that succeeded. The UPDATE is idempotent, so a failed one is
-/// tried again (backing off 50 ms to 1 s) for up to [`STAMP_RETRY_FOR`]: the #1180 window is
-/// a crash between the handler's commit and this stamp, and a stamp that merely waited for a
-/// pooled connection (seen: a consumer's pool timed out for seconds after a database pause,
-/// its backlog of 32 handlers competing, and every such envelope ran twice) must not widen
-/// it. Past that time (the database really is gone) the error is returned, the delivery is
-/// retried, and the handler re-runs: the ADR's residue.
+/// tried again (backing off 50 ms to 1 s) until [`STAMP_RETRY_FOR`] has passed, each attempt
+/// bounded by what is left of it: the #1180 window is a crash between the handler's commit
+/// and this stamp, and a stamp that merely waited for a pooled connection (seen: a consumer's
+/// pool timed out for seconds after a database pause, its backlog of 32 handlers competing,
+/// and every such envelope ran twice) must not widen it. Each failed attempt is logged
+/// (`inbox.stamp_retry`, the envelope's stamp still pending). Past that time (the database
+/// really is gone) the error is returned, the delivery is retried, and the handler re-runs:
+/// the ADR's residue. A closed pool (the node stopping) is returned at once.
 async fn stamp(db: &PgPool, envelope: &EventEnvelope, consumer_queue: &str) -> Result<(), sqlx::Error> {
     let started = tokio::time::Instant::now();
     let mut backoff = std::time::Duration::from_millis(50);
     loop {
-        let tried = sqlx::query("UPDATE event_inbox SET processed_at = now() WHERE envelope_id = $1 AND processed_at IS NULL")
+        let left = STAMP_RETRY_FOR.saturating_sub(started.elapsed());
+        let attempt = sqlx::query("UPDATE event_inbox SET processed_at = now() WHERE envelope_id = $1 AND processed_at IS NULL")
             .bind(envelope.id)
-            .execute(db)
-            .await;
-        match tried {
-            Ok(_) => return Ok(()),
-            Err(e) if started.elapsed() + backoff < STAMP_RETRY_FOR => {
-                tracing::warn!(event = "inbox.stamp_retry", envelope_id = %envelope.id, queue = consumer_queue, error = %e,
-                    backoff_ms = backoff.as_millis() as u64, "the handler succeeded; processed_at not stamped yet, trying again");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(std::time::Duration::from_secs(1));
-            }
-            Err(e) => return Err(e),
+            .execute(db);
+        let error = match tokio::time::timeout(left, attempt).await {
+            Ok(Ok(_)) => return Ok(()),
+            Ok(Err(e)) => e,
+            Err(_) => sqlx::Error::PoolTimedOut,
+        };
+        if matches!(error, sqlx::Error::PoolClosed) || started.elapsed() + backoff >= STAMP_RETRY_FOR {
+            return Err(error);
         }
+        tracing::warn!(event = "inbox.stamp_retry", envelope_id = %envelope.id, queue = consumer_queue, error = %error,
+            backoff_ms = backoff.as_millis() as u64, "the handler succeeded; processed_at not stamped yet, trying again");
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(std::time::Duration::from_secs(1));
     }
 }
 
