@@ -8,19 +8,20 @@ use super::*;
 pub const STAMP_DUE_MS: u64 = 2_000;
 
 /// How long a stamp the inbox reported still pending (`inbox.stamp_retry`) may take from
-/// that report: its next attempt comes after at most 1 s of backoff and waits at most the
-/// node pool's 5 s for a connection (`craig_mq::inbox::STAMP_RETRY_FOR` bounds them all).
-pub const STAMP_PENDING_MS: u64 = 6_000;
+/// its first such report: the inbox gives up [`craig_mq::inbox::STAMP_RETRY_FOR`] after its
+/// first attempt began, which was before that report.
+pub const STAMP_PENDING_MS: u64 = craig_mq::inbox::STAMP_RETRY_FOR.as_millis() as u64;
 
 /// When the stamp of `envelope`'s run at `t` on `replica` was due: [`STAMP_DUE_MS`] after
 /// it, or, where that replica's inbox reported the stamp still pending before `until`
-/// (`Event::StampRetry`), [`STAMP_PENDING_MS`] after its last such report (the system's own
-/// word that the window was still open; never timing alone).
+/// (`Event::StampRetry`), [`STAMP_PENDING_MS`] after its first such report at or after `t`
+/// (the system's own word that the window was still open; never timing alone). The first,
+/// not the last: a later run's retries cannot stretch an earlier run's window.
 fn stamp_due(retries: &HashMap<Uuid, Vec<(u64, String)>>, envelope: &Uuid, t: u64, until: u64, replica: Option<&str>) -> u64 {
-    let last = retries.get(envelope).and_then(|rs| {
-        rs.iter().filter(|(at, r)| (t..=until).contains(at) && replica.is_none_or(|x| x == r)).map(|(at, _)| *at).max()
+    let first = retries.get(envelope).and_then(|rs| {
+        rs.iter().filter(|(at, r)| (t..=until).contains(at) && replica.is_none_or(|x| x == r)).map(|(at, _)| *at).min()
     });
-    (t + STAMP_DUE_MS).max(last.map_or(0, |l| l + STAMP_PENDING_MS))
+    (t + STAMP_DUE_MS).max(first.map_or(0, |f| f + STAMP_PENDING_MS))
 }
 
 /// Consumers whose side effect carries its own arbiter (ADR-022 #1179: financial's
@@ -125,14 +126,14 @@ pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
 /// - a fault could have stopped the FIRST execution's stamp: a crash of the replica that ran
 ///   it, a kill/pause of the database, or a cut of that replica's own database link, in force
 ///   within [`STAMP_DUE_MS`] after the first execution (and before the second), or until
-///   [`STAMP_PENDING_MS`] after that replica's inbox last reported the stamp still pending
+///   [`STAMP_PENDING_MS`] after that replica's inbox first reported the stamp still pending
 ///   (`inbox.stamp_retry`, before the second);
 /// - that fault has not already excused as many re-executions of that replica as its consume
 ///   session ran handlers at once (its own `subscriber.started concurrency=N`, else 1);
 /// - the system corroborates it: the inbox reported reprocessing that envelope
 ///   (`Event::Reprocessed`, from `inbox.reprocessed`) — logged by the replica that ran the
 ///   re-execution, within [`STAMP_DUE_MS`] after it (or [`STAMP_PENDING_MS`] after its own
-///   last `inbox.stamp_retry`), each report excusing one re-run.
+///   first `inbox.stamp_retry`), each report excusing one re-run.
 ///   Timing alone never excuses;
 /// - the consumer is not arbiter-backed ([`ARBITER_BACKED`]): one that is must absorb the
 ///   re-run itself (#1179), so its second effect is never excused.
@@ -281,7 +282,7 @@ pub fn effect_once(h: &History) -> Verdict {
                     let why = if arbiter {
                         "an arbiter-backed consumer (#1179) must absorb every re-run itself: the #1180 window excuses nothing here".to_owned()
                     } else if candidates.is_empty() {
-                        format!("no crash of {on}, database kill/pause or cut of its database link within {STAMP_DUE_MS} ms after the first run")
+                        format!("no crash of {on}, database kill/pause/partition or cut of its database link while the first run's stamp was due ({STAMP_DUE_MS} ms after it, or {STAMP_PENDING_MS} ms after its inbox's first inbox.stamp_retry)")
                     } else if free.is_none() {
                         format!("the only fault in its window ({}) already excused {bound} re-execution(s) of {on}, its consume session's concurrency", faults[candidates[0]].label)
                     } else {

@@ -458,6 +458,7 @@ mod tests {
              --- start 2 of cases-1 (compat -) ---\n\
              2026-11-30T16:00:01.000000Z DEBUG craig_mq::outbox: event=\"outbox.stamped\" envelope_id={env}\n\
              2026-11-30T16:00:01.500000Z  WARN craig_mq::inbox: event=\"inbox.reprocessed\" envelope_id={env} source=x\n\
+             2026-11-30T16:00:01.600000Z  WARN craig_mq::inbox: the handler succeeded; processed_at not stamped yet, trying again event=\"inbox.stamp_retry\" envelope_id={env} queue=craig-rules.events error=pool timed out while waiting for an open connection backoff_ms=50\n\
              2026-11-30T16:00:01.700000Z ERROR craig_mq::subscriber: dead-lettering to craig.dlx event=\"subscriber.permanent_failure\" queue=\"craig-rules.events\" envelope_id={env} error=no referral_id\n\
              2026-11-30T16:00:01.800000Z  WARN craig_mq::dlq: event=\"security.dlq.log_and_ack\" digest=00ff00ff00ff00ff envelope_id={env} routing_key=dlq.x error=db\n\
              2026-11-30T16:00:01.950000Z  INFO craig_fleet::send_jobs: event=\"send_jobs.finalized\" job_id={env} correlation_id={env} generation=2 result=\"failed\" fence=\"applied\" outcome=Failed(\"transport: timed out\")\n\
@@ -475,6 +476,7 @@ mod tests {
                 (Some(100), Event::Stamped { envelope: env, replica: "cases-1".into(), compat: vec!["pre-1128".into()] }),
                 (Some(1000), Event::Stamped { envelope: env, replica: "cases-1".into(), compat: vec![] }),
                 (Some(1500), Event::Reprocessed { envelope: env, replica: "cases-1".into() }),
+                (Some(1600), Event::StampRetry { envelope: env, replica: "cases-1".into() }),
                 (Some(1700), Event::Rejected { envelope: env, replica: "cases-1".into(), compat: vec![] }),
                 (Some(1800), Event::AckedUnrecorded { key: "00ff00ff00ff00ff".into(), replica: "cases-1".into(), compat: vec![] }),
                 (Some(1950), Event::SendFinalized { correlation: env, replica: "cases-1".into(), result: "failed".into(), applied: true, generation: Some(2) }),

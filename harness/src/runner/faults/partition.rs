@@ -67,13 +67,9 @@ impl Room for Partition {
             }
         }
         drop(backend);
-        let to = match target {
-            FaultTarget::Broker => "broker",
-            _ => "database",
-        };
         let mut held = Vec::new();
         for name in cx.replicas.keys() {
-            let proxy = format!("{name}->{to}");
+            let proxy = format!("{name}->{t}");
             for stream in [Stream::Upstream, Stream::Downstream] {
                 let toxic = Toxic {
                     name: format!("fault-{}-{}", cx.index, stream.as_str()),
@@ -101,13 +97,18 @@ impl Room for Partition {
                 // Evidence before removal, best effort (a failed read must not leave a link
                 // held): payload the links held (an idle link's heartbeats are not a
                 // partition anyone noticed).
+                // One read per proxy: both of its toxics' counters.
                 let (mut bytes, mut conns, mut links) = (0, 0, 0);
-                for (proxy, name) in &held {
+                let mut proxies: Vec<&str> = held.iter().map(|(p, _)| p.as_str()).collect();
+                proxies.dedup();
+                for proxy in proxies {
                     let Ok(info) = cx.toxi.proxy(proxy).await else { continue };
-                    if let Some(a) = info.affected.get(name).filter(|a| a.payload_bytes > 0) {
-                        bytes += a.payload_bytes;
-                        conns += a.connections;
-                        links += 1;
+                    for (_, name) in held.iter().filter(|(p, _)| p == proxy) {
+                        if let Some(a) = info.affected.get(name).filter(|a| a.payload_bytes > 0) {
+                            bytes += a.payload_bytes;
+                            conns += a.connections;
+                            links += 1;
+                        }
                     }
                 }
                 cx.evidence((bytes > 0).then(|| format!("{bytes} bytes of payload held on {links} link directions over {conns} connections")));
