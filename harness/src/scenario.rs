@@ -28,7 +28,9 @@
 //!                           # dlq_park_ms / dlq_max_parks (security's DLQ park, 2000, and
 //!                           # the parks a refused delivery may cause before capture, 30),
 //!                           # dlq_redrive_secs (security's capture redrive; 0 = off, the
-//!                           # default here, so a capture stays visible)
+//!                           # default here, so a capture stays visible),
+//!                           # queue_type = "classic" | "quorum" (CRAIG_QUEUE_TYPE, issue 25:
+//!                           # every consumer queue, the DLQ and the capture queue)
 //!
 //! [workload]
 //! kind = "referrals"        # referrals (POST /v1/cases/referrals, counted in rules'
@@ -321,6 +323,15 @@ pub struct Settings {
     /// `dlq_occurrence_once` (kind:captured) instead of being healed behind the run's back.
     #[serde(default)]
     pub dlq_redrive_secs: u64,
+    /// The type of every queue the deploy and the nodes declare (`CRAIG_QUEUE_TYPE`, issue
+    /// 25): `classic` (default, the ADR's topology) or `quorum`.
+    #[serde(default, deserialize_with = "queue_type")]
+    pub queue_type: craig_mq::topology::QueueType,
+}
+
+fn queue_type<'de, D: serde::Deserializer<'de>>(d: D) -> Result<craig_mq::topology::QueueType, D::Error> {
+    let s = String::deserialize(d)?;
+    s.parse().map_err(serde::de::Error::custom)
 }
 
 fn dlq_park() -> u64 {
@@ -398,6 +409,7 @@ impl Default for Settings {
             dlq_park_ms: dlq_park(),
             dlq_max_parks: dlq_max_parks(),
             dlq_redrive_secs: 0,
+            queue_type: Default::default(),
         }
     }
 }
@@ -1559,6 +1571,16 @@ effect_once = { violate = "compat:pre-d2" }
         let e = rejected(&GOOD.replace(r#"effect_once = { violate = "compat:pre-d2" }"#, r#"effect_once = "violate""#));
         assert_eq!(e.line, 27, "{e}");
         assert!(e.reason.contains("effect_once attributes its violations: name the cause"), "{e}");
+    }
+
+    #[test]
+    fn the_queue_type_is_classic_unless_quorum_and_a_typo_names_its_line() {
+        assert_eq!(parse_str(GOOD).unwrap().settings.queue_type, craig_mq::topology::QueueType::Classic);
+        let with = |v: &str| GOOD.replace("[workload]\n", &format!("[settings]\nqueue_type = \"{v}\"\n\n[workload]\n"));
+        assert_eq!(parse_str(&with("quorum")).unwrap().settings.queue_type, craig_mq::topology::QueueType::Quorum);
+        let e = parse_str(&with("mirrored")).unwrap_err().to_string();
+        let line = with("mirrored").lines().position(|l| l.starts_with("queue_type")).unwrap() + 1;
+        assert!(e.starts_with(&format!("scenarios/t.toml:{line}:")) && e.contains("\"mirrored\" is not a queue type (classic or quorum)"), "{e}");
     }
 
     #[test]

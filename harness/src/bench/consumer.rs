@@ -84,7 +84,7 @@ async fn run_once(env: &Env, spec: &QueueSpec, n: usize, use_inbox: bool, concur
 
 pub(super) async fn consumer(env: &Env, opts: &BenchOptions) -> anyhow::Result<(Vec<Figure>, Vec<String>)> {
     let service = craig_fleet::Service::Rules;
-    let spec = QueueSpec { queue: consumer_queue("rules"), bindings: service.queue_bindings().iter().map(|s| s.to_string()).collect(), with_dlx: true };
+    let spec = QueueSpec { queue: consumer_queue("rules"), bindings: service.queue_bindings().iter().map(|s| s.to_string()).collect(), with_dlx: true, queue_type: Default::default() };
     debug_assert!(spec.bindings.iter().any(|b| b == EVENT_TYPE));
     {
         let (_conn, ch) = confirm_channel(&env.amqp_url, "bench-consumer-setup").await?;

@@ -240,7 +240,7 @@ impl Env {
             craig_fleet::node::migrate_for(service, url, Duration::from_secs(30), &craig_fleet::CompatSet::default()).await?;
             pools.push(PgPoolOptions::new().max_connections(40).connect(url).await?);
         }
-        craig_mq::topology::deploy_operator_part(&ep.amqp_url).await?;
+        craig_mq::topology::deploy_operator_part(&ep.amqp_url, Default::default()).await?;
         let rules = pools.pop().context("rules pool")?;
         let cases = pools.pop().context("cases pool")?;
         let rules_url = ep.database_url("rules").context("rules database")?.to_owned();

@@ -521,9 +521,9 @@ async fn deploy(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, ep: &crat
     // the admin credential; no service account may declare them. `[deploy] topology`
     // adds every consumer queue (`craig-node topology`); without it each node declares
     // its own queue at start.
-    bounded(Duration::from_secs(30), "declaring the exchanges and the DLQ", craig_mq::topology::deploy_operator_part(&ep.amqp_url)).await?;
+    bounded(Duration::from_secs(30), "declaring the exchanges and the DLQ", craig_mq::topology::deploy_operator_part(&ep.amqp_url, s.settings.queue_type)).await?;
     if s.deploy.topology {
-        deploy_topology(&opts.node_program, &ep.amqp_url).await?;
+        deploy_topology(&opts.node_program, &ep.amqp_url, s.settings.queue_type).await?;
     }
     // Every service logs in with its own least-privilege account, as deployed.
     let accounts: BTreeMap<String, String> = bounded(
@@ -659,6 +659,7 @@ async fn start(
                 ("CRAIG_DLQ_PARK_MS".into(), s.settings.dlq_park_ms.to_string()),
                 ("CRAIG_DLQ_MAX_PARKS".into(), s.settings.dlq_max_parks.to_string()),
                 ("CRAIG_DLQ_REDRIVE_SECS".into(), s.settings.dlq_redrive_secs.to_string()),
+                ("CRAIG_QUEUE_TYPE".into(), s.settings.queue_type.as_str().into()),
                 // The windows the checkers hold the prune to (retention_safety), set here so no
                 // stray variable of the harness's own environment moves them.
                 ("CRAIG_OUTBOX_RETENTION_DAYS".into(), "30".into()),
@@ -820,13 +821,14 @@ async fn collect_all(
 }
 
 /// `craig-node topology` through the same program the replicas run: the deploy step.
-async fn deploy_topology(program: &NodeProgram, amqp_url: &str) -> anyhow::Result<()> {
+async fn deploy_topology(program: &NodeProgram, amqp_url: &str, queue_type: craig_mq::topology::QueueType) -> anyhow::Result<()> {
     let out = tokio::time::timeout(
         Duration::from_secs(30),
         tokio::process::Command::new(&program.program)
             .args(&program.prefix)
             .arg("topology")
             .env("AMQP_URL", amqp_url)
+            .env("CRAIG_QUEUE_TYPE", queue_type.as_str())
             .env("RUST_LOG", "warn")
             .stdin(std::process::Stdio::null())
             .output(),

@@ -29,6 +29,7 @@ async fn rig(label: &str) -> Rig {
         queue: "craig-rules.events".into(),
         bindings: vec!["case.referral_created".into()],
         with_dlx: true,
+        queue_type: Default::default(),
     };
     craig_mq::topology::declare_consumer_queue(&ch, &spec).await.unwrap();
     let _ = conn.close(200, "bye".into()).await;

@@ -43,8 +43,8 @@ async fn declare_rules_queue(amqp: &str) {
     let conn = craig_mq::publisher::connect(amqp, 5, "test").await.unwrap();
     let ch = conn.create_channel().await.unwrap();
     // The operator's part first (#1202): no service account may declare the exchanges.
-    topology::declare_exchanges(&ch).await.unwrap();
-    let spec = QueueSpec { queue: "craig-rules.events".into(), bindings: vec!["case.referral_created".into()], with_dlx: true };
+    topology::declare_exchanges(&ch, Default::default()).await.unwrap();
+    let spec = QueueSpec { queue: "craig-rules.events".into(), bindings: vec!["case.referral_created".into()], with_dlx: true, queue_type: Default::default() };
     topology::declare_consumer_queue(&ch, &spec).await.unwrap();
     let _ = conn.close(200, "bye".into()).await;
 }

@@ -55,7 +55,7 @@ async fn rig(label: &str) -> Rig {
     craig_fleet::node::migrate(craig_fleet::Service::Cases, sandbox.database_url("cases"), Duration::from_secs(5)).await.unwrap();
     let pool = sandbox.pool("cases").await.unwrap();
     // The deploy step: publishes are mandatory and need their queues.
-    craig_fleet::node::declare_topology(sandbox.amqp_url(), true).await.unwrap();
+    craig_fleet::node::declare_topology(sandbox.amqp_url(), true, Default::default()).await.unwrap();
     let logs = std::env::temp_dir().join(format!("chaos-replica-logs-{label}-{}", std::process::id()));
     std::fs::create_dir_all(&logs).unwrap();
     Rig { sandbox, pool, logs }

@@ -156,7 +156,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
             let pool = pool.clone();
             async move { crate::security::on_dead_letter(&pool, d, crate::security::RecorderMode::default()).await }
         };
-        let r = craig_mq::dlq::redrive_capture(&settings.amqp_url, settings.publisher.heartbeat_secs, &handler, &CancellationToken::new())
+        let r = craig_mq::dlq::redrive_capture(&settings.amqp_url, settings.publisher.heartbeat_secs, settings.queue_type, &handler, &CancellationToken::new())
             .await
             .map_err(|e| anyhow::anyhow!("{}", craig_mq::settings::redact_text(&e.to_string(), &settings.amqp_url)))?;
         pool.close().await;
@@ -167,11 +167,11 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
         return Ok(());
     }
     if let Some(Command::Topology) = cli.command {
-        let declared = node::declare_topology(&settings.amqp_url, true).await?;
+        let declared = node::declare_topology(&settings.amqp_url, true, settings.queue_type).await?;
         for spec in declared {
-            println!("craig-node: declared {} <- craig.events [{}]", spec.queue, spec.bindings.join(", "));
+            println!("craig-node: declared {} ({}) <- craig.events [{}]", spec.queue, spec.queue_type, spec.bindings.join(", "));
         }
-        println!("craig-node: declared craig.events, craig.dlx, craig-security.dlq <- craig.dlx [dlq.#]");
+        println!("craig-node: declared craig.events, craig.dlx, craig-security.dlq ({}) <- craig.dlx [dlq.#]", settings.queue_type);
         return Ok(());
     }
     let service = cli.service.context("--service is required (cases, financial, rules or security)")?;

@@ -11,7 +11,7 @@ use axum::{Json, Router};
 use craig_api::JwtKey;
 use craig_mq::dlq::{DlqConsumerConfig, subscribe_dlq};
 use craig_mq::subscriber::{SubscriberConfig, run_subscriber};
-use craig_mq::topology::{QueueSpec, consumer_queue};
+use craig_mq::topology::{QueueSpec, QueueType, consumer_queue};
 use craig_mq::{DrainMode, OutboxWorker, ServiceSettings};
 use serde_json::json;
 use sqlx::PgPool;
@@ -109,14 +109,15 @@ pub async fn migrate_for(service: Service, url: &str, wait: Duration, compat: &C
 /// yet stays pending (unroutable) until it does — and once security's `#` audit queue
 /// exists, an event routes there even when its real consumer's queue is still missing.
 /// Returns the queues declared.
-pub async fn declare_topology(amqp_url: &str, with_dlx: bool) -> anyhow::Result<Vec<QueueSpec>> {
+/// Every queue is of `queue_type` (`CRAIG_QUEUE_TYPE`, issue 25).
+pub async fn declare_topology(amqp_url: &str, with_dlx: bool, queue_type: QueueType) -> anyhow::Result<Vec<QueueSpec>> {
     let conn = craig_mq::publisher::connect(amqp_url, 10, "craig-topology").await.context("connecting to AMQP_URL")?;
     let ch = conn.create_channel().await?;
     // The operator's part first (#1202): services only check that the exchanges exist.
-    craig_mq::topology::declare_exchanges(&ch).await.context("declaring the exchanges and the DLQ (needs the operator's credential)")?;
+    craig_mq::topology::declare_exchanges(&ch, queue_type).await.context("declaring the exchanges and the DLQ (needs the operator's credential)")?;
     let mut declared = Vec::new();
     for service in crate::service::ALL {
-        if let Some(spec) = queue_spec(service, with_dlx) {
+        if let Some(spec) = queue_spec(service, with_dlx, queue_type) {
             craig_mq::topology::declare_consumer_queue(&ch, &spec)
                 .await
                 .with_context(|| format!("declaring {}", spec.queue))?;
@@ -128,12 +129,13 @@ pub async fn declare_topology(amqp_url: &str, with_dlx: bool) -> anyhow::Result<
 }
 
 /// `service`'s consumer queue as deployed (`None` for a service that consumes nothing).
-pub fn queue_spec(service: Service, with_dlx: bool) -> Option<QueueSpec> {
+pub fn queue_spec(service: Service, with_dlx: bool, queue_type: QueueType) -> Option<QueueSpec> {
     let bindings = service.queue_bindings();
     (!bindings.is_empty()).then(|| QueueSpec {
         queue: consumer_queue(service.name()),
         bindings: bindings.iter().map(|s| s.to_string()).collect(),
         with_dlx,
+        queue_type,
     })
 }
 
@@ -286,7 +288,7 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
     tasks.spawn(worker.run(outbox_stop.clone()));
     let mut before_outbox: Vec<tokio::sync::oneshot::Receiver<()>> = Vec::new();
 
-    let own_queue = queue_spec(service, !opts.compat.has(Compat::PreD3));
+    let own_queue = queue_spec(service, !opts.compat.has(Compat::PreD3), opts.settings.queue_type);
     if let (Some(spec), true) = (&own_queue, service.consumes().is_empty()) {
         let (url, hb) = (opts.settings.amqp_url.clone(), opts.settings.publisher.heartbeat_secs);
         tasks.spawn(declare_own_queue(url, spec.clone(), hb, shutdown.clone()));
@@ -390,6 +392,7 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
             reconnect_delay: Duration::from_secs(1),
             retry: opts.settings.dlq_retry,
             log_and_ack: opts.compat.has(Compat::Pre1197),
+            queue_type: opts.settings.queue_type,
         };
         let pool = pool.clone();
         let handler = move |d| {
@@ -400,13 +403,14 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
         // and records what the database now takes (the occurrence token arbitrates).
         if let Some(every) = opts.settings.dlq_redrive.filter(|_| !opts.compat.has(Compat::Pre1197)) {
             let (url, hb, stop, handler) = (opts.settings.amqp_url.clone(), opts.settings.publisher.heartbeat_secs, shutdown.clone(), handler.clone());
+            let queue_type = opts.settings.queue_type;
             tasks.spawn(async move {
                 loop {
                     tokio::select! {
                         _ = stop.cancelled() => return,
                         _ = tokio::time::sleep(every) => {}
                     }
-                    match craig_mq::dlq::redrive_capture(&url, hb, &handler, &stop).await {
+                    match craig_mq::dlq::redrive_capture(&url, hb, queue_type, &handler, &stop).await {
                         Ok(r) if r.redriven + r.kept > 0 => tracing::info!(event = "security.dlq.redrive_pass", redriven = r.redriven, kept = r.kept, unreachable = r.unreachable),
                         Ok(_) => {}
                         Err(e) => tracing::warn!(event = "security.dlq.redrive_failed", error = %craig_mq::settings::redact_text(&e.to_string(), &url)),

@@ -621,6 +621,8 @@ pub struct DlqConsumerConfig {
     pub retry: DlqRetryConfig,
     /// Compat `pre-1197`: log a handler failure and ack anyway (the retired posture).
     pub log_and_ack: bool,
+    /// The DLQ's and the capture queue's type (`CRAIG_QUEUE_TYPE`, issue 25).
+    pub queue_type: crate::topology::QueueType,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -678,9 +680,9 @@ where
         let ch = conn.create_channel().await?;
         // The exchanges are the operator's (#1202); the DLQ is security's own.
         crate::topology::require_exchanges(&ch).await?;
-        crate::topology::declare_dlq(&ch).await?;
+        crate::topology::declare_dlq(&ch, cfg.queue_type).await?;
         let durable = QueueDeclareOptions { durable: true, ..Default::default() };
-        ch.queue_declare(CAPTURE_QUEUE.into(), durable, FieldTable::default()).await?;
+        ch.queue_declare(CAPTURE_QUEUE.into(), durable, cfg.queue_type.plain_args()).await?;
         let capture = conn.create_channel().await?;
         capture.confirm_select(ConfirmSelectOptions::default()).await?;
         ch.basic_qos(cfg.prefetch, BasicQosOptions::default()).await?;
@@ -887,6 +889,7 @@ fn header_text(h: Option<&FieldTable>, key: &str) -> Option<String> {
 pub async fn redrive_capture<H, Fut, E>(
     amqp_url: &str,
     heartbeat_secs: u16,
+    queue_type: crate::topology::QueueType,
     handler: &H,
     stop: &CancellationToken,
 ) -> Result<RedriveReport, RedriveError>
@@ -896,12 +899,17 @@ where
     E: std::error::Error + 'static,
 {
     let conn = crate::publisher::connect(amqp_url, heartbeat_secs, "craig-security.dlq.redrive").await?;
-    let result = redrive_on(&conn, handler, stop).await;
+    let result = redrive_on(&conn, queue_type, handler, stop).await;
     let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "redriven".into())).await;
     result
 }
 
-async fn redrive_on<H, Fut, E>(conn: &lapin::Connection, handler: &H, stop: &CancellationToken) -> Result<RedriveReport, RedriveError>
+async fn redrive_on<H, Fut, E>(
+    conn: &lapin::Connection,
+    queue_type: crate::topology::QueueType,
+    handler: &H,
+    stop: &CancellationToken,
+) -> Result<RedriveReport, RedriveError>
 where
     H: Fn(DeadLetterDelivery) -> Fut,
     Fut: Future<Output = Result<(), DlqError<E>>>,
@@ -911,7 +919,7 @@ where
     let ch = conn.create_channel().await?;
     ch.confirm_select(ConfirmSelectOptions::default()).await?;
     let durable = QueueDeclareOptions { durable: true, ..Default::default() };
-    let waiting = ch.queue_declare(CAPTURE_QUEUE.into(), durable, FieldTable::default()).await?.message_count();
+    let waiting = ch.queue_declare(CAPTURE_QUEUE.into(), durable, queue_type.plain_args()).await?.message_count();
     let mut report = RedriveReport::default();
     for _ in 0..waiting {
         // A stopping node ends the pass between deliveries; the rest wait for the next one.

@@ -107,6 +107,9 @@ pub struct ServiceSettings {
     /// `CRAIG_DLQ_REDRIVE_SECS`: how often security re-reads its capture queue (`None`: never
     /// by itself).
     pub dlq_redrive: Option<Duration>,
+    /// `CRAIG_QUEUE_TYPE`: `classic` (default) or `quorum`, for every queue the fleet
+    /// declares (issue 25; the deploy step and every node must agree).
+    pub queue_type: crate::topology::QueueType,
 }
 
 /// The prefetch of every consumer session of the fleet (§D3).
@@ -268,6 +271,10 @@ impl ServiceSettings {
             return Err(SettingsError::Invalid { name: "CRAIG_DLQ_REDRIVE_SECS", value: redrive.to_string(), expected: "interval of 0 (off) up to 86400 s" });
         }
         let dlq_redrive = (redrive > 0).then(|| Duration::from_secs(redrive));
+        let queue_type = match lookup("CRAIG_QUEUE_TYPE") {
+            None => crate::topology::QueueType::default(),
+            Some(v) => v.parse().map_err(|_| SettingsError::Invalid { name: "CRAIG_QUEUE_TYPE", value: v, expected: "queue type: classic or quorum" })?,
+        };
         let database_url = lookup("DATABASE_URL").unwrap_or_else(|| DEFAULT_DATABASE_URL.into());
         let amqp_url = lookup("AMQP_URL").unwrap_or_else(|| DEFAULT_AMQP_URL.into());
         // Refused here, redacted, rather than by a driver that would print them whole.
@@ -282,6 +289,7 @@ impl ServiceSettings {
             return Err(SettingsError::Invalid { name: "AMQP_URL", value: redact(&amqp_url), expected: "amqp:// or amqps:// URL" });
         }
         Ok(Self {
+            queue_type,
             dlq_retry,
             dlq_redrive,
             outbox_notify,
@@ -510,6 +518,15 @@ mod tests {
         assert_eq!(s.outbox.poll_interval, Duration::from_secs(1));
         assert_eq!(s.outbox.backoff_max, Duration::from_secs(60));
         assert_eq!(s.inbox_retry_cap, DEFAULT_INBOX_RETRY_CAP);
+    }
+
+    #[test]
+    fn the_queue_type_is_classic_unless_quorum_is_asked_for() {
+        use crate::topology::QueueType;
+        assert_eq!(load(&[]).unwrap().queue_type, QueueType::Classic);
+        assert_eq!(load(&[("CRAIG_QUEUE_TYPE", "quorum")]).unwrap().queue_type, QueueType::Quorum);
+        let err = load(&[("CRAIG_QUEUE_TYPE", "mirrored")]).unwrap_err();
+        assert_eq!(err.to_string(), "CRAIG_QUEUE_TYPE=\"mirrored\" is not a valid queue type: classic or quorum");
     }
 
     #[test]

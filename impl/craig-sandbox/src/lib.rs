@@ -13,6 +13,7 @@
 
 use std::fmt::Write as _;
 use std::time::Duration;
+pub use craig_mq::topology::QueueType;
 
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -40,6 +41,7 @@ pub struct Sandbox {
     vhost: String,
     databases: Vec<(String, String)>,
     users: Vec<String>,
+    queue_type: QueueType,
     destroyed: bool,
 }
 
@@ -56,13 +58,20 @@ pub struct Account {
 impl Sandbox {
     /// Create databases `<name>_<service>` for each service and vhost `<name>` on the
     /// servers named by `DATABASE_URL` and `AMQP_URL` (or the defaults).
+    /// Its DLQ is a classic queue (the ADR's topology); see [`Sandbox::create_typed`].
     pub async fn create(label: &str, services: &[&str]) -> Result<Self, SandboxError> {
-        let admin_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
-        let amqp_base = std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.into());
-        Self::create_on(&admin_url, &amqp_base, label, services).await
+        Self::create_typed(label, services, QueueType::Classic).await
     }
 
-    pub async fn create_on(admin_url: &str, amqp_base: &str, label: &str, services: &[&str]) -> Result<Self, SandboxError> {
+    /// [`Sandbox::create`] with the operator's DLQ of `queue_type` (issue 25): the fleet in
+    /// it must declare its queues with the same type.
+    pub async fn create_typed(label: &str, services: &[&str], queue_type: QueueType) -> Result<Self, SandboxError> {
+        let admin_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
+        let amqp_base = std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.into());
+        Self::create_on(&admin_url, &amqp_base, label, services, queue_type).await
+    }
+
+    pub async fn create_on(admin_url: &str, amqp_base: &str, label: &str, services: &[&str], queue_type: QueueType) -> Result<Self, SandboxError> {
         let name = sandbox_name(label);
         let mut admin = admin_conn(admin_url).await?;
         let pg = |source| SandboxError::Postgres { url: admin_url.to_owned(), source };
@@ -83,8 +92,9 @@ impl Sandbox {
                 databases.push((svc.to_string(), replace_path(admin_url, &db)?));
             }
             vhost_create(amqp_base, &name).await?;
-            deploy_exchanges(&replace_path(amqp_base, &name)?, &name).await?;
+            deploy_exchanges(&replace_path(amqp_base, &name)?, &name, queue_type).await?;
             Ok(Self {
+                queue_type,
                 amqp_url: replace_path(amqp_base, &name)?,
                 vhost: name.clone(),
                 name: name.clone(),
@@ -158,7 +168,12 @@ impl Sandbox {
     /// Accounts made by [`add_users`](Self::add_users) lost their permissions with it.
     pub async fn restore_vhost(&self) -> Result<(), SandboxError> {
         vhost_create(&self.amqp_url, &self.vhost).await?;
-        deploy_exchanges(&self.amqp_url, &self.vhost).await
+        deploy_exchanges(&self.amqp_url, &self.vhost, self.queue_type).await
+    }
+
+    /// The type of the queues in this sandbox (its DLQ's, as deployed).
+    pub fn queue_type(&self) -> QueueType {
+        self.queue_type
     }
 
     /// Set (or replace) a queue policy in this sandbox's vhost: `definition` is RabbitMQ's
@@ -221,6 +236,31 @@ impl Sandbox {
                 rabbitmqctl_output(&["list_queues", "-p", &self.vhost, "-s", "name", "messages_unacknowledged"])
                     .and_then(|out| sum_listed(&out, queues))
                     .map_err(err)
+            }
+            Err(e) => Err(err(e.to_string())),
+        }
+    }
+
+    /// The broker's word for `queue`'s type (`classic`, `quorum`): the management API, or
+    /// `rabbitmqctl list_queues` where it does not answer.
+    pub async fn queue_type_of(&self, queue: &str) -> Result<String, SandboxError> {
+        let m = management(&self.amqp_url)?;
+        let err = |detail: String| SandboxError::Vhost { vhost: self.vhost.clone(), detail };
+        let client = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().expect("reqwest client");
+        let url = format!("{}/api/queues/{}/{}", m.base, self.vhost, queue);
+        match client.get(url).basic_auth(&m.user, Some(&m.pass)).send().await {
+            Ok(r) if r.status().is_success() => {
+                let q: serde_json::Value = r.json().await.map_err(|e| err(e.to_string()))?;
+                q["type"].as_str().map(str::to_owned).ok_or_else(|| err(format!("queue {queue}: no type reported")))
+            }
+            Ok(r) => Err(err(format!("management API answered HTTP {} to GET /api/queues/…/{queue}", r.status()))),
+            Err(e) if e.is_connect() => {
+                let out = rabbitmqctl_output(&["list_queues", "-p", &self.vhost, "-s", "name", "type"]).map_err(err)?;
+                out.lines()
+                    .filter_map(|l| l.split_once('\t'))
+                    .find(|(n, _)| *n == queue)
+                    .map(|(_, t)| t.trim().to_owned())
+                    .ok_or_else(|| err(format!("queue {queue} not listed")))
             }
             Err(e) => Err(err(e.to_string())),
         }
@@ -411,8 +451,8 @@ async fn delete_resource(amqp_base: &str, vhost: &str, api_path: &str, ctl_args:
 
 /// The operator's part of a deploy on a fresh vhost (ADR-022 #1202): the exchanges and the
 /// DLQ, which no service account may declare.
-async fn deploy_exchanges(amqp_url: &str, vhost: &str) -> Result<(), SandboxError> {
-    craig_mq::topology::deploy_operator_part(amqp_url)
+async fn deploy_exchanges(amqp_url: &str, vhost: &str, queue_type: QueueType) -> Result<(), SandboxError> {
+    craig_mq::topology::deploy_operator_part(amqp_url, queue_type)
         .await
         .map_err(|e| SandboxError::Vhost { vhost: vhost.to_owned(), detail: format!("declaring the exchanges and the DLQ: {e}") })
 }

@@ -146,7 +146,7 @@ mod tests {
         let conn = craig_mq::publisher::connect(sandbox.amqp_url(), 30, "test").await.unwrap();
         let ch = conn.create_channel().await.unwrap();
         let queue = "craig-rules.events";
-        declare_consumer_queue(&ch, &QueueSpec { queue: queue.into(), bindings: vec!["k".into()], with_dlx: true }).await.unwrap();
+        declare_consumer_queue(&ch, &QueueSpec { queue: queue.into(), bindings: vec!["k".into()], with_dlx: true, queue_type: Default::default() }).await.unwrap();
         for i in 0..10u8 {
             ch.basic_publish("".into(), queue.into(), BasicPublishOptions::default(), &[i], BasicProperties::default()).await.unwrap();
         }

@@ -8,7 +8,7 @@ use crate::common::*;
 use craig_fleet::Service;
 use craig_fleet::service::ALL;
 use craig_mq::dlq::CAPTURE_QUEUE;
-use craig_mq::topology::{DLQ_QUEUE, DLX_EXCHANGE, EVENTS_EXCHANGE};
+use craig_mq::topology::{DLQ_QUEUE, DLX_EXCHANGE, EVENTS_EXCHANGE, QueueType};
 use lapin::options::{
     BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, QueuePurgeOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
     QueueDeclareOptions, QueueDeleteOptions,
@@ -41,7 +41,17 @@ async fn publish(conn: &Connection, exchange: &str, key: &str) -> Result<lapin::
 
 #[tokio::test]
 async fn each_service_account_is_refused_what_the_adr_forbids_and_keeps_what_it_needs() {
-    let mut fleet = Fleet::new("least-privilege", &[Service::Cases]).await;
+    least_privilege_holds("least-privilege", QueueType::Classic).await;
+}
+
+/// The same rules on quorum queues (issue 25): the queue type changes no permission.
+#[tokio::test]
+async fn least_privilege_holds_on_quorum_queues() {
+    least_privilege_holds("least-privilege-quorum", QueueType::Quorum).await;
+}
+
+async fn least_privilege_holds(label: &str, queue_type: QueueType) {
+    let mut fleet = Fleet::typed(label, &[Service::Cases], &Default::default(), queue_type).await;
     fleet.least_privilege().await;
     // Every consumer queue exists (as after the deploy step), so a refusal is about access.
     for other in ALL.into_iter().filter(|o| !o.queue_bindings().is_empty()) {
@@ -92,7 +102,7 @@ async fn each_service_account_is_refused_what_the_adr_forbids_and_keeps_what_it_
     // security's capture path: its own capture queue through the default exchange.
     let security = login(fleet.amqp_url(Service::Security)).await;
     let durable = QueueDeclareOptions { durable: true, ..Default::default() };
-    channel(&security).await.queue_declare(CAPTURE_QUEUE.into(), durable, FieldTable::default()).await.expect("security declares its capture queue");
+    channel(&security).await.queue_declare(CAPTURE_QUEUE.into(), durable, queue_type.plain_args()).await.expect("security declares its capture queue");
     let c = publish(&security, "", CAPTURE_QUEUE).await.expect("security captures through the default exchange");
     assert!(c.is_ack(), "{c:?}");
     let _ = security.close(200, "bye".into()).await;

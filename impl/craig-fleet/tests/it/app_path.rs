@@ -37,8 +37,13 @@ async fn fail_evaluations_of(pool: &sqlx::PgPool, referral: Uuid) {
 /// returns the stuck envelope, the audit row's (path, disposition, routing key, original
 /// queue, source service, token) and the inbox row's received_at.
 /// With `least_privilege`, every node logs in with its own account (#1202).
-async fn surface_one(label: &str, compat: &[&str], least_privilege: bool) -> (EventEnvelope, (String, String, String, Option<String>, Option<String>, Option<String>), DateTime<Utc>) {
-    let mut fleet = Fleet::new(label, &[Service::Rules, Service::Security]).await;
+async fn surface_one(
+    label: &str,
+    compat: &[&str],
+    least_privilege: bool,
+    queue_type: QueueType,
+) -> (EventEnvelope, (String, String, String, Option<String>, Option<String>, Option<String>), DateTime<Utc>) {
+    let mut fleet = Fleet::typed(label, &[Service::Rules, Service::Security], &Default::default(), queue_type).await;
     if least_privilege {
         fleet.least_privilege().await;
     }
@@ -102,8 +107,18 @@ async fn surface_one(label: &str, compat: &[&str], least_privilege: bool) -> (Ev
 /// least-privilege accounts (#1202): the whole path works without the admin credential.
 #[tokio::test]
 async fn the_retry_cap_surfaces_under_the_consumer_queue_with_the_inbox_token() {
+    the_retry_cap_surfaces("app-path", QueueType::Classic).await;
+}
+
+/// The same app path on quorum queues (issue 25).
+#[tokio::test]
+async fn the_retry_cap_surfaces_on_quorum_queues() {
+    the_retry_cap_surfaces("app-path-quorum", QueueType::Quorum).await;
+}
+
+async fn the_retry_cap_surfaces(label: &str, queue_type: QueueType) {
     let (stuck, (path, disposition, routing_key, original_queue, source, token), received_at) =
-        surface_one("app-path", &[], true).await;
+        surface_one(label, &[], true, queue_type).await;
     assert_eq!((path.as_str(), disposition.as_str()), ("app", "recorded"));
     assert_eq!(routing_key, format!("dlq.{RULES_QUEUE}"));
     assert_eq!(original_queue.as_deref(), Some(RULES_QUEUE));
@@ -115,7 +130,7 @@ async fn the_retry_cap_surfaces_under_the_consumer_queue_with_the_inbox_token() 
 /// forensic identity the broker path never uses.
 #[tokio::test]
 async fn compat_pre_1196_keys_the_app_path_by_the_producer() {
-    let (_, (path, _, routing_key, original_queue, _, _), _) = surface_one("app-path-pre1196", &["pre-1196"], false).await;
+    let (_, (path, _, routing_key, original_queue, _, _), _) = surface_one("app-path-pre1196", &["pre-1196"], false, QueueType::Classic).await;
     assert_eq!(path, "app");
     assert_eq!(routing_key, "dlq.craig-cases");
     assert_eq!(original_queue.as_deref(), Some("craig-cases"));

@@ -119,7 +119,7 @@ async fn pre_1179_pays_twice_on_its_own_schema_and_is_refused_by_the_arbiter_on_
 #[tokio::test]
 async fn an_activation_flows_from_http_to_one_payment() {
     let fleet = Fleet::new("http_to_financial", &[Service::Cases, Service::Financial]).await;
-    craig_fleet::node::declare_topology(fleet.sandbox.amqp_url(), true).await.unwrap();
+    craig_fleet::node::declare_topology(fleet.sandbox.amqp_url(), true, fleet.sandbox.queue_type()).await.unwrap();
     let financial = fleet.start(Service::Financial, &[], &[]).await;
     let cases = fleet.start(Service::Cases, &[], &[]).await;
     let http = reqwest::Client::new();
@@ -168,7 +168,7 @@ async fn an_activation_flows_from_http_to_one_payment() {
 async fn crash_in_the_inbox_window(label: &str, compat: &[Compat]) -> i64 {
     let set = CompatSet::new(compat.iter().copied());
     let fleet = Fleet::with_schema(label, &[Service::Financial], &set).await;
-    craig_fleet::node::declare_topology(fleet.sandbox.amqp_url(), true).await.unwrap();
+    craig_fleet::node::declare_topology(fleet.sandbox.amqp_url(), true, fleet.sandbox.queue_type()).await.unwrap();
     let args: Vec<&str> = compat.iter().flat_map(|c| ["--compat", c.name()]).collect();
     let mut doomed =
         fleet.start(Service::Financial, &[("FAILPOINTS", "inbox::after_handler_before_stamp=return(abort)")], &args).await;

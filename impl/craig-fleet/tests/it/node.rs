@@ -97,7 +97,7 @@ async fn without_the_inbox_a_redelivery_runs_the_handler_twice() {
 async fn referrals_flow_from_http_to_rule_evaluations() {
     let fleet = Fleet::new("http_to_rules", &[Service::Cases, Service::Rules]).await;
     // The deploy step (docs/operations.md): rule.evaluated needs security's audit queue to be routable.
-    craig_fleet::node::declare_topology(fleet.sandbox.amqp_url(), true).await.unwrap();
+    craig_fleet::node::declare_topology(fleet.sandbox.amqp_url(), true, fleet.sandbox.queue_type()).await.unwrap();
     let rules = fleet.start(Service::Rules, &[], &[]).await;
     let cases = fleet.start(Service::Cases, &[], &[]).await;
     let http = reqwest::Client::new();
@@ -235,18 +235,45 @@ async fn events_published_before_their_consumer_queue_exists_wait_for_it() {
 /// queue exists and takes its events, security's audit queue takes every event.
 #[tokio::test]
 async fn craig_node_topology_declares_the_whole_fleet_idempotently() {
-    let fleet = Fleet::new("topology", &[]).await;
+    topology_declares_the_fleet("topology", QueueType::Classic).await.finish().await;
+}
+
+/// The same deploy step with `CRAIG_QUEUE_TYPE=quorum` (issue 25): every queue is a quorum
+/// queue; a node or deploy step given the other type is refused by the broker, naming the
+/// argument (a queue is never redeclared with other arguments).
+#[tokio::test]
+async fn craig_node_topology_declares_quorum_queues_and_a_mismatch_is_refused() {
+    let fleet = topology_declares_the_fleet("topology-quorum", QueueType::Quorum).await;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_craig-node"))
+        .arg("topology")
+        .env("AMQP_URL", fleet.sandbox.amqp_url())
+        .env("CRAIG_QUEUE_TYPE", "classic")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("PRECONDITION_FAILED") && err.contains("x-queue-type"), "{err}");
+    fleet.finish().await;
+}
+
+async fn topology_declares_the_fleet(label: &str, queue_type: QueueType) -> Fleet {
+    let fleet = Fleet::typed(label, &[], &Default::default(), queue_type).await;
     for _ in 0..2 {
         let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_craig-node"))
             .arg("topology")
             .env("AMQP_URL", fleet.sandbox.amqp_url())
+            .env("CRAIG_QUEUE_TYPE", queue_type.as_str())
             .output()
             .await
             .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let text = String::from_utf8_lossy(&out.stdout);
-        assert!(text.contains("declared craig-rules.events <- craig.events [case.referral_created]"), "{text}");
-        assert!(text.contains("declared craig-security.events <- craig.events [#]"), "{text}");
+        assert!(text.contains(&format!("declared craig-rules.events ({queue_type}) <- craig.events [case.referral_created]")), "{text}");
+        assert!(text.contains(&format!("declared craig-security.events ({queue_type}) <- craig.events [#]")), "{text}");
+    }
+    for q in ["craig-rules.events", "craig-security.dlq"] {
+        assert_eq!(fleet.sandbox.queue_type_of(q).await.unwrap(), queue_type.as_str(), "{q}");
     }
     let publisher = Publisher::connect(fleet.sandbox.amqp_url(), Default::default()).await.unwrap();
     publisher.publish(&referral_envelope()).await.expect("routable to rules and the audit queue");
@@ -256,7 +283,7 @@ async fn craig_node_topology_declares_the_whole_fleet_idempotently() {
     assert_eq!(fleet.depth("craig-rules.events").await, 1);
     assert_eq!(fleet.depth("craig-security.events").await, 2);
     assert_eq!(fleet.depth("craig-financial.events").await, 0);
-    fleet.finish().await;
+    fleet
 }
 
 /// Issue 7.5: a password in DATABASE_URL never reaches a log or error line.

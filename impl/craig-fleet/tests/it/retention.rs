@@ -120,7 +120,7 @@ async fn the_prune_is_batched_cycle_capped_and_one_replica_at_a_time() {
 #[tokio::test]
 async fn replay_is_refused_past_the_outbox_window_and_restages_inside_it() {
     let fleet = Fleet::new("replay", &[Service::Cases]).await;
-    craig_fleet::node::declare_topology(fleet.sandbox.amqp_url(), true).await.unwrap();
+    craig_fleet::node::declare_topology(fleet.sandbox.amqp_url(), true, fleet.sandbox.queue_type()).await.unwrap();
     let db = fleet.pool(Service::Cases).await;
     let inside = outbox_row(&db, 29.0, true).await;
     let other = outbox_row(&db, 1.0, true).await;

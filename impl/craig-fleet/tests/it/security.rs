@@ -345,7 +345,18 @@ async fn every_hostile_dead_letter_ends_as_a_recorded_row() {
 /// consumer queue and the first death's time; the wildcard subscriber audits every event.
 #[tokio::test]
 async fn a_broker_dead_letter_reaches_the_audit_with_its_occurrence_token() {
-    let fleet = Fleet::new("dlq-e2e", &[Service::Rules, Service::Security]).await;
+    broker_dead_letter_reaches_the_audit("dlq-e2e", QueueType::Classic).await;
+}
+
+/// The broker path from a quorum queue (issue 25: at-least-once dead-lettering), the same
+/// token and provenance.
+#[tokio::test]
+async fn a_broker_dead_letter_from_a_quorum_queue_reaches_the_audit() {
+    broker_dead_letter_reaches_the_audit("dlq-e2e-quorum", QueueType::Quorum).await;
+}
+
+async fn broker_dead_letter_reaches_the_audit(label: &str, queue_type: QueueType) {
+    let fleet = Fleet::typed(label, &[Service::Rules, Service::Security], &Default::default(), queue_type).await;
     let rules = fleet.start(Service::Rules, &[], &[]).await;
     let sec = fleet.start(Service::Security, &[], &[]).await;
     let pool = fleet.pool(Service::Security).await;
@@ -390,7 +401,7 @@ async fn a_delivery_that_parks_forever_is_captured_and_the_rest_recorded() {
 
     let fleet = Fleet::new("dlq-park-cap", &[]).await;
     let (conn, ch) = fleet.channel().await;
-    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
+    craig_mq::topology::declare_exchanges(&ch, fleet.sandbox.queue_type()).await.unwrap();
     let stuck = envelope("case.referral_created");
     let healthy: Vec<EventEnvelope> = (0..3).map(|_| envelope("case.referral_created")).collect();
     for env in std::iter::once(&stuck).chain(&healthy) {
@@ -408,6 +419,7 @@ async fn a_delivery_that_parks_forever_is_captured_and_the_rest_recorded() {
         reconnect_delay: Duration::from_millis(100),
         retry,
         log_and_ack: false,
+        queue_type: fleet.sandbox.queue_type(),
     };
     let recorded = Arc::new(Mutex::new(Vec::new()));
     let (seen, stuck_id) = (recorded.clone(), stuck.id);
@@ -519,7 +531,7 @@ async fn an_outage_longer_than_max_parks_captures_nothing() {
 
     let fleet = Fleet::new("dlq-long-outage", &[]).await;
     let (conn, ch) = fleet.channel().await;
-    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
+    craig_mq::topology::declare_exchanges(&ch, fleet.sandbox.queue_type()).await.unwrap();
     let letters: Vec<EventEnvelope> = (0..3).map(|_| envelope("case.referral_created")).collect();
     for env in &letters {
         ch.basic_publish(DLX_EXCHANGE.into(), RK.into(), BasicPublishOptions::default(), &env.to_vec(), Default::default())
@@ -534,6 +546,7 @@ async fn an_outage_longer_than_max_parks_captures_nothing() {
         reconnect_delay: Duration::from_millis(100),
         retry: fast_parks(),
         log_and_ack: false,
+        queue_type: fleet.sandbox.queue_type(),
     };
     let (down, parks, recorded) = (Arc::new(AtomicBool::new(true)), Arc::new(Mutex::new(0u32)), Arc::new(Mutex::new(Vec::new())));
     let shutdown = tokio_util::sync::CancellationToken::new();
@@ -583,7 +596,7 @@ async fn an_outage_longer_than_max_parks_captures_nothing() {
 /// A broker channel with the exchanges and the capture queue declared, in confirm mode.
 async fn capture_channel(fleet: &Fleet) -> (lapin::Connection, lapin::Channel) {
     let (conn, ch) = fleet.channel().await;
-    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
+    craig_mq::topology::declare_exchanges(&ch, fleet.sandbox.queue_type()).await.unwrap();
     let durable = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
     ch.queue_declare(craig_mq::dlq::CAPTURE_QUEUE.into(), durable, FieldTable::default()).await.unwrap();
     ch.confirm_select(Default::default()).await.unwrap();
@@ -642,14 +655,14 @@ async fn captured_dead_letters_are_redriven_into_the_audit_once() {
             security::on_dead_letter(&pool, d, mode).await
         }
     };
-    let report = redrive_capture(fleet.sandbox.amqp_url(), 10, &handler, &tokio_util::sync::CancellationToken::new()).await.unwrap();
+    let report = redrive_capture(fleet.sandbox.amqp_url(), 10, fleet.sandbox.queue_type(), &handler, &tokio_util::sync::CancellationToken::new()).await.unwrap();
     assert_eq!((report.redriven, report.kept), (5, 1), "{report:?}");
     let tokens: Vec<Option<String>> = sqlx::query_scalar("SELECT occurrence_token FROM dead_letter_audit").fetch_all(&pool).await.unwrap();
     assert_eq!(tokens.len(), 4, "one row per occurrence: {tokens:?}");
     assert!(tokens.iter().all(|t| t.as_deref().is_some_and(|t| t.starts_with("xdeath:"))), "{tokens:?}");
     assert_eq!(fleet.depth(CAPTURE_QUEUE).await, 1, "the refused one is kept");
     // A second pass finds only the refused one, and keeps it again.
-    let report = redrive_capture(fleet.sandbox.amqp_url(), 10, &handler, &tokio_util::sync::CancellationToken::new()).await.unwrap();
+    let report = redrive_capture(fleet.sandbox.amqp_url(), 10, fleet.sandbox.queue_type(), &handler, &tokio_util::sync::CancellationToken::new()).await.unwrap();
     assert_eq!((report.redriven, report.kept), (0, 1), "{report:?}");
     let m = ch.basic_get(CAPTURE_QUEUE.into(), lapin::options::BasicGetOptions { no_ack: true }).await.unwrap().expect("kept");
     assert_eq!(m.delivery.data, refused.to_vec(), "kept with its raw bytes");

@@ -180,7 +180,7 @@ async fn partner(status: u16) -> (String, Arc<Mutex<Vec<(String, String)>>>) {
 #[tokio::test]
 async fn a_payment_is_posted_to_the_partner_once_with_its_correlation_id() {
     let fleet = Fleet::new("send_jobs_e2e", &[Service::Financial]).await;
-    craig_fleet::node::declare_topology(fleet.sandbox.amqp_url(), true).await.unwrap();
+    craig_fleet::node::declare_topology(fleet.sandbox.amqp_url(), true, fleet.sandbox.queue_type()).await.unwrap();
     let (url, seen) = partner(200).await;
     let node = fleet.start(Service::Financial, &[("CRAIG_PARTNER_URL", &url)], &[]).await;
     let publisher = craig_mq::Publisher::connect(fleet.sandbox.amqp_url(), Default::default()).await.unwrap();

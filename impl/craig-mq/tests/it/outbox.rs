@@ -193,7 +193,7 @@ async fn a_malformed_outbox_row_is_released_with_its_error_and_does_not_block_ot
 async fn an_unroutable_publish_is_a_typed_failure_and_the_row_waits_for_its_queue() {
     let env = env("unroutable").await;
     let (conn, ch) = env.channel().await;
-    craig_mq::topology::declare_exchanges(&ch).await.unwrap();
+    craig_mq::topology::declare_exchanges(&ch, env.sandbox.queue_type()).await.unwrap();
     let publisher = craig_mq::Publisher::connect(env.sandbox.amqp_url(), fast_publisher()).await.unwrap();
     let lone = envelope();
     match publisher.publish(&lone).await {
@@ -390,7 +390,7 @@ async fn requeued_deliveries_past_a_reject_publish_limit_are_kept_but_a_late_lim
     // A FIRST limit lands on a backlog of 5 (a queue with no limit yet, so overflow is still
     // the default drop-head when max-length takes effect): the head goes to craig.dlx.
     env.sandbox.clear_policy("limit").await.unwrap();
-    let backlog = craig_mq::topology::QueueSpec { queue: "craig-backlog.events".into(), bindings: vec![EVENT.into()], with_dlx: true };
+    let backlog = craig_mq::topology::QueueSpec { queue: "craig-backlog.events".into(), bindings: vec![EVENT.into()], with_dlx: true, queue_type: env.sandbox.queue_type() };
     craig_mq::topology::declare_consumer_queue(&ch, &backlog).await.unwrap();
     for _ in 0..5 {
         publisher.publish(&envelope()).await.unwrap();

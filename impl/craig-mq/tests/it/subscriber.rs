@@ -5,7 +5,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use craig_mq::subscriber::{HandlerError, SubscriberConfig, run_subscriber};
-use craig_mq::topology::QueueSpec;
 
 use crate::common::*;
 
@@ -26,7 +25,7 @@ async fn publish(env: &Env, n: usize) {
 fn cfg(env: &Env, concurrency: u16) -> SubscriberConfig {
     SubscriberConfig {
         amqp_url: env.sandbox.amqp_url().to_owned(),
-        spec: QueueSpec { queue: QUEUE.into(), bindings: vec![EVENT.into()], with_dlx: true },
+        spec: env.rules_spec(),
         prefetch: 32,
         concurrency,
         heartbeat_secs: 2,

@@ -8,6 +8,7 @@ use std::time::Duration;
 use craig_api::{Claims, JwtKey};
 use craig_fleet::Service;
 use craig_mq::topology::{self, QueueSpec};
+pub use craig_mq::topology::QueueType;
 use craig_sandbox::Sandbox;
 use sqlx::PgPool;
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -30,8 +31,14 @@ impl Fleet {
     /// A fleet whose databases have the schema a fleet on `compat` had
     /// (`craig-node migrate --compat …`).
     pub async fn with_schema(label: &str, services: &[Service], compat: &craig_fleet::CompatSet) -> Self {
+        Self::typed(label, services, compat, QueueType::Classic).await
+    }
+
+    /// A fleet whose queues are all of `queue_type` (`CRAIG_QUEUE_TYPE`, issue 25): the
+    /// sandbox's DLQ as deployed, every node started with it, [`Fleet::declare_queue`]'s.
+    pub async fn typed(label: &str, services: &[Service], compat: &craig_fleet::CompatSet, queue_type: QueueType) -> Self {
         let names: Vec<&str> = services.iter().map(|s| s.name()).collect();
-        let sandbox = Sandbox::create(&format!("craig-fleet::{label}"), &names).await.expect("sandbox");
+        let sandbox = Sandbox::create_typed(&format!("craig-fleet::{label}"), &names, queue_type).await.expect("sandbox");
         for s in services {
             craig_fleet::node::migrate_for(*s, sandbox.database_url(s.name()), Duration::from_secs(5), compat).await.expect("migrate");
         }
@@ -69,6 +76,7 @@ impl Fleet {
             .env("AMQP_URL", self.amqp_url(s))
             .env("CRAIG_JWT_SECRET", SECRET)
             .env("CRAIG_OUTBOX_POLL_MS", "100")
+            .env("CRAIG_QUEUE_TYPE", self.sandbox.queue_type().as_str())
             .env("RUST_LOG", "info,sqlx=warn,lapin=warn,lapin::returned_messages=error")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
@@ -95,7 +103,7 @@ impl Fleet {
 
     pub async fn declare_queue(&self, queue: &str, binding: &str) {
         let (conn, ch) = self.channel().await;
-        let spec = QueueSpec { queue: queue.into(), bindings: vec![binding.into()], with_dlx: true };
+        let spec = QueueSpec { queue: queue.into(), bindings: vec![binding.into()], with_dlx: true, queue_type: self.sandbox.queue_type() };
         topology::declare_consumer_queue(&ch, &spec).await.expect("declare");
         let _ = conn.close(200, "bye".into()).await;
     }

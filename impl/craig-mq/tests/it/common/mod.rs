@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use craig_mq::topology::{self, QueueSpec};
+use craig_mq::topology::{self, QueueSpec, QueueType};
 use craig_mq::{EventEnvelope, OutboxConfig, OutboxWorker, PublisherConfig};
 use craig_sandbox::Sandbox;
 use lapin::options::BasicGetOptions;
@@ -19,7 +19,12 @@ pub struct Env {
 }
 
 pub async fn env(label: &str) -> Env {
-    let sandbox = Sandbox::create(&format!("craig-mq::{label}"), &["svc"]).await.expect("sandbox");
+    env_typed(label, QueueType::Classic).await
+}
+
+/// [`env`] whose queues are of `queue_type` (issue 25).
+pub async fn env_typed(label: &str, queue_type: QueueType) -> Env {
+    let sandbox = Sandbox::create_typed(&format!("craig-mq::{label}"), &["svc"], queue_type).await.expect("sandbox");
     let pool = sandbox.pool("svc").await.expect("pool");
     // Read from the checkout at run time (no sqlx macro crates in the build).
     let dir = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../migrations/rules"));
@@ -43,10 +48,15 @@ impl Env {
         (conn, ch)
     }
 
+    /// The rules consumer queue as a node declares it, of the sandbox's type.
+    pub fn rules_spec(&self) -> QueueSpec {
+        QueueSpec { queue: QUEUE.into(), bindings: vec![EVENT.into()], with_dlx: true, queue_type: self.sandbox.queue_type() }
+    }
+
     /// Declare the rules consumer queue exactly as a node would.
     pub async fn declare_rules_queue(&self) {
         let (conn, ch) = self.channel().await;
-        let spec = QueueSpec { queue: QUEUE.into(), bindings: vec![EVENT.into()], with_dlx: true };
+        let spec = self.rules_spec();
         topology::declare_consumer_queue(&ch, &spec).await.expect("declare");
         let _ = conn.close(200, "bye".into()).await;
     }
@@ -58,7 +68,7 @@ impl Env {
         use lapin::options::{QueueBindOptions, QueueDeclareOptions};
         use lapin::types::{AMQPValue, FieldTable};
         let (conn, ch) = self.channel().await;
-        topology::declare_exchanges(&ch).await.expect("exchanges");
+        topology::declare_exchanges(&ch, self.sandbox.queue_type()).await.expect("exchanges");
         let mut args = FieldTable::default();
         args.insert("x-max-length".into(), AMQPValue::LongInt(max));
         args.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
