@@ -86,8 +86,9 @@ enum Command {
         report: Option<PathBuf>,
     },
     /// Serve the fault proxy behind Toxiproxy's HTTP API (version 2.12.0's routes and error
-    /// bodies), as a Toxiproxy server would: the containers backend's stand-in where the
-    /// official image cannot be pulled (issue 24). Prints `Starting Toxiproxy HTTP server
+    /// bodies), as a Toxiproxy server would: the containers backend's Toxiproxy (ci/images/build
+    /// always builds it: the official image keeps no counters, so a link fault could not
+    /// prove it fired; issue 24). Prints `Starting Toxiproxy HTTP server
     /// on ADDR` on stdout once it listens (Toxiproxy's own readiness line, so one wait serves
     /// both), and runs until SIGTERM or Ctrl-C (exit 0). Proxies listen where the client's
     /// `listen` says.

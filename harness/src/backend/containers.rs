@@ -175,8 +175,9 @@ pub struct HostPorts {
     pub proxies: Vec<(u16, u16)>,
 }
 
-/// Links the Toxiproxy container can serve (two per replica): more than the largest fleet
-/// a scenario may ask for.
+/// Links the Toxiproxy container can serve (two per replica, so twelve replicas): a larger
+/// fleet (a scenario may ask for up to 8 replicas of each of 4 services) is refused before
+/// anything starts (`runner::execute`).
 pub const PROXY_SLOTS: u16 = 24;
 /// The first port inside the Toxiproxy container a link listens on.
 pub const PROXY_BASE_PORT: u16 = 20_000;
@@ -223,6 +224,15 @@ fn labelled<I: testcontainers::Image>(r: ContainerRequest<I>, network: &str) -> 
     r.with_label(RUN_LABEL, network)
         .with_label(HOST_LABEL, host_id().unwrap_or_else(|| "unknown".into()))
         .with_label(PID_LABEL, std::process::id().to_string())
+}
+
+/// The same labels as `KEY=VALUE`, for the docker CLI (the run's network).
+fn labels(network: &str) -> [String; 3] {
+    [
+        format!("{RUN_LABEL}={network}"),
+        format!("{HOST_LABEL}={}", host_id().unwrap_or_else(|| "unknown".into())),
+        format!("{PID_LABEL}={}", std::process::id()),
+    ]
 }
 
 pub fn postgres_request(network: &str, image: &ImageRef, ports: &HostPorts) -> ContainerRequest<Postgres> {
@@ -288,6 +298,17 @@ pub async fn reap_leftovers() {
             dead_networks.insert(network.to_owned());
         }
     }
+    // Networks too, found by their own labels: a run killed before any container existed
+    // left only its network.
+    let format = format!("{{{{.Name}}}} {{{{.Label \"{HOST_LABEL}\"}}}} {{{{.Label \"{PID_LABEL}\"}}}}");
+    let listed = docker(&["network", "ls", "--filter", &format!("label={RUN_LABEL}"), "--format", &format]).await.unwrap_or_default();
+    for line in listed.lines() {
+        let mut f = line.split(' ');
+        let (Some(name), Some(on), Some(pid)) = (f.next(), f.next(), f.next()) else { continue };
+        if on == host && pid.parse::<i32>().is_ok_and(process_gone) {
+            dead_networks.insert(name.to_owned());
+        }
+    }
     for network in dead_networks {
         let _ = docker(&["network", "rm", &network]).await;
         tracing::info!(event = "chaos.containers_reaped", network = %network, "removed the containers of a run whose process is gone");
@@ -330,6 +351,36 @@ pub struct ContainersBackend {
     /// Link slots handed out ([`ContainersBackend::proxy_listen`]).
     links: usize,
     _leases: Vec<super::local::PortLease>,
+    /// Last, so it drops after the containers: a backend dropped without
+    /// [`ContainersBackend::stop`] (a run that failed half way) still removes its network.
+    network_guard: NetworkGuard,
+}
+
+/// Removes the run's network when dropped, unless [`ContainersBackend::stop`] did.
+struct NetworkGuard(Option<String>);
+
+impl Drop for NetworkGuard {
+    fn drop(&mut self) {
+        let Some(network) = self.0.take() else { return };
+        let Ok(mut child) = std::process::Command::new("docker")
+            .args(["network", "rm", &network])
+            .env("DOCKER_HOST", docker_host())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+        else {
+            return;
+        };
+        // Bounded: an engine that hangs leaves it to the next start's reaper.
+        for _ in 0..100 {
+            if !matches!(child.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
 }
 
 fn tc(what: &str) -> impl Fn(testcontainers::TestcontainersError) -> BackendError + '_ {
@@ -343,11 +394,43 @@ impl ContainersBackend {
         // The pid and a random part: unique on this machine and on an engine it shares.
         let network = format!("craig-chaos-{}-{}", std::process::id(), &uuid::Uuid::now_v7().simple().to_string()[24..]);
         let (ports, leases) = HostPorts::pick()?;
-        let postgres = postgres_request(&network, &images.postgres, &ports).start().await.map_err(tc("starting the postgres container"))?;
-        let rabbitmq = rabbitmq_request(&network, &images.rabbitmq, &ports).start().await.map_err(tc("starting the rabbitmq container"))?;
-        let toxiproxy =
-            toxiproxy_request(&network, &images.toxiproxy, &ports).start().await.map_err(tc("starting the toxiproxy container"))?;
-        let b = Self { network, postgres, rabbitmq, toxiproxy, services: services.iter().map(|s| s.to_string()).collect(), ports, links: 0, _leases: leases };
+        // The network is ours, labelled as the containers are, so the reaper finds it even
+        // when no container of the run was created (testcontainers would make it unlabelled).
+        let labels = labels(&network);
+        let mut create = vec!["network", "create"];
+        for l in &labels {
+            create.extend(["--label", l.as_str()]);
+        }
+        create.push(&network);
+        docker(&create).await.map_err(|e| BackendError::failed("creating the run's network", e))?;
+        let started = async {
+            let postgres = postgres_request(&network, &images.postgres, &ports).start().await.map_err(tc("starting the postgres container"))?;
+            let rabbitmq = rabbitmq_request(&network, &images.rabbitmq, &ports).start().await.map_err(tc("starting the rabbitmq container"))?;
+            let toxiproxy =
+                toxiproxy_request(&network, &images.toxiproxy, &ports).start().await.map_err(tc("starting the toxiproxy container"))?;
+            Ok::<_, BackendError>((postgres, rabbitmq, toxiproxy))
+        }
+        .await;
+        let (postgres, rabbitmq, toxiproxy) = match started {
+            Ok(c) => c,
+            Err(e) => {
+                // What started was removed when it dropped; the network goes with it.
+                let _ = docker(&["network", "rm", &network]).await;
+                return Err(e);
+            }
+        };
+        let network_guard = NetworkGuard(Some(network.clone()));
+        let b = Self {
+            network,
+            postgres,
+            rabbitmq,
+            toxiproxy,
+            services: services.iter().map(|s| s.to_string()).collect(),
+            ports,
+            links: 0,
+            _leases: leases,
+            network_guard,
+        };
         super::create_databases(b.ports.postgres, &b.services).await?;
         Ok(b)
     }
@@ -559,11 +642,15 @@ impl ContainersBackend {
 
     /// Remove the run's containers (and with the last of them its network: testcontainers
     /// removes a network it made once no container of it is left).
-    pub async fn stop(self) -> Result<(), BackendError> {
+    pub async fn stop(mut self) -> Result<(), BackendError> {
+        self.network_guard.0 = None;
         let a = self.toxiproxy.rm().await;
         let b = self.rabbitmq.rm().await;
         let c = self.postgres.rm().await;
-        a.and(b).and(c).map_err(|e| BackendError::failed("removing containers", e))
+        let removed = a.and(b).and(c).map_err(|e| BackendError::failed("removing containers", e));
+        // The network is ours (created in start), so testcontainers leaves it.
+        let net = docker(&["network", "rm", &self.network]).await.map(|_| ()).map_err(|e| BackendError::failed("removing the run's network", e));
+        removed.and(net)
     }
 }
 

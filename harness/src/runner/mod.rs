@@ -436,6 +436,26 @@ async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: 
     let chosen = Backend::resolve(opts.backend).await.context("choosing the backend")?;
     result.backend = chosen.kind.name().to_owned();
     faults::refuse_unsupported(s, chosen.kind)?;
+    // The official Toxiproxy keeps no counters, so a link fault could never prove it fired:
+    // refused here, before any container starts (the proxy's own answer is checked again
+    // once it runs, for any other image).
+    if chosen.kind == BackendKind::Containers
+        && crate::backend::containers::Images::from_env()?.toxiproxy.name == crate::backend::containers::TOXIPROXY_IMAGE
+        && s.faults.iter().any(|f| matches!(f.get_ref().kind, FaultKind::Toxic | FaultKind::Down))
+    {
+        anyhow::bail!(
+            "CHAOS_TOXIPROXY_IMAGE is the official Toxiproxy ({}), which keeps no counters, so this scenario's link faults could never prove they fired; use craig-chaos/toxiproxy-api (ci/images/build)",
+            crate::backend::containers::TOXIPROXY_IMAGE
+        );
+    }
+    // Two links a replica, each a published port of the Toxiproxy container.
+    let replicas: u32 = s.fleet.values().map(|e| e.get_ref().count()).sum();
+    if chosen.kind == BackendKind::Containers && replicas * 2 > u32::from(crate::backend::containers::PROXY_SLOTS) {
+        anyhow::bail!(
+            "backend containers publishes {} replica links (two a replica) and this fleet has {replicas} replicas; run it on CHAOS_BACKEND=local",
+            crate::backend::containers::PROXY_SLOTS
+        );
+    }
     let (backend, choice): (Backend, Choice) =
         bounded(BACKEND_BOUND, "starting the backend", async {
             Backend::start_chosen(chosen, &format!("{}-{seed}", s.name), &svc_refs).await.context("starting the backend")

@@ -237,6 +237,9 @@ async fn containers_backend_starts_keeps_data_across_a_restart_and_leaves_nothin
         eprintln!("no Docker engine here ({why}); containers_backend_explains_why_it_cannot_start_without_docker covers it");
         return;
     }
+    if !images_set() {
+        return;
+    }
     let (mut backend, _) = Backend::start(BackendKind::Containers, "containers-test", &["cases"]).await.unwrap();
     let ep = backend.endpoints();
     let url = ep.database_url("cases").unwrap().to_owned();
@@ -282,6 +285,18 @@ async fn containers_backend_starts_keeps_data_across_a_restart_and_leaves_nothin
 
 /// `docker ARGS` through the CLI (a Docker engine answers where this is called): its
 /// stdout's lines; a failed command fails the test.
+/// The containers tests run where the images are set up (`eval "$(ci/images/build)"`, as
+/// `ci/test` does, sets `CHAOS_TOXIPROXY_IMAGE` and the others), as the `containers::`
+/// scenario tests do: an engine that answers is not enough where the official images cannot
+/// be pulled.
+fn images_set() -> bool {
+    let set = std::env::var_os("CHAOS_TOXIPROXY_IMAGE").is_some();
+    if !set {
+        eprintln!("skipped: CHAOS_TOXIPROXY_IMAGE is not set (eval \"$(ci/images/build)\" first, as ci/test does)");
+    }
+    set
+}
+
 fn docker<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(args: &[S]) -> Vec<String> {
     let out = std::process::Command::new("docker").args(args).output().expect("the docker CLI (a Docker engine answers here)");
     assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
@@ -304,6 +319,9 @@ async fn a_newcomer_with_docker_and_no_server_binaries_runs_on_containers() {
         eprintln!("skipped: no Docker engine answers");
         return;
     }
+    if !images_set() {
+        return;
+    }
     let empty = tempdir().join("no-servers");
     std::fs::create_dir_all(&empty).unwrap();
     let report = tempdir().join("newcomer-report");
@@ -323,6 +341,42 @@ async fn a_newcomer_with_docker_and_no_server_binaries_runs_on_containers() {
     assert_eq!(backends, ["containers"], "{said}");
 }
 
+/// What the containers backend cannot do is refused before any container starts, naming why:
+/// a link fault with the official Toxiproxy (no counters, so it could never prove it fired),
+/// and a fleet with more links than the Toxiproxy container publishes.
+#[tokio::test]
+async fn containers_refuse_what_they_cannot_do_before_anything_starts() {
+    if craig_chaos::backend::containers::probe().await.is_err() {
+        eprintln!("skipped: no Docker engine answers");
+        return;
+    }
+    let dir = tempdir().join("refusals");
+    std::fs::create_dir_all(&dir).unwrap();
+    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios");
+    let big = std::fs::read_to_string(shipped.join("broker-kill.toml")).unwrap();
+    let big = big.replacen("cases = { replicas = 1 }", "cases = { replicas = 7 }", 1).replacen("rules = { replicas = 1 }", "rules = { replicas = 6 }", 1);
+    assert!(big.contains("replicas = 7") && big.contains("replicas = 6"), "broker-kill's fleet changed; adjust this test");
+    std::fs::write(dir.join("big.toml"), big).unwrap();
+    let run = |scenario: std::path::PathBuf, toxiproxy: &str| {
+        let toxiproxy = toxiproxy.to_owned();
+        let report = dir.join(format!("report-{}", scenario.file_stem().unwrap().to_string_lossy()));
+        async move {
+            let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_chaos"))
+                .args(["run", scenario.to_str().unwrap(), "--seed", "7", "--backend", "containers", "--report", report.to_str().unwrap()])
+                .env("CHAOS_TOXIPROXY_IMAGE", toxiproxy)
+                .output()
+                .await
+                .unwrap();
+            assert_ne!(out.status.code(), Some(0));
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+        }
+    };
+    let said = run(shipped.join("broker-down-outbox.toml"), "ghcr.io/shopify/toxiproxy:2.12.0").await;
+    assert!(said.contains("is the official Toxiproxy") && said.contains("could never prove they fired"), "{said}");
+    let said = run(dir.join("big.toml"), "craig-chaos/toxiproxy-api:never-pulled").await;
+    assert!(said.contains("publishes 24 replica links") && said.contains("this fleet has 13 replicas"), "{said}");
+}
+
 /// Issue 24's clean-up: a `chaos run` on containers killed with SIGKILL (no chance to clean
 /// up) leaves its containers behind, labelled with its run; the next containers start
 /// removes them and their network. Skipped where no Docker engine answers.
@@ -330,6 +384,9 @@ async fn a_newcomer_with_docker_and_no_server_binaries_runs_on_containers() {
 async fn a_killed_runs_containers_are_reaped_by_the_next_start() {
     if craig_chaos::backend::containers::probe().await.is_err() {
         eprintln!("skipped: no Docker engine answers");
+        return;
+    }
+    if !images_set() {
         return;
     }
     let report = tempdir().join("killed-run-report");

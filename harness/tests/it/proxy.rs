@@ -3,8 +3,8 @@
 //! it (new). Delays are asserted as lower bounds only: a toxic must have delayed at least
 //! this much; nothing here asserts speed.
 //!
-//! The API server is `chaos proxy --api` (issue 24: the Toxiproxy stand-in the containers
-//! backend runs where the official image cannot be pulled), a process of its own, so the
+//! The API server is `chaos proxy --api` (issue 24: the Toxiproxy-API server the containers
+//! backend runs, always: the official image keeps no counters), a process of its own, so the
 //! client's whole toxic set runs against the server mode; `api_errors_and_reset_follow_toxiproxy`
 //! also runs against the in-process server the runner uses.
 

@@ -1,7 +1,8 @@
 //! `partition`: the broker or the database cut off from every replica for the hold
-//! (`duration_ms`), at the network: nothing is refused or reset, nothing arrives. The
-//! connections stay open and what was sent waits, as TCP retransmits it, until the heal;
-//! a peer that stops waiting (a heartbeat, a confirm or connect timeout) gives up on its own.
+//! (`duration_ms`), at the network: nothing is refused, nothing arrives; a peer that stops
+//! waiting (a heartbeat, a confirm or connect timeout) gives up on its own. What happens to
+//! open connections depends on the backend (below): held on local and external, aborted on
+//! containers.
 //!
 //! - containers: `docker network disconnect` of the server's container from the run's
 //!   network, `connect` at the heal, then a wait until it serves (its address may change).
