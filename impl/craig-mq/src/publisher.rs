@@ -127,8 +127,47 @@ pub async fn connect(amqp_url: &str, heartbeat_secs: u16, name: &str) -> Result<
     connect_within(amqp_url, heartbeat_secs, name, CONNECT_TIMEOUT).await
 }
 
-/// [`connect`] with its own handshake bound.
+/// [`connect`] with its own handshake bound, per endpoint.
+///
+/// Several broker endpoints (issue 25: `amqp_url` a list, [`crate::settings::amqp_endpoints`]):
+/// the endpoints are tried in turn, starting where the process's last connection succeeded,
+/// and the first that completes the handshake is used; a failure moves on to the next. The
+/// starting point moves BEFORE each try, so a caller whose own bound cancels a try (a node
+/// that hangs) starts its next connect at the next node, never at the hung one again; a
+/// success brings it back to the node that answered. Every node and every connection of the
+/// process (publisher, consumers, the DLQ consumer) goes through here.
 pub async fn connect_within(amqp_url: &str, heartbeat_secs: u16, name: &str, within: Duration) -> Result<Connection, lapin::Error> {
+    let endpoints = crate::settings::amqp_endpoints(amqp_url);
+    let n = endpoints.len();
+    let first = NEXT_ENDPOINT.load(std::sync::atomic::Ordering::Relaxed) % n;
+    let mut last = None;
+    for k in 0..n {
+        let i = (first + k) % n;
+        NEXT_ENDPOINT.store(i + 1, std::sync::atomic::Ordering::Relaxed);
+        match connect_one(endpoints[i], heartbeat_secs, name, within).await {
+            Ok(conn) => {
+                NEXT_ENDPOINT.store(i, std::sync::atomic::Ordering::Relaxed);
+                if n > 1 {
+                    tracing::debug!(event = "amqp.endpoint_connected", endpoint = i, endpoints = n, name);
+                }
+                return Ok(conn);
+            }
+            Err(e) => {
+                if n > 1 {
+                    tracing::warn!(event = "amqp.endpoint_failed", endpoint = i, endpoints = n, name,
+                        error = %crate::settings::redact_text(&e.to_string(), endpoints[i]), "trying the next broker endpoint");
+                }
+                last = Some(e);
+            }
+        }
+    }
+    Err(last.expect("at least one endpoint"))
+}
+
+/// Where the next [`connect_within`] of this process starts in its endpoint list.
+static NEXT_ENDPOINT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+async fn connect_one(amqp_url: &str, heartbeat_secs: u16, name: &str, within: Duration) -> Result<Connection, lapin::Error> {
     let props = ConnectionProperties::default().with_connection_name(name.into());
     match tokio::time::timeout(within, Connection::connect(&with_heartbeat(amqp_url, heartbeat_secs), props)).await {
         Ok(res) => res,

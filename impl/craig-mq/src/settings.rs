@@ -276,7 +276,13 @@ impl ServiceSettings {
             Some(v) => v.parse().map_err(|_| SettingsError::Invalid { name: "CRAIG_QUEUE_TYPE", value: v, expected: "queue type: classic or quorum" })?,
         };
         let database_url = lookup("DATABASE_URL").unwrap_or_else(|| DEFAULT_DATABASE_URL.into());
-        let amqp_url = lookup("AMQP_URL").unwrap_or_else(|| DEFAULT_AMQP_URL.into());
+        // Several broker endpoints (issue 25): `AMQP_URLS`, else `AMQP_URL`, either a list
+        // joined by commas; a node connects to the first that answers and moves to the next
+        // on failure (`publisher::connect`).
+        let (amqp_name, amqp_url) = match lookup("AMQP_URLS").filter(|v| !v.trim().is_empty()) {
+            Some(list) => ("AMQP_URLS", list.trim().to_owned()),
+            None => ("AMQP_URL", lookup("AMQP_URL").unwrap_or_else(|| DEFAULT_AMQP_URL.into())),
+        };
         // Refused here, redacted, rather than by a driver that would print them whole.
         if misspelled_password_key(&database_url).is_some() {
             return Err(SettingsError::Invalid {
@@ -285,8 +291,12 @@ impl ServiceSettings {
                 expected: "URL whose password parameter is spelled `password` (libpq's key; any other spelling would be logged with its value)",
             });
         }
-        if amqp_url.parse::<lapin::uri::AMQPUri>().is_err() {
-            return Err(SettingsError::Invalid { name: "AMQP_URL", value: redact(&amqp_url), expected: "amqp:// or amqps:// URL" });
+        if amqp_endpoints(&amqp_url).iter().any(|u| u.parse::<lapin::uri::AMQPUri>().is_err()) {
+            return Err(SettingsError::Invalid {
+                name: amqp_name,
+                value: redact(&amqp_url),
+                expected: "amqp:// or amqps:// URL, or several joined by commas",
+            });
         }
         Ok(Self {
             queue_type,
@@ -311,6 +321,10 @@ impl ServiceSettings {
 /// percent-decoded). The query is redacted first, so an `@` inside a password value cannot
 /// move the userinfo split; a URL without `//` (`amqp:u:pw@h`) is read the same way.
 pub fn redact(url: &str) -> String {
+    let list = amqp_endpoints(url);
+    if list.len() > 1 {
+        return list.iter().map(|u| redact(u)).collect::<Vec<_>>().join(",");
+    }
     let url = redact_query(url);
     let (scheme, sep, rest) = match url.split_once("://") {
         Some((s, r)) => (s, "://", r),
@@ -426,10 +440,34 @@ fn percent_decode(s: &str) -> String {
 /// it carries replaced by `***`, should the driver have echoed one alone.
 pub fn redact_text(text: &str, url: &str) -> String {
     let mut out = text.replace(url, &redact(url));
+    for endpoint in amqp_endpoints(url) {
+        out = out.replace(endpoint, &redact(endpoint));
+        for secret in secrets(endpoint) {
+            out = out.replace(&secret, "***");
+        }
+    }
     for secret in secrets(url) {
         out = out.replace(&secret, "***");
     }
     redact_query(&out)
+}
+
+/// The broker endpoints of an AMQP URL setting (issue 25): one URL, or several joined by
+/// commas (`amqp://a:5672/%2f,amqp://b:5672/%2f`; `AMQP_URLS`). A list is split only where
+/// a comma is followed by a scheme (`amqp://`, `amqps://`), so a comma inside a URL (an
+/// unencoded password) never cuts it in two.
+pub fn amqp_endpoints(list: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for (i, _) in list.match_indices(',') {
+        let next = &list[i + 1..];
+        if next.starts_with("amqp://") || next.starts_with("amqps://") {
+            out.push(&list[start..i]);
+            start = i + 1;
+        }
+    }
+    out.push(&list[start..]);
+    out
 }
 
 /// Reject worker settings that would silently disable the #1128 protocol.
@@ -527,6 +565,21 @@ mod tests {
         assert_eq!(load(&[("CRAIG_QUEUE_TYPE", "quorum")]).unwrap().queue_type, QueueType::Quorum);
         let err = load(&[("CRAIG_QUEUE_TYPE", "mirrored")]).unwrap_err();
         assert_eq!(err.to_string(), "CRAIG_QUEUE_TYPE=\"mirrored\" is not a valid queue type: classic or quorum");
+    }
+
+    #[test]
+    fn several_broker_endpoints_are_one_list_and_each_is_checked_and_redacted() {
+        let two = "amqp://u:p1@a:5672/%2f,amqp://u:p,2@b:5673/%2f";
+        assert_eq!(amqp_endpoints(two), ["amqp://u:p1@a:5672/%2f", "amqp://u:p,2@b:5673/%2f"], "a comma inside a URL does not cut it");
+        assert_eq!(amqp_endpoints("amqp://a"), ["amqp://a"]);
+        let s = load(&[("AMQP_URLS", two), ("AMQP_URL", "amqp://ignored")]).unwrap();
+        assert_eq!(s.amqp_url, two);
+        assert_eq!(redact(two), "amqp://u:***@a:5672/%2f,amqp://u:***@b:5673/%2f");
+        let said = redact_text(&format!("connecting to {two}: refused (p1, p,2)"), two);
+        assert!(!said.contains("p1") && !said.contains("p,2"), "{said}");
+        assert_eq!(load(&[("AMQP_URL", two)]).unwrap().amqp_url, two, "AMQP_URL may hold the list too");
+        let err = load(&[("AMQP_URLS", "amqp://u:secret@a,amqp://b:notaport")]).unwrap_err().to_string();
+        assert!(err.starts_with("AMQP_URLS=") && err.contains("several joined by commas") && !err.contains("secret"), "{err}");
     }
 
     #[test]

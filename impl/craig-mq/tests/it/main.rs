@@ -4,4 +4,5 @@ mod common;
 mod inbox;
 mod lease_model;
 mod outbox;
+mod endpoints;
 mod subscriber;
