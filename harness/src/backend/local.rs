@@ -362,6 +362,8 @@ pub struct LocalBackend {
     pg_port: u16,
     rmq: Server,
     rmq_port: u16,
+    /// A cluster's nodes 2..=N (issue 25), each with its AMQP port; empty for one node.
+    peers: Vec<(Server, u16)>,
     services: Vec<String>,
     stopped: bool,
 }
@@ -371,11 +373,18 @@ impl LocalBackend {
     /// themselves (they cannot be handed a socket); if another process takes a port in
     /// between, the start is retried on fresh ports, up to three times.
     pub async fn start(services: &[&str]) -> Result<Self, BackendError> {
+        Self::start_cluster(services, 1).await
+    }
+
+    /// [`LocalBackend::start`] with a broker of `broker_nodes` RabbitMQ nodes (issue 25): the
+    /// peers boot at the same time as node 1, then each joins its cluster (`stop_app`,
+    /// `reset`, `join_cluster`, `start_app`), one at a time.
+    pub async fn start_cluster(services: &[&str], broker_nodes: usize) -> Result<Self, BackendError> {
         reap_leftovers();
         let mut tries = 0;
         loop {
             tries += 1;
-            match Self::start_once(services).await {
+            match Self::start_once(services, broker_nodes.max(1)).await {
                 Err(e) if tries < 3 && port_taken(&e.to_string()) => {
                     tracing::warn!(event = "chaos.port_taken", error = %e, "a private server's port was taken; retrying on fresh ports");
                 }
@@ -384,7 +393,7 @@ impl LocalBackend {
         }
     }
 
-    async fn start_once(services: &[&str]) -> Result<Self, BackendError> {
+    async fn start_once(services: &[&str], broker_nodes: usize) -> Result<Self, BackendError> {
         let root = std::env::temp_dir().join(format!(
             "craig-chaos-{}-{}",
             std::process::id(),
@@ -397,28 +406,31 @@ impl LocalBackend {
             // RabbitMQ's start is the longest (seconds of Erlang boot, CPU-bound): it goes
             // first, with the run's accounts in its boot definitions, and PostgreSQL's
             // initdb (about a second) runs while it boots.
-            let (mut rmq, rmq_port) = rmq_server(&root)?;
+            let cookie = format!("CRAIGCHAOS{}", uuid::Uuid::now_v7().simple()).to_uppercase();
+            let (mut rmq, rmq_port) = rmq_server(&root, 1, &cookie)?;
             rmq.spawn()?;
+            let mut peers = Vec::new();
+            for node in 2..=broker_nodes {
+                let (mut peer, port) = rmq_server(&root, node, &cookie)?;
+                peer.spawn()?;
+                peers.push((peer, port));
+            }
             let initdb = {
                 let root = root.clone();
                 tokio::task::spawn_blocking(move || pg_server(&root)).await
             };
             let (pg, pg_port) = match initdb {
                 Ok(Ok(pg)) => pg,
-                Ok(Err(e)) => {
-                    rmq.kill_now();
-                    return Err(e);
-                }
-                Err(e) => {
-                    rmq.kill_now();
-                    return Err(BackendError::failed("running initdb", e));
-                }
+                // A dropped server (node 1 and the peers) is killed.
+                Ok(Err(e)) => return Err(e),
+                Err(e) => return Err(BackendError::failed("running initdb", e)),
             };
             let b = backend.insert(LocalBackend {
                 pg_port,
                 pg,
                 rmq_port,
                 rmq,
+                peers,
                 root: root.clone(),
                 services: services.iter().map(|s| s.to_string()).collect(),
                 stopped: false,
@@ -427,6 +439,7 @@ impl LocalBackend {
             b.wait_ready(Target::Database, Duration::from_secs(30)).await?;
             super::create_databases(b.pg_port, &b.services).await?;
             b.wait_ready(Target::Broker, Duration::from_secs(60)).await?;
+            b.form_cluster().await?;
             Ok::<(), BackendError>(())
         }
         .await;
@@ -482,8 +495,18 @@ impl LocalBackend {
     /// `rabbitmqctl -n <node>` against the private broker (same HOME, so the same Erlang
     /// cookie), async, bounded and killed when dropped; its stdout.
     async fn rabbitmqctl(&self, args: &[&str]) -> Result<String, BackendError> {
+        Self::rabbitmqctl_on(&self.rmq, args).await
+    }
+
+    /// `rabbitmqctl` against broker node `node` (1-based); its stdout (issue 25: evidence,
+    /// `cluster_status`, a queue's leader).
+    pub async fn rabbitmqctl_node(&self, node: usize, args: &[&str]) -> Result<String, BackendError> {
+        Self::rabbitmqctl_on(self.broker_node_ref(node)?, args).await
+    }
+
+    async fn rabbitmqctl_on(server: &Server, args: &[&str]) -> Result<String, BackendError> {
         let ctl = rabbitmq_script()?.with_file_name("rabbitmqctl");
-        let env = |k: &str| self.rmq.env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default();
+        let env = |k: &str| server.env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default();
         let run = tokio::process::Command::new(&ctl)
             .args(["-n", &env("RABBITMQ_NODENAME")])
             .args(args)
@@ -504,6 +527,115 @@ impl LocalBackend {
                 String::from_utf8_lossy(&out.stderr).trim().to_owned(),
             ))
         }
+    }
+
+    /// The broker's node count (1 unless started with [`LocalBackend::start_cluster`]).
+    pub fn broker_nodes(&self) -> usize {
+        1 + self.peers.len()
+    }
+
+    /// The admin's AMQP URL of each broker node, node 1 first.
+    pub fn broker_node_urls(&self) -> Vec<String> {
+        std::iter::once(self.rmq_port).chain(self.peers.iter().map(|(_, p)| *p)).map(|p| format!("amqp://guest:guest@127.0.0.1:{p}/%2f")).collect()
+    }
+
+    /// Erlang node names, node 1 first (`rabbitmqctl cluster_status` names them so).
+    pub fn broker_node_names(&self) -> Vec<String> {
+        let name = |s: &Server| s.env.iter().find(|(k, _)| k == "RABBITMQ_NODENAME").map(|(_, v)| v.clone()).unwrap_or_default();
+        std::iter::once(name(&self.rmq)).chain(self.peers.iter().map(|(s, _)| name(s))).collect()
+    }
+
+    fn broker_node_ref(&self, node: usize) -> Result<&Server, BackendError> {
+        match node {
+            1 => Ok(&self.rmq),
+            n => self.peers.get(n.wrapping_sub(2)).map(|(s, _)| s).ok_or_else(|| no_node(n, self.broker_nodes())),
+        }
+    }
+
+    fn broker_node_mut(&mut self, node: usize) -> Result<(&mut Server, u16), BackendError> {
+        let nodes = self.broker_nodes();
+        match node {
+            1 => Ok((&mut self.rmq, self.rmq_port)),
+            n => self.peers.get_mut(n.wrapping_sub(2)).map(|(s, p)| (s, *p)).ok_or_else(|| no_node(n, nodes)),
+        }
+    }
+
+    /// Each peer joins node 1's cluster, one at a time; then every node reports the others
+    /// running (`cluster_status`), or the start fails with what it said.
+    async fn form_cluster(&mut self) -> Result<(), BackendError> {
+        if self.peers.is_empty() {
+            return Ok(());
+        }
+        let first = self.broker_node_names()[0].clone();
+        for node in 2..=self.broker_nodes() {
+            let port = self.broker_node_mut(node)?.1;
+            self.wait_node_ready(node, port, Duration::from_secs(60)).await?;
+            let server = self.broker_node_ref(node)?;
+            for args in [&["stop_app"][..], &["reset"], &["join_cluster", &first], &["start_app"]] {
+                Self::rabbitmqctl_on(server, args).await.map_err(|e| BackendError::failed(format!("broker node {node} joining {first}"), e))?;
+            }
+            self.wait_node_ready(node, port, Duration::from_secs(60)).await?;
+        }
+        let status = self.rabbitmqctl(&["cluster_status", "--formatter", "json"]).await?;
+        let running: Vec<String> = serde_json::from_str::<serde_json::Value>(&status)
+            .ok()
+            .and_then(|v| v["running_nodes"].as_array().map(|a| a.iter().filter_map(|n| n.as_str().map(str::to_owned)).collect()))
+            .unwrap_or_default();
+        let names = self.broker_node_names();
+        if names.iter().any(|n| !running.contains(n)) {
+            return Err(BackendError::failed("forming the broker cluster", format!("running nodes {running:?}, expected {names:?}")));
+        }
+        Ok(())
+    }
+
+    /// Node `node` takes the admin's AMQP login on `port`.
+    async fn wait_node_ready(&mut self, node: usize, port: u16, limit: Duration) -> Result<(), BackendError> {
+        let url = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Ok(Ok(c)) = tokio::time::timeout(Self::PROBE_BOUND, craig_mq::publisher::connect(&url, 0, "chaos-probe")).await {
+                let _ = tokio::time::timeout(Self::PROBE_BOUND, c.close(200, "probe".into())).await;
+                return Ok(());
+            }
+            let (server, _) = self.broker_node_mut(node)?;
+            if let Some(status) = server.exited() {
+                return Err(BackendError::failed(format!("broker node {node}"), format!("it exited with {status}; last log lines:\n{}", log_tail(&server.log))));
+            }
+            if Instant::now() > deadline {
+                return Err(BackendError::failed(format!("broker node {node}"), format!("not ready after {limit:?}; last log lines:\n{}", log_tail(&server.log))));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// SIGKILL broker node `node`'s process group; the pid that died.
+    pub async fn kill_broker_node(&mut self, node: usize) -> Result<Option<i32>, BackendError> {
+        self.broker_node_mut(node)?.0.kill().await
+    }
+
+    /// Start broker node `node` again on its data (killed first if running), and wait until
+    /// it takes a login.
+    pub async fn restart_broker_node(&mut self, node: usize) -> Result<(), BackendError> {
+        let (server, port) = self.broker_node_mut(node)?;
+        if server.child.is_some() {
+            server.kill().await?;
+        }
+        server.spawn()?;
+        self.wait_node_ready(node, port, Duration::from_secs(60)).await
+    }
+
+    /// Disk loss: remove broker node `node`'s data directory (its mnesia, message stores and
+    /// quorum logs) while it is down. Refused while it runs.
+    pub fn wipe_broker_node(&mut self, node: usize) -> Result<(), BackendError> {
+        let (server, _) = self.broker_node_mut(node)?;
+        if server.child.is_some() {
+            return Err(BackendError::failed(format!("wiping broker node {node}"), "it is running; kill it first"));
+        }
+        let mnesia = server.env.iter().find(|(k, _)| k == "RABBITMQ_MNESIA_BASE").map(|(_, v)| PathBuf::from(v));
+        let Some(mnesia) = mnesia else { return Err(BackendError::failed(format!("wiping broker node {node}"), "no data directory")) };
+        std::fs::remove_dir_all(&mnesia)
+            .and_then(|()| std::fs::create_dir_all(&mnesia))
+            .map_err(|e| BackendError::failed(format!("wiping {}", mnesia.display()), e))
     }
 
     fn admin_url(&self) -> String {
@@ -601,7 +733,10 @@ impl LocalBackend {
     pub async fn stop(mut self) -> Result<(), BackendError> {
         self.stopped = true;
         let a = self.pg.kill().await.map(drop);
-        let b = self.rmq.kill().await.map(drop);
+        let mut b = self.rmq.kill().await.map(drop);
+        for (peer, _) in &mut self.peers {
+            b = b.and(peer.kill().await.map(drop));
+        }
         let c = std::fs::remove_dir_all(&self.root).map_err(|e| BackendError::failed(format!("removing {}", self.root.display()), e));
         a.and(b).and(c)
     }
@@ -612,9 +747,16 @@ impl Drop for LocalBackend {
         if !self.stopped {
             self.pg.kill_now();
             self.rmq.kill_now();
+            for (peer, _) in &mut self.peers {
+                peer.kill_now();
+            }
             let _ = std::fs::remove_dir_all(&self.root);
         }
     }
+}
+
+fn no_node(node: usize, nodes: usize) -> BackendError {
+    BackendError::failed(format!("broker node {node}"), format!("the broker has nodes 1..={nodes}"))
 }
 
 /// Remove `craig-chaos-<pid>-*` temp dirs whose harness process is gone (a run killed by
@@ -805,23 +947,31 @@ fn core_plugins_dir(script: &Path, dir: &Path) -> Option<PathBuf> {
     (core == 3).then_some(trimmed)
 }
 
-fn rmq_server(root: &Path) -> Result<(Server, u16), BackendError> {
+/// Node `node` (1-based) of the run's broker: node 1 is the broker of a one-node run and the
+/// node a cluster's peers join; it alone loads the boot definitions (the peers take the
+/// cluster's users when they join). Every node of a run shares `cookie` (Erlang
+/// distribution), written into its own HOME.
+fn rmq_server(root: &Path, index: usize, cookie: &str) -> Result<(Server, u16), BackendError> {
     let script = rabbitmq_script()?;
-    let dir = root.join("rabbitmq");
+    let dir = if index == 1 { root.join("rabbitmq") } else { root.join(format!("rabbitmq-{index}")) };
     for sub in ["mnesia", "log", "home"] {
         std::fs::create_dir_all(dir.join(sub)).map_err(|e| BackendError::failed("creating rabbitmq dirs", e))?;
     }
+    let cookie_file = dir.join("home").join(".erlang.cookie");
+    std::fs::write(&cookie_file, cookie)
+        .and_then(|()| std::fs::set_permissions(&cookie_file, std::os::unix::fs::PermissionsExt::from_mode(0o400)))
+        .map_err(|e| BackendError::failed("writing the Erlang cookie", e))?;
     let leases = vec![lease_port()?, lease_port()?];
     let (port, dist) = (leases[0].port(), leases[1].port());
     let conf = dir.join("rabbitmq.conf");
     let definitions = dir.join("definitions.json");
-    std::fs::write(&definitions, boot_definitions(root, port)?.to_string())
-        .and_then(|()| {
-            std::fs::write(
-                &conf,
-                format!("listeners.tcp.default = 127.0.0.1:{port}\nloopback_users = none\nload_definitions = {}\n", definitions.display()),
-            )
-        })
+    let load = if index == 1 {
+        std::fs::write(&definitions, boot_definitions(root, port)?.to_string()).map_err(|e| BackendError::failed("writing rabbitmq config", e))?;
+        format!("load_definitions = {}\n", definitions.display())
+    } else {
+        String::new()
+    };
+    std::fs::write(&conf, format!("listeners.tcp.default = 127.0.0.1:{port}\nloopback_users = none\n{load}"))
         .and_then(|()| std::fs::write(dir.join("enabled_plugins"), "[].\n"))
         .and_then(|()| std::fs::write(dir.join("rabbitmq-env.conf"), ""))
         .map_err(|e| BackendError::failed("writing rabbitmq config", e))?;
@@ -851,7 +1001,7 @@ fn rmq_server(root: &Path) -> Result<(Server, u16), BackendError> {
         env,
         cwd: dir.clone(),
         run_as: None,
-        log: root.join("rabbitmq.log"),
+        log: if index == 1 { root.join("rabbitmq.log") } else { root.join(format!("rabbitmq-{index}.log")) },
         child: None,
         _ports: leases,
     };

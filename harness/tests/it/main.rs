@@ -3,6 +3,7 @@
 
 mod amqp_faults;
 mod backends;
+mod cluster;
 mod properties;
 mod proxy;
 mod replicas;
