@@ -169,6 +169,11 @@ pub struct Scenario {
     pub liveness_bound_ms: u64,
     #[serde(skip)]
     pub path: PathBuf,
+    /// The broker's nodes (`[fleet] broker = { nodes = N }`, 1..=5; default 1). A cluster
+    /// runs on the local backend; every replica gets a link to each node (`<replica>->broker`
+    /// for node 1, `<replica>->broker-N` for the others) and the list of them (`AMQP_URL`).
+    #[serde(skip)]
+    pub broker_nodes: u8,
 }
 
 fn default_bound() -> u64 {
@@ -189,6 +194,10 @@ pub struct FleetEntry {
     /// Start this service's replicas this long after the workload begins (a late consumer).
     #[serde(default)]
     pub start_after_ms: Option<u64>,
+    /// `[fleet] broker = { nodes = 3 }` only (issue 25): the broker's node count, taken out of
+    /// the fleet by [`parse`] into [`Scenario::broker_nodes`].
+    #[serde(default)]
+    pub nodes: Option<u8>,
 }
 
 #[derive(Debug, Clone)]
@@ -792,6 +801,8 @@ const SERVICES: &[&str] = &["cases", "financial", "rules", "security"];
 pub enum FaultTarget {
     Replica(String),
     Broker,
+    /// `broker-N`: node N of a broker cluster (`[fleet] broker = { nodes = N }`, issue 25).
+    BrokerNode(u8),
     Database,
     /// `<replica>-><broker|database>`: the replica's own proxied connection.
     Link { replica: String, to: crate::backend::Target },
@@ -807,15 +818,23 @@ impl Scenario {
 
     pub fn parse_target(&self, t: &str) -> Option<FaultTarget> {
         let names = self.replica_names();
+        // `broker-N` names a node of a cluster, 1..=N.
+        let node = |t: &str| t.strip_prefix("broker-").and_then(|n| n.parse::<u8>().ok()).filter(|n| (1..=self.broker_nodes).contains(n) && self.broker_nodes > 1);
         match t {
             "broker" => Some(FaultTarget::Broker),
             "database" => Some(FaultTarget::Database),
+            _ if node(t).is_some() => node(t).map(FaultTarget::BrokerNode),
             _ => match t.split_once("->") {
                 Some((r, to)) if names.iter().any(|n| n == r) => {
                     let to = match to {
                         "broker" => crate::backend::Target::Broker,
                         "database" => crate::backend::Target::Database,
-                        _ => return None,
+                        // Node 1's link is `<replica>->broker`.
+                        _ => match node(to) {
+                            Some(1) => crate::backend::Target::Broker,
+                            Some(n) => crate::backend::Target::BrokerNode(n),
+                            None => return None,
+                        },
                     };
                     Some(FaultTarget::Link { replica: r.to_owned(), to })
                 }
@@ -930,6 +949,22 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
     };
     if s.name.trim().is_empty() {
         return Err(err(at("name"), "name must not be empty".into()));
+    }
+    s.broker_nodes = 1;
+    if let Some(broker) = s.fleet.remove("broker") {
+        let b = broker.get_ref();
+        if b.count() != 1 || !b.compat.is_empty() || b.start_after_ms.is_some() || matches!(b.replicas, Replicas::Each(_)) {
+            return Err(err(Some(broker.span()), "broker takes only nodes (broker = { nodes = 3 })".into()));
+        }
+        match b.nodes {
+            Some(n @ 1..=5) => s.broker_nodes = n,
+            other => return Err(err(Some(broker.span()), format!("broker nodes must be 1..=5, not {}", other.map_or("missing".into(), |n| n.to_string())))),
+        }
+    }
+    for (svc, entry) in &s.fleet {
+        if entry.get_ref().nodes.is_some() {
+            return Err(err(Some(entry.span()), format!("{svc}: nodes is the broker's (broker = {{ nodes = 3 }}); a service has replicas")));
+        }
     }
     for (svc, entry) in &s.fleet {
         if !SERVICES.contains(&svc.as_str()) {
@@ -1571,6 +1606,31 @@ effect_once = { violate = "compat:pre-d2" }
         let e = rejected(&GOOD.replace(r#"effect_once = { violate = "compat:pre-d2" }"#, r#"effect_once = "violate""#));
         assert_eq!(e.line, 27, "{e}");
         assert!(e.reason.contains("effect_once attributes its violations: name the cause"), "{e}");
+    }
+
+    /// Issue 25: `[fleet] broker = { nodes = N }` is the broker's, out of the fleet; `broker-N`
+    /// names a node of a cluster (and its links), nothing past the cluster's size.
+    #[test]
+    fn a_broker_cluster_is_the_fleets_broker_entry_and_its_nodes_are_targets() {
+        let with = |broker: &str| GOOD.replace("[fleet]\n", &format!("[fleet]\n{broker}\n"));
+        let s = parse_str(&with("broker = { nodes = 3 }")).unwrap();
+        assert_eq!((s.broker_nodes, s.fleet.contains_key("broker")), (3, false));
+        assert_eq!(s.parse_target("broker-3"), Some(FaultTarget::BrokerNode(3)));
+        assert_eq!(s.parse_target("broker-4"), None);
+        assert_eq!(s.parse_target("rules-1->broker-2"), Some(FaultTarget::Link { replica: "rules-1".into(), to: crate::backend::Target::BrokerNode(2) }));
+        assert_eq!(s.parse_target("rules-1->broker-1"), Some(FaultTarget::Link { replica: "rules-1".into(), to: crate::backend::Target::Broker }));
+        let one = parse_str(GOOD).unwrap();
+        assert_eq!((one.broker_nodes, one.parse_target("broker-1")), (1, None), "one node: plain broker only");
+        for (bad, says) in [
+            ("broker = { nodes = 6 }", "broker nodes must be 1..=5, not 6"),
+            ("broker = { replicas = 2 }", "broker takes only nodes"),
+            ("broker = {}", "broker nodes must be 1..=5, not missing"),
+        ] {
+            let e = rejected(&with(bad));
+            assert!(e.reason.contains(says) && e.line == with(bad).lines().position(|l| l.starts_with("broker")).unwrap() + 1, "{bad}: {e}");
+        }
+        let e = rejected(&GOOD.replace("cases = { replicas = 2 }", "cases = { replicas = 2, nodes = 3 }"));
+        assert!(e.reason.contains("cases: nodes is the broker's"), "{e}");
     }
 
     #[test]

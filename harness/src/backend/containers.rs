@@ -524,7 +524,8 @@ impl ContainersBackend {
     fn id(&self, t: Target) -> &str {
         match t {
             Target::Database => self.postgres.id(),
-            Target::Broker => self.rabbitmq.id(),
+            // One broker container (a cluster is refused here before anything starts).
+            Target::Broker | Target::BrokerNode(_) => self.rabbitmq.id(),
         }
     }
 
@@ -597,7 +598,7 @@ impl ContainersBackend {
                     _ => false,
                 }
             }
-            Target::Broker => {
+            Target::Broker | Target::BrokerNode(_) => {
                 let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.ports.amqp);
                 match craig_mq::publisher::connect_within(&url, 0, "chaos-ready-check", Duration::from_secs(3)).await {
                     Ok(c) => {

@@ -55,6 +55,7 @@ impl ExternalBackend {
         Endpoints {
             databases: self.services.iter().map(|s| (s.clone(), self.sandbox.database_url(s).to_owned())).collect(),
             broker_addr: authority(&amqp),
+            broker_nodes: vec![authority(&amqp)],
             amqp_url: amqp,
             database_addr: db_addr,
         }

@@ -644,7 +644,9 @@ impl LocalBackend {
 
     pub fn endpoints(&self) -> Endpoints {
         let (db, mq) = (format!("127.0.0.1:{}", self.pg_port), format!("127.0.0.1:{}", self.rmq_port));
-        Endpoints::loopback(&self.services, self.pg_port, self.rmq_port, db, mq)
+        let mut ep = Endpoints::loopback(&self.services, self.pg_port, self.rmq_port, db, mq);
+        ep.broker_nodes.extend(self.peers.iter().map(|(_, p)| format!("127.0.0.1:{p}")));
+        ep
     }
 
     /// The temp dir holding data and logs (`pg.log`, `rabbitmq.log`).
@@ -653,9 +655,11 @@ impl LocalBackend {
     }
 
     fn server(&mut self, t: Target) -> &mut Server {
-        match t {
-            Target::Database => &mut self.pg,
-            Target::Broker => &mut self.rmq,
+        match t.broker_node() {
+            None => &mut self.pg,
+            Some(1) => &mut self.rmq,
+            // The scenario's parser holds broker-N to the cluster's nodes.
+            Some(n) => &mut self.peers[n - 2].0,
         }
     }
 
@@ -664,9 +668,9 @@ impl LocalBackend {
 
     async fn wait_ready(&mut self, t: Target, limit: Duration) -> Result<(), BackendError> {
         let deadline = Instant::now() + limit;
-        let url = match t {
-            Target::Database => self.admin_url(),
-            Target::Broker => self.endpoints().amqp_url,
+        let url = match t.broker_node() {
+            None => self.admin_url(),
+            Some(n) => self.broker_node_urls()[n - 1].clone(),
         };
         loop {
             let ready = match t {
@@ -678,7 +682,7 @@ impl LocalBackend {
                     }
                     _ => false,
                 },
-                Target::Broker => match tokio::time::timeout(Self::PROBE_BOUND, craig_mq::publisher::connect(&url, 0, "chaos-probe")).await {
+                Target::Broker | Target::BrokerNode(_) => match tokio::time::timeout(Self::PROBE_BOUND, craig_mq::publisher::connect(&url, 0, "chaos-probe")).await {
                     Ok(Ok(c)) => {
                         let _ = tokio::time::timeout(Self::PROBE_BOUND, c.close(200, "probe".into())).await;
                         true
@@ -717,7 +721,7 @@ impl LocalBackend {
             s.kill().await?;
         }
         s.spawn()?;
-        let limit = if t == Target::Broker { Duration::from_secs(60) } else { Duration::from_secs(30) };
+        let limit = if t.broker_node().is_some() { Duration::from_secs(60) } else { Duration::from_secs(30) };
         self.wait_ready(t, limit).await
     }
 

@@ -29,15 +29,30 @@ pub fn external_authority(url: &str) -> String {
 #[serde(rename_all = "lowercase")]
 pub enum Target {
     Database,
+    /// The broker: a one-node broker, or node 1 of a cluster.
     Broker,
+    /// Node N (1-based) of a broker cluster (issue 25), `broker-N`.
+    BrokerNode(u8),
+}
+
+impl Target {
+    /// The broker node this target is (1 for `broker`), None for the database.
+    pub fn broker_node(self) -> Option<usize> {
+        match self {
+            Target::Database => None,
+            Target::Broker => Some(1),
+            Target::BrokerNode(n) => Some(usize::from(n)),
+        }
+    }
 }
 
 impl fmt::Display for Target {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Target::Database => "database",
-            Target::Broker => "broker",
-        })
+        match self {
+            Target::Database => f.write_str("database"),
+            Target::Broker => f.write_str("broker"),
+            Target::BrokerNode(n) => write!(f, "broker-{n}"),
+        }
     }
 }
 
@@ -141,6 +156,8 @@ pub struct Endpoints {
     /// `host:port` of the database server and the broker (what a fault proxy forwards to).
     pub database_addr: String,
     pub broker_addr: String,
+    /// `host:port` of every broker node, node 1 (`broker_addr`) first (issue 25).
+    pub broker_nodes: Vec<String>,
 }
 
 impl Endpoints {
@@ -152,6 +169,7 @@ impl Endpoints {
             databases: services.iter().map(|s| (s.clone(), format!("postgres://postgres@127.0.0.1:{pg_port}/{s}"))).collect(),
             amqp_url: format!("amqp://guest:guest@127.0.0.1:{amqp_port}/%2f"),
             database_addr,
+            broker_nodes: vec![broker_addr.clone()],
             broker_addr,
         }
     }
@@ -213,8 +231,14 @@ impl Backend {
 
     /// Start the backend [`resolve`](Self::resolve) chose.
     pub async fn start_chosen(choice: Choice, run_label: &str, services: &[&str]) -> Result<(Backend, Choice), BackendError> {
+        Self::start_chosen_with(choice, run_label, services, 1).await
+    }
+
+    /// [`start_chosen`](Self::start_chosen) with a broker of `broker_nodes` nodes (issue 25:
+    /// the local backend only; the runner refuses a cluster elsewhere before this).
+    pub async fn start_chosen_with(choice: Choice, run_label: &str, services: &[&str], broker_nodes: usize) -> Result<(Backend, Choice), BackendError> {
         let backend = match choice.kind {
-            BackendKind::Local => Backend::Local(local::LocalBackend::start(services).await?),
+            BackendKind::Local => Backend::Local(local::LocalBackend::start_cluster(services, broker_nodes).await?),
             BackendKind::External => Backend::External(external::ExternalBackend::start(run_label, services).await?),
             BackendKind::Containers => Backend::Containers(containers::ContainersBackend::start(services).await?),
             BackendKind::Auto => unreachable!("choose resolves auto"),

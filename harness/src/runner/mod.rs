@@ -448,6 +448,10 @@ async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: 
             crate::backend::containers::TOXIPROXY_IMAGE
         );
     }
+    // A broker cluster (issue 25) runs on the local backend only, so far.
+    if s.broker_nodes > 1 && chosen.kind != BackendKind::Local {
+        anyhow::bail!("backend {} runs a one-node broker; this scenario asks for {} broker nodes (CHAOS_BACKEND=local runs a cluster)", chosen.kind, s.broker_nodes);
+    }
     // Two links a replica, each a published port of the Toxiproxy container.
     let replicas: u32 = s.fleet.values().map(|e| e.get_ref().count()).sum();
     if chosen.kind == BackendKind::Containers && replicas * 2 > u32::from(crate::backend::containers::PROXY_SLOTS) {
@@ -458,7 +462,7 @@ async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: 
     }
     let (backend, choice): (Backend, Choice) =
         bounded(BACKEND_BOUND, "starting the backend", async {
-            Backend::start_chosen(chosen, &format!("{}-{seed}", s.name), &svc_refs).await.context("starting the backend")
+            Backend::start_chosen_with(chosen, &format!("{}-{seed}", s.name), &svc_refs, usize::from(s.broker_nodes)).await.context("starting the backend")
         })
         .await?;
     if opts.progress {
@@ -651,11 +655,19 @@ async fn start(
                     toxi.base()
                 );
             }
-            let (mq_listen, mq_reach) = link().await?;
-            let mq = toxi.create_proxy(&format!("{name}->broker"), &mq_listen, &ep.broker_addr).await?;
             let db_url = through(ep.database_url(svc).unwrap(), &db_reach.unwrap_or(db.listen));
             let account = deployed.accounts.get(svc).with_context(|| format!("no broker account for {svc}"))?;
-            let amqp_url = through(account, &mq_reach.unwrap_or(mq.listen));
+            // A link to each broker node (`->broker` for node 1, `->broker-N` for a cluster's
+            // others), the replica's AMQP_URL the list of them (issue 25: it moves to the
+            // next node when one fails).
+            let mut amqp_urls = Vec::new();
+            for (k, addr) in ep.broker_nodes.iter().enumerate() {
+                let to = if k == 0 { crate::backend::Target::Broker } else { crate::backend::Target::BrokerNode(k as u8 + 1) };
+                let (mq_listen, mq_reach) = link().await?;
+                let mq = toxi.create_proxy(&format!("{name}->{to}"), &mq_listen, addr).await?;
+                amqp_urls.push(through(account, &mq_reach.unwrap_or(mq.listen)));
+            }
+            let amqp_url = amqp_urls.join(",");
             let mut spec = ReplicaSpec::new(svc.clone(), i);
             spec.compat = entry.get_ref().compat_of(i);
             spec.failpoints = faults::failpoints_for(s, &name);

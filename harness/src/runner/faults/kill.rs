@@ -14,6 +14,7 @@ pub(super) struct Kill;
 pub(super) fn server(target: &FaultTarget) -> Option<Target> {
     match target {
         FaultTarget::Broker => Some(Target::Broker),
+        FaultTarget::BrokerNode(n) => Some(Target::BrokerNode(*n)),
         FaultTarget::Database => Some(Target::Database),
         _ => None,
     }

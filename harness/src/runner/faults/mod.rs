@@ -537,7 +537,7 @@ mod tests {
         for s in crate::scenario::load(&paths).unwrap() {
             assert!(refuse_unsupported(&s, BackendKind::Local).is_ok(), "{}", s.name);
             let faults: Vec<(FaultKind, FaultTarget)> = s.faults.iter().map(|f| (f.get_ref().kind, s.parse_target(&f.get_ref().target).unwrap())).collect();
-            let on_server = faults.iter().any(|(k, t)| matches!(k, FaultKind::Kill | FaultKind::Pause) && matches!(t, FaultTarget::Broker | FaultTarget::Database));
+            let on_server = faults.iter().any(|(k, t)| matches!(k, FaultKind::Kill | FaultKind::Pause) && matches!(t, FaultTarget::Broker | FaultTarget::BrokerNode(_) | FaultTarget::Database));
             match refuse_unsupported(&s, BackendKind::External) {
                 Ok(()) => assert!(!on_server, "{}: external must refuse a server fault", s.name),
                 Err(e) => {
