@@ -138,6 +138,9 @@ pub enum Event {
     },
     /// A fault began or ended.
     Fault { kind: String, target: String, phase: Phase },
+    /// A broker node lost its data (a `kill` with `wipe`, issue 25): what its queues held
+    /// there is gone unless replicated (`queue_type`: `classic` or `quorum`, the run's).
+    BrokerDataLost { node: String, queue_type: String },
     /// A replica process died (crash point, kill). `consumer` is true for consuming services.
     Crash { replica: String, consumer: bool, how: String },
     /// Periodic sample for the timeline.

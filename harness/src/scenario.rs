@@ -644,6 +644,13 @@ pub struct Fault {
     /// phantom's window).
     #[serde(default)]
     pub table: Option<String>,
+    /// For `kind = "kill"` of a node of a broker cluster (`broker-N`, issue 25): the node's
+    /// data directory is removed while it is down (disk loss); at the heal it starts empty
+    /// and is joined to the cluster again, as an operator replaces a node
+    /// (`forget_cluster_node`, then `join_cluster`, then the deploy step's
+    /// `craig-node topology` again).
+    #[serde(default)]
+    pub wipe: bool,
 }
 
 /// The tables a `refuse_staging` fault may refuse inserts into, per service.
@@ -710,12 +717,13 @@ impl TryFrom<toml::Value> for Expectation {
     type Error = String;
     fn try_from(v: toml::Value) -> Result<Self, String> {
         const SHAPE: &str =
-            "expected \"hold\", \"violate\" or { violate = \"<cause>\" | [\"<cause>\", ...] } with causes compat:<mode>, replica:<name>, fault:<kind> <target>, kind:<violation kind>";
+            "expected \"hold\", \"violate\" or { violate = \"<cause>\" | [\"<cause>\", ...] } with causes compat:<mode>, replica:<name>, fault:<kind> <target>, kind:<violation kind>, queue:<classic|quorum>";
         let cause_ok = |c: &str| {
             c.strip_prefix("compat:").is_some_and(|m| m.parse::<craig_fleet::Compat>().is_ok())
                 || c.strip_prefix("replica:").is_some_and(|r| !r.is_empty())
                 || c.strip_prefix("fault:").is_some_and(|f| f.split_once(' ').is_some_and(|(k, t)| !k.is_empty() && !t.is_empty()))
                 || c.strip_prefix("kind:").is_some_and(|k| crate::checkers::VIOLATION_KINDS.contains(&k))
+                || c.strip_prefix("queue:").is_some_and(|q| q.parse::<craig_mq::topology::QueueType>().is_ok())
         };
         match v {
             toml::Value::String(w) => match w.as_str() {
@@ -1144,6 +1152,12 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
             }
             (FaultKind::Upgrade | FaultKind::Downgrade, _) => {
                 return Err(err(span, "upgrade and downgrade target a replica like \"cases-1\"".into()));
+            }
+            (FaultKind::Kill, target) if fault.wipe && !matches!(target, FaultTarget::BrokerNode(_)) => {
+                return Err(err(key_in(f.span(), "wipe"), "wipe = true takes a node of a broker cluster (target = \"broker-2\", [fleet] broker = { nodes = 3 })".into()));
+            }
+            (kind, _) if fault.wipe && kind != FaultKind::Kill => {
+                return Err(err(key_in(f.span(), "wipe"), "wipe = true belongs to a kill of a broker node".into()));
             }
             (FaultKind::Kill | FaultKind::Pause, FaultTarget::Link { .. }) => {
                 return Err(err(span, "kill and pause target a replica, the broker or the database, not a link".into()));

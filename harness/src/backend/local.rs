@@ -624,6 +624,31 @@ impl LocalBackend {
         self.wait_node_ready(node, port, Duration::from_secs(60)).await
     }
 
+    /// A wiped node (down, [`LocalBackend::wipe_broker_node`]) back in the cluster, as an
+    /// operator replaces a node: a running node forgets it (`forget_cluster_node`, which
+    /// also drops it from the quorum queues' members), it starts empty, and joins that node
+    /// (`stop_app`, `reset`, `join_cluster`, `start_app`).
+    pub async fn rejoin_broker_node(&mut self, node: usize) -> Result<(), BackendError> {
+        let names = self.broker_node_names();
+        let survivor = (1..=self.broker_nodes()).find(|&k| k != node && self.broker_node_ref(k).is_ok_and(|s| s.child.is_some()));
+        let Some(survivor) = survivor else { return Err(BackendError::failed(format!("rejoining broker node {node}"), "no other node runs")) };
+        let forget = Self::rabbitmqctl_on(self.broker_node_ref(survivor)?, &["forget_cluster_node", &names[node - 1]]).await;
+        // Already forgotten (a node never joined) is fine; anything else is the fault's error.
+        if let Err(e) = &forget {
+            if !e.to_string().contains("not_a_cluster_node") {
+                return Err(BackendError::failed(format!("node {survivor} forgetting node {node}"), e));
+            }
+        }
+        let (server, port) = self.broker_node_mut(node)?;
+        server.spawn()?;
+        self.wait_node_ready(node, port, Duration::from_secs(60)).await?;
+        let server = self.broker_node_ref(node)?;
+        for args in [&["stop_app"][..], &["reset"], &["join_cluster", &names[survivor - 1]], &["start_app"]] {
+            Self::rabbitmqctl_on(server, args).await.map_err(|e| BackendError::failed(format!("broker node {node} rejoining"), e))?;
+        }
+        self.wait_node_ready(node, port, Duration::from_secs(60)).await
+    }
+
     /// Disk loss: remove broker node `node`'s data directory (its mnesia, message stores and
     /// quorum logs) while it is down. Refused while it runs.
     pub fn wipe_broker_node(&mut self, node: usize) -> Result<(), BackendError> {

@@ -273,6 +273,32 @@ impl Backend {
         }
     }
 
+    /// Disk loss of a killed broker node (issue 25: a cluster on the local backend); the
+    /// evidence, what was removed.
+    pub fn wipe(&mut self, target: Target) -> Result<String, BackendError> {
+        match (self, target.broker_node()) {
+            (Backend::Local(b), Some(n)) if b.broker_nodes() > 1 => {
+                b.wipe_broker_node(n)?;
+                Ok(format!("node {n}'s data directory removed"))
+            }
+            (b, _) => Err(BackendError::Unsupported {
+                backend: b.kind().name(),
+                fault: "kill with wipe",
+                target,
+                why: "only a node of a broker cluster on the local backend loses its disk here",
+            }),
+        }
+    }
+
+    /// A wiped broker node back in its cluster, as an operator replaces one: the survivors
+    /// forget it, it starts empty and joins them.
+    pub async fn rejoin(&mut self, target: Target) -> Result<(), BackendError> {
+        match (self, target.broker_node()) {
+            (Backend::Local(b), Some(n)) => b.rejoin_broker_node(n).await,
+            (b, _) => Err(BackendError::Unsupported { backend: b.kind().name(), fault: "kill with wipe", target, why: "no cluster here" }),
+        }
+    }
+
     /// Start a killed target again on its old data and wait until it serves.
     pub async fn restart(&mut self, target: Target) -> Result<(), BackendError> {
         match self {

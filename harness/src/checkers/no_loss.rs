@@ -34,6 +34,16 @@ pub fn no_loss(h: &History) -> Verdict {
             _ => {}
         }
     }
+    // Broker nodes that lost their data (issue 25): an event stamped published (the broker
+    // confirmed it) before such a loss and never delivered is the broker's loss, and the
+    // queue type that let it happen is named with it.
+    let data_lost: Vec<(u64, &str, &str)> = h
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::BrokerDataLost { node, queue_type } => Some((e.t_ms, node.as_str(), queue_type.as_str())),
+            _ => None,
+        })
+        .collect();
     let (mut attempted, mut acknowledged, mut ok, mut lost, mut recovered, mut unknown, mut failed) = (0, 0, 0, 0, 0, 0, 0);
     for entry in h.iter() {
         let Event::Write { referral, outcome, replica, .. } = &entry.event else { continue };
@@ -59,9 +69,14 @@ pub fn no_loss(h: &History) -> Verdict {
                             let mut tags = vec!["kind:lost".to_owned()];
                             tags.extend(culprit_tags(r, Some(c)));
                             tags.extend(faults_on(&windows, r, *t));
+                            let after: Vec<&(u64, &str, &str)> = data_lost.iter().filter(|(at, ..)| at >= t).collect();
+                            for (_, node, queue_type) in &after {
+                                tags.extend([format!("fault:kill {node}"), format!("queue:{queue_type}")]);
+                            }
                             v.blame(tags);
                             let who: Vec<String> = stamped.iter().map(|(t, r, c)| format!("{} @{t}ms", running(r, Some(c)))).collect();
-                            format!("its event was stamped published by {}", who.join(", "))
+                            let lost_on: Vec<String> = after.iter().map(|(at, node, qt)| format!("; then {node} lost its data @{at}ms ({qt} queues)")).collect();
+                            format!("its event was stamped published by {}{}", who.join(", "), lost_on.concat())
                         }
                         // Stamped, but no replica said so: no attribution evidence.
                         None if envs.iter().any(|e| published.contains(e)) => {

@@ -539,6 +539,28 @@ fn a_dead_letter_naming_another_queue_than_its_consumer_is_misattributed() {
 /// A rolling upgrade: cases-1 runs pre-1128 until 1000 ms, then current. Each loss is
 /// blamed on whoever stamped it with the behaviour it ran then, and a loss nobody
 /// stamped on the replica that acknowledged the write.
+/// Issue 25: an event the broker confirmed (stamped published) and never delivered, when a
+/// broker node lost its data AFTER the stamp, is the broker's loss: blamed on that node's
+/// kill and the run's queue type. A loss stamped after the data loss is not (the node was
+/// back, and what it confirmed then is the system's to deliver).
+#[test]
+fn no_loss_blames_a_confirmed_event_lost_with_a_broker_nodes_disk_on_the_node_and_the_queue_type() {
+    let mut h = History::default();
+    started(&mut h, 0, "cases-1", &[]);
+    write(&mut h, 100, 1, Outcome::Ok);
+    staged(&mut h, 11, 1);
+    stamped(&mut h, 200, 11, "cases-1", &[]);
+    h.push(1_500, Event::BrokerDataLost { node: "broker-1".into(), queue_type: "classic".into() });
+    write(&mut h, 5_000, 2, Outcome::Ok);
+    staged(&mut h, 12, 2);
+    stamped(&mut h, 5_100, 12, "cases-1", &[]);
+    h.sort();
+    let v = no_loss(&h);
+    assert_eq!((v.validity, v.violations), (Validity::Invalid, 2));
+    assert_eq!((v.culprits["fault:kill broker-1"], v.culprits["queue:classic"]), (1, 1), "{:?}", v.culprits);
+    assert!(v.witnesses.iter().any(|w| w.contains("@200ms; then broker-1 lost its data @1500ms (classic queues)")), "{:?}", v.witnesses);
+}
+
 #[test]
 fn no_loss_blames_each_loss_on_the_stamping_replica_and_its_compat_at_the_time() {
     let mut h = History::default();

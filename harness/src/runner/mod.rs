@@ -755,7 +755,7 @@ async fn load_and_faults(
     // tap, bound before the workload makes any.
     // no_loss follows every staged dead letter to craig.dlx through the tap too.
     // Always open (issue 22.1): a dead letter nobody staged is a finding in any scenario.
-    tap::open(&ep.amqp_url, Duration::from_secs(15)).await?;
+    tap::open(&ep.amqp_url, Duration::from_secs(15), s.broker_nodes > 1).await?;
     deployed.staged.after_start(s, log, &deployed.pools).await?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let (writes_tx, writes_rx) = watch::channel(0u32);

@@ -2,7 +2,10 @@
 //! the audit against. A durable queue `chaos.dead-letter-tap` bound `dlq.#` gets a copy of
 //! every dead letter the broker or an app path routes there (a topic exchange copies to
 //! every bound queue; the DLQ's own copy and the security service are untouched). Durable,
-//! so a broker restart mid-run does not lose the copies; read and deleted at the end.
+//! so a broker restart mid-run does not lose the copies, and on a broker cluster a quorum
+//! queue whatever the fleet's queue type, so a node's disk loss does not either (the
+//! harness's record is never on the weaker queue the run may be testing); read and deleted
+//! at the end.
 
 use std::time::Duration;
 
@@ -16,11 +19,11 @@ pub(super) const TAP_QUEUE: &str = "chaos.dead-letter-tap";
 
 /// Declare the tap once the fleet has declared `craig.dlx` (never declared here: the
 /// harness does not create topology a deployment would lack). Bounded.
-pub(super) async fn open(amqp_url: &str, within: Duration) -> anyhow::Result<()> {
+pub(super) async fn open(amqp_url: &str, within: Duration, replicated: bool) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + within;
     let mut last = String::new();
     while tokio::time::Instant::now() < deadline {
-        match tokio::time::timeout(Duration::from_secs(5), try_open(amqp_url)).await {
+        match tokio::time::timeout(Duration::from_secs(5), try_open(amqp_url, replicated)).await {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(e)) => last = e,
             Err(_) => last = "no answer within 5 s".into(),
@@ -30,12 +33,13 @@ pub(super) async fn open(amqp_url: &str, within: Duration) -> anyhow::Result<()>
     anyhow::bail!("the dead-letter tap could not bind to {} within {within:?}: {last}", craig_mq::topology::DLX_EXCHANGE)
 }
 
-async fn try_open(amqp_url: &str) -> Result<(), String> {
+async fn try_open(amqp_url: &str, replicated: bool) -> Result<(), String> {
     let conn = craig_mq::publisher::connect(amqp_url, 5, "chaos-dead-letter-tap").await.map_err(|e| e.to_string())?;
     let result = async {
         let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
         let durable = QueueDeclareOptions { durable: true, ..Default::default() };
-        bind_on_dlx(&ch, TAP_QUEUE, durable, "dlq.#").await.map(drop)
+        let args = if replicated { craig_mq::topology::QueueType::Quorum } else { craig_mq::topology::QueueType::Classic }.plain_args();
+        bind_on_dlx(&ch, TAP_QUEUE, durable, args, "dlq.#").await.map(drop)
     }
     .await;
     let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "tap".into())).await;
@@ -45,13 +49,13 @@ async fn try_open(amqp_url: &str) -> Result<(), String> {
 /// A harness queue on `craig.dlx`: check that the exchange is there (passive: the harness
 /// never creates topology a deployment would lack), declare `queue` with `opts` (`""` for a
 /// server-named one) and bind it with `key`. Its name.
-pub(super) async fn bind_on_dlx(ch: &lapin::Channel, queue: &str, opts: QueueDeclareOptions, key: &str) -> Result<String, String> {
+pub(super) async fn bind_on_dlx(ch: &lapin::Channel, queue: &str, opts: QueueDeclareOptions, args: FieldTable, key: &str) -> Result<String, String> {
     use craig_mq::topology::DLX_EXCHANGE;
     let passive = ExchangeDeclareOptions { passive: true, ..Default::default() };
     ch.exchange_declare(DLX_EXCHANGE.into(), lapin::ExchangeKind::Topic, passive, FieldTable::default())
         .await
         .map_err(|e| format!("{DLX_EXCHANGE} is not there: {e}"))?;
-    let name = ch.queue_declare(queue.into(), opts, FieldTable::default()).await.map_err(|e| e.to_string())?.name().to_string();
+    let name = ch.queue_declare(queue.into(), opts, args).await.map_err(|e| e.to_string())?.name().to_string();
     ch.queue_bind(name.as_str().into(), DLX_EXCHANGE.into(), key.into(), QueueBindOptions::default(), FieldTable::default())
         .await
         .map_err(|e| e.to_string())?;

@@ -30,17 +30,26 @@ pub(super) fn server_supported(backend: BackendKind, target: &FaultTarget) -> Re
 }
 
 impl Room for Kill {
-    type Applied = ();
+    /// Whether the server's data was wiped (a broker node's, `wipe = true`).
+    type Applied = bool;
 
     fn supported(backend: BackendKind, target: &FaultTarget) -> Result<(), &'static str> {
         server_supported(backend, target)
     }
 
-    async fn apply(cx: &Cx, f: &Fault, target: &FaultTarget) -> anyhow::Result<()> {
+    async fn apply(cx: &Cx, f: &Fault, target: &FaultTarget) -> anyhow::Result<bool> {
         if let Some(t) = server(target) {
-            let died = cx.backend.lock().await.kill(t).await?;
+            let mut backend = cx.backend.lock().await;
+            let died = backend.kill(t).await?;
+            if f.wipe && died.is_some() {
+                // Disk loss while it is down (issue 25): what its queues held there is gone.
+                let wiped = backend.wipe(t)?;
+                cx.evidence(died.map(|d| format!("{d}; {wiped}")));
+                cx.log.push(Event::BrokerDataLost { node: t.to_string(), queue_type: cx.queue_type.as_str().into() });
+                return Ok(true);
+            }
             cx.evidence(died);
-            return Ok(());
+            return Ok(false);
         }
         let FaultTarget::Replica(name) = target else { return Err(not_supported(f)) };
         let r = cx.replica(name);
@@ -49,12 +58,23 @@ impl Room for Kill {
         let status = r.lock().await.kill().await?;
         cx.evidence(pid.map(|p| format!("pid {p} died ({})", describe(status))));
         cx.log.push(Event::Crash { replica: name.clone(), consumer: consumes(service), how: describe(status) });
-        Ok(())
+        Ok(false)
     }
 
-    async fn heal(cx: &Cx, f: &Fault, target: &FaultTarget, (): ()) -> anyhow::Result<()> {
+    async fn heal(cx: &Cx, f: &Fault, target: &FaultTarget, wiped: bool) -> anyhow::Result<()> {
         if let Some(t) = server(target) {
-            cx.backend.lock().await.restart(t).await?;
+            let mut backend = cx.backend.lock().await;
+            if wiped {
+                backend.rejoin(t).await?;
+                drop(backend);
+                // The operator who replaced the node runs the deploy step again
+                // (docs/operations.md): queues whose only home was the lost node (classic)
+                // were forgotten with it, and a queue no node of the fleet declares (the
+                // audit queue without a security replica) exists again.
+                craig_fleet::node::declare_topology(&cx.amqp_url, true, cx.queue_type).await?;
+            } else {
+                backend.restart(t).await?;
+            }
             return Ok(());
         }
         let FaultTarget::Replica(name) = target else { return Err(not_supported(f)) };

@@ -121,6 +121,7 @@ impl Schedule {
                 toxi.clone(),
                 amqp_url.to_owned(),
                 (writes.0.clone(), writes.1),
+                s.settings.queue_type,
             )));
         }
         Self { faults, late_starts, watcher, restarts, at_start }
@@ -320,6 +321,8 @@ pub(super) struct Cx {
     replicas: Replicas,
     toxi: ToxiproxyClient,
     amqp_url: String,
+    /// The run's queue type (`[settings] queue_type`): what a wiped broker node held.
+    queue_type: craig_mq::topology::QueueType,
     /// Told once the fault is in force, where the workload waits for it (a queue limit at
     /// `after_ms = 0`).
     ready: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
@@ -424,6 +427,7 @@ async fn inject(
     toxi: ToxiproxyClient,
     amqp_url: String,
     (mut writes, total_writes): (watch::Receiver<u32>, u32),
+    queue_type: craig_mq::topology::QueueType,
 ) -> anyhow::Result<()> {
     match f.at {
         Trigger::AfterMs(ms) => tokio::time::sleep_until(log.started() + Duration::from_millis(ms)).await,
@@ -473,6 +477,7 @@ async fn inject(
         replicas,
         toxi,
         amqp_url,
+        queue_type,
         ready: std::sync::Mutex::new(ready),
     };
     match f.kind {

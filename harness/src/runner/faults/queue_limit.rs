@@ -95,7 +95,7 @@ impl HeadDropProbe {
             let conn = craig_mq::publisher::connect(amqp_url, 5, "chaos-head-drop-probe").await.map_err(|e| e.to_string())?;
             let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
             let q = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
-            let probe = crate::runner::tap::bind_on_dlx(&ch, "", q, &craig_mq::topology::dlq_routing_key(queue)).await?;
+            let probe = crate::runner::tap::bind_on_dlx(&ch, "", q, Default::default(), &craig_mq::topology::dlq_routing_key(queue)).await?;
             Ok(HeadDropProbe { conn, ch, probe, queue: queue.to_owned() })
         };
         tokio::time::timeout(Self::BOUND, set_up).await.map_err(|_| format!("no answer within {:?}", Self::BOUND))?
