@@ -140,7 +140,14 @@ pub enum Event {
     Fault { kind: String, target: String, phase: Phase },
     /// A broker node lost its data (a `kill` with `wipe`, issue 25): what its queues held
     /// there is gone unless replicated (`queue_type`: `classic` or `quorum`, the run's).
-    BrokerDataLost { node: String, queue_type: String },
+    /// `queues`: the queues only that node held, with the ready messages the broker counted
+    /// in each just before the kill (the most a loss there can explain).
+    BrokerDataLost {
+        node: String,
+        queue_type: String,
+        #[serde(default)]
+        queues: Vec<(String, u64)>,
+    },
     /// A replica process died (crash point, kill). `consumer` is true for consuming services.
     Crash { replica: String, consumer: bool, how: String },
     /// Periodic sample for the timeline.

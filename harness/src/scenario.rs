@@ -1162,6 +1162,9 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
             (FaultKind::Kill | FaultKind::Pause, FaultTarget::Link { .. }) => {
                 return Err(err(span, "kill and pause target a replica, the broker or the database, not a link".into()));
             }
+            (FaultKind::Partition, FaultTarget::Broker) if s.broker_nodes > 1 => {
+                return Err(err(span, "a partition of a broker cluster is not built yet (its links to node 1 only would be cut, and replicas move to the others)".into()));
+            }
             (FaultKind::Partition, FaultTarget::Broker | FaultTarget::Database) => {}
             (FaultKind::Partition, _) => {
                 return Err(err(span, "a partition cuts off \"broker\" or \"database\"".into()));

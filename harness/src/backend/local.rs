@@ -624,6 +624,34 @@ impl LocalBackend {
         self.wait_node_ready(node, port, Duration::from_secs(60)).await
     }
 
+    /// Every queue as broker node `ask` reports it (`rabbitmqctl list_queues`): its name,
+    /// type, a quorum queue's leader and members, its ready messages, and for a classic
+    /// queue whether `ask` is its home (`--local`: a classic queue homed elsewhere has no
+    /// known node here). Issue 25: what a node's loss takes with it, where leaders are.
+    pub async fn queue_placement(&self, ask: usize) -> Result<Vec<QueuePlacement>, BackendError> {
+        let json = |out: &str| -> Result<Vec<serde_json::Value>, BackendError> {
+            serde_json::from_str(out).map_err(|e| BackendError::failed("reading list_queues", format!("{e}: {out}")))
+        };
+        let rows = json(&self.rabbitmqctl_node(ask, &["list_queues", "--timeout", "10", "name", "type", "leader", "members", "messages", "--formatter", "json"]).await?)?;
+        let local = json(&self.rabbitmqctl_node(ask, &["list_queues", "--local", "--timeout", "10", "name", "--formatter", "json"]).await?)?;
+        let here = self.broker_node_names()[ask - 1].clone();
+        Ok(rows
+            .iter()
+            .map(|r| {
+                let s = |k: &str| r[k].as_str().unwrap_or_default().to_owned();
+                let members: Vec<String> = r["members"].as_array().map(|a| a.iter().filter_map(|m| m.as_str().map(str::to_owned)).collect()).unwrap_or_default();
+                let kind = s("type");
+                let name = s("name");
+                let nodes = if kind == "classic" {
+                    if local.iter().any(|l| l["name"].as_str() == Some(name.as_str())) { vec![here.clone()] } else { Vec::new() }
+                } else {
+                    members
+                };
+                QueuePlacement { name, kind, nodes, leader: s("leader"), messages: r["messages"].as_u64().unwrap_or(0) }
+            })
+            .collect())
+    }
+
     /// A wiped node (down, [`LocalBackend::wipe_broker_node`]) back in the cluster, as an
     /// operator replaces a node: a running node forgets it (`forget_cluster_node`, which
     /// also drops it from the quorum queues' members), it starts empty, and joins that node
@@ -640,13 +668,28 @@ impl LocalBackend {
             }
         }
         let (server, port) = self.broker_node_mut(node)?;
-        server.spawn()?;
-        self.wait_node_ready(node, port, Duration::from_secs(60)).await?;
-        let server = self.broker_node_ref(node)?;
-        for args in [&["stop_app"][..], &["reset"], &["join_cluster", &names[survivor - 1]], &["start_app"]] {
-            Self::rabbitmqctl_on(server, args).await.map_err(|e| BackendError::failed(format!("broker node {node} rejoining"), e))?;
+        // Empty, it must not serve the fleet's accounts on its own before it joins (a client
+        // would log in to a broker with no exchanges): no boot definitions this time.
+        if let Some(conf) = server.env.iter().find(|(k, _)| k == "RABBITMQ_CONFIG_FILE").map(|(_, v)| PathBuf::from(v)) {
+            let text = std::fs::read_to_string(&conf).unwrap_or_default();
+            let kept: String = text.lines().filter(|l| !l.starts_with("load_definitions")).map(|l| format!("{l}\n")).collect();
+            std::fs::write(&conf, kept).map_err(|e| BackendError::failed(format!("writing {}", conf.display()), e))?;
         }
-        self.wait_node_ready(node, port, Duration::from_secs(60)).await
+        server.spawn()?;
+        let joined = async {
+            self.wait_node_ready(node, port, Duration::from_secs(60)).await?;
+            let server = self.broker_node_ref(node)?;
+            for args in [&["stop_app"][..], &["reset"], &["join_cluster", &names[survivor - 1]], &["start_app"]] {
+                Self::rabbitmqctl_on(server, args).await.map_err(|e| BackendError::failed(format!("broker node {node} rejoining"), e))?;
+            }
+            self.wait_node_ready(node, port, Duration::from_secs(60)).await
+        }
+        .await;
+        if joined.is_err() {
+            // Never left serving on its own.
+            let _ = self.broker_node_mut(node)?.0.kill().await;
+        }
+        joined
     }
 
     /// Disk loss: remove broker node `node`'s data directory (its mnesia, message stores and
@@ -782,6 +825,19 @@ impl Drop for LocalBackend {
             let _ = std::fs::remove_dir_all(&self.root);
         }
     }
+}
+
+/// Where one queue's messages live (`LocalBackend::queue_placement`).
+#[derive(Debug, Clone)]
+pub struct QueuePlacement {
+    pub name: String,
+    /// `classic` or `quorum`.
+    pub kind: String,
+    /// The nodes holding its messages: a classic queue's one node, a quorum queue's members.
+    pub nodes: Vec<String>,
+    /// A quorum queue's leader (empty for classic).
+    pub leader: String,
+    pub messages: u64,
 }
 
 fn no_node(node: usize, nodes: usize) -> BackendError {
@@ -987,9 +1043,18 @@ fn rmq_server(root: &Path, index: usize, cookie: &str) -> Result<(Server, u16), 
         std::fs::create_dir_all(dir.join(sub)).map_err(|e| BackendError::failed("creating rabbitmq dirs", e))?;
     }
     let cookie_file = dir.join("home").join(".erlang.cookie");
-    std::fs::write(&cookie_file, cookie)
-        .and_then(|()| std::fs::set_permissions(&cookie_file, std::os::unix::fs::PermissionsExt::from_mode(0o400)))
-        .map_err(|e| BackendError::failed("writing the Erlang cookie", e))?;
+    {
+        use std::io::Write as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        // Created owner-read-only: never readable by others, not even for a moment.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o400)
+            .open(&cookie_file)
+            .and_then(|mut f| f.write_all(cookie.as_bytes()))
+            .map_err(|e| BackendError::failed("writing the Erlang cookie", e))?;
+    }
     let leases = vec![lease_port()?, lease_port()?];
     let (port, dist) = (leases[0].port(), leases[1].port());
     let conf = dir.join("rabbitmq.conf");

@@ -290,6 +290,15 @@ impl Backend {
         }
     }
 
+    /// On a broker cluster (the local backend's), every queue as node `ask` reports it and
+    /// the Erlang name of each node, node 1 first; None for a one-node broker.
+    pub async fn queue_placement(&self, ask: usize) -> Result<Option<(Vec<local::QueuePlacement>, Vec<String>)>, BackendError> {
+        match self {
+            Backend::Local(b) if b.broker_nodes() > 1 => Ok(Some((b.queue_placement(ask).await?, b.broker_node_names()))),
+            _ => Ok(None),
+        }
+    }
+
     /// A wiped broker node back in its cluster, as an operator replaces one: the survivors
     /// forget it, it starts empty and joins them.
     pub async fn rejoin(&mut self, target: Target) -> Result<(), BackendError> {

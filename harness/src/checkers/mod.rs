@@ -76,7 +76,9 @@ fn faults_on(windows: &[(String, u64, u64)], replica: &str, t: u64) -> Vec<Strin
         .iter()
         .filter(|(tag, from, to)| {
             let target = tag.split_once(' ').map(|(_, t)| t).unwrap_or("");
+            // `broker-N`: a node of a broker cluster every replica holds a link to.
             let mine = target == "broker"
+                || target.strip_prefix("broker-").is_some_and(|n| n.parse::<u8>().is_ok())
                 || target == "database"
                 || target == replica
                 || target.strip_prefix(replica).is_some_and(|rest| rest.starts_with("->"));

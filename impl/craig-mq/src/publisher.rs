@@ -167,6 +167,13 @@ pub async fn connect_within(amqp_url: &str, heartbeat_secs: u16, name: &str, wit
 /// Where the next [`connect_within`] of this process starts in its endpoint list.
 static NEXT_ENDPOINT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
+/// The endpoint the last connection went to took the login but failed the caller's set-up
+/// (a node that cannot serve yet: no exchanges, a queue it refuses): the next connect starts
+/// at the next endpoint, never sticking to it.
+pub fn skip_endpoint() {
+    NEXT_ENDPOINT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
 async fn connect_one(amqp_url: &str, heartbeat_secs: u16, name: &str, within: Duration) -> Result<Connection, lapin::Error> {
     let props = ConnectionProperties::default().with_connection_name(name.into());
     match tokio::time::timeout(within, Connection::connect(&with_heartbeat(amqp_url, heartbeat_secs), props)).await {
@@ -196,7 +203,7 @@ impl Publisher {
     /// ([`PublisherConfig::worst_case_publish`]).
     async fn connect_with(amqp_url: &str, cfg: PublisherConfig, confirms: bool) -> Result<Self, PublishError> {
         match tokio::time::timeout(cfg.connect_timeout, Self::set_up(amqp_url, cfg, confirms)).await {
-            Ok(res) => res,
+            Ok(res) => res.inspect_err(|_| skip_endpoint()),
             Err(_) => Err(PublishError::Connection(
                 lapin::ErrorKind::IOError(std::sync::Arc::new(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,

@@ -108,13 +108,19 @@ pub(crate) async fn bounded_set_up<T>(
     conn: &lapin::Connection,
     set_up: impl Future<Output = Result<T, lapin::Error>>,
 ) -> Result<T, SessionError> {
-    match tokio::time::timeout(SET_UP_TIMEOUT, set_up).await {
-        Ok(r) => Ok(r?),
+    let r = match tokio::time::timeout(SET_UP_TIMEOUT, set_up).await {
+        Ok(r) => r.map_err(SessionError::from),
         Err(_) => {
             let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "set-up timed out".into())).await;
             Err(SessionError::SetUpTimeout(SET_UP_TIMEOUT))
         }
+    };
+    if r.is_err() {
+        // A broker that took the login but cannot serve (a node with no exchanges yet):
+        // the next connect starts at the next endpoint (issue 25).
+        crate::publisher::skip_endpoint();
     }
+    r
 }
 
 /// The liveness tick's test: a consumer stream is expected to end when its connection

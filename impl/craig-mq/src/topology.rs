@@ -132,7 +132,7 @@ pub async fn declare_exchanges(ch: &Channel, queue_type: QueueType) -> Result<()
 }
 
 /// The operator's part of a deploy on `amqp_url` (its credential): connect,
-/// [`declare_exchanges`], close. Bounded: 10 s to connect, 10 s to declare.
+/// [`declare_exchanges`], close. Bounded: 10 s to connect to each endpoint, 10 s to declare.
 pub async fn deploy_operator_part(amqp_url: &str, queue_type: QueueType) -> Result<(), lapin::Error> {
     use std::time::Duration;
     let conn = crate::publisher::connect_within(amqp_url, 0, "craig-operator", Duration::from_secs(10)).await?;

@@ -40,15 +40,54 @@ impl Room for Kill {
     async fn apply(cx: &Cx, f: &Fault, target: &FaultTarget) -> anyhow::Result<bool> {
         if let Some(t) = server(target) {
             let mut backend = cx.backend.lock().await;
+            // A node of a broker cluster (issue 25): where the queues were before it died.
+            let node = t.broker_node().filter(|_| matches!(target, FaultTarget::BrokerNode(_)));
+            let before = match node {
+                Some(n) => backend.queue_placement(n).await?,
+                None => None,
+            };
             let died = backend.kill(t).await?;
-            if f.wipe && died.is_some() {
-                // Disk loss while it is down (issue 25): what its queues held there is gone.
+            let Some((before, names)) = before.filter(|_| died.is_some()) else {
+                cx.evidence(died);
+                return Ok(false);
+            };
+            let n = node.expect("a cluster node");
+            let name = &names[n - 1];
+            // The leaders it held must move to the survivors: the broker's own word that
+            // the fault reached the queues (without it the run is inconclusive).
+            let led: Vec<&str> = before.iter().filter(|q| &q.leader == name).map(|q| q.name.as_str()).collect();
+            let survivor = (1..=names.len()).find(|&k| k != n).expect("a cluster has another node");
+            let mut moved = String::new();
+            if !led.is_empty() {
+                let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+                loop {
+                    let now = backend.queue_placement(survivor).await.ok().flatten().map(|(q, _)| q).unwrap_or_default();
+                    let gone = led.iter().all(|l| now.iter().any(|q| &q.name == l && !q.leader.is_empty() && &q.leader != name));
+                    if gone {
+                        let to: Vec<String> = led.iter().filter_map(|l| now.iter().find(|q| &q.name == l).map(|q| format!("{l} → {}", q.leader))).collect();
+                        moved = format!("; leaders moved off it: {}", to.join(", "));
+                        break;
+                    }
+                    if tokio::time::Instant::now() > deadline {
+                        cx.evidence(None);
+                        anyhow::bail!("{t} was killed but the quorum queues it led ({}) elected no other leader within 20 s", led.join(", "));
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+                }
+            }
+            if f.wipe {
+                // Disk loss while it is down: what only it held is gone — classic queues
+                // homed there, quorum queues with no other member — with their ready
+                // messages as the broker counted them before the kill.
+                let only_there: Vec<(String, u64)> =
+                    before.iter().filter(|q| q.nodes.len() == 1 && &q.nodes[0] == name).map(|q| (q.name.clone(), q.messages)).collect();
                 let wiped = backend.wipe(t)?;
-                cx.evidence(died.map(|d| format!("{d}; {wiped}")));
-                cx.log.push(Event::BrokerDataLost { node: t.to_string(), queue_type: cx.queue_type.as_str().into() });
+                let held: Vec<String> = only_there.iter().map(|(q, m)| format!("{q} ({m} ready)")).collect();
+                cx.evidence(died.map(|d| format!("{d}{moved}; {wiped}; held only there: {}", if held.is_empty() { "no queue".into() } else { held.join(", ") })));
+                cx.log.push(Event::BrokerDataLost { node: t.to_string(), queue_type: cx.queue_type.as_str().into(), queues: only_there });
                 return Ok(true);
             }
-            cx.evidence(died);
+            cx.evidence(died.map(|d| format!("{d}{moved}")));
             return Ok(false);
         }
         let FaultTarget::Replica(name) = target else { return Err(not_supported(f)) };
@@ -67,11 +106,13 @@ impl Room for Kill {
             if wiped {
                 backend.rejoin(t).await?;
                 drop(backend);
-                // The operator who replaced the node runs the deploy step again
-                // (docs/operations.md): queues whose only home was the lost node (classic)
-                // were forgotten with it, and a queue no node of the fleet declares (the
-                // audit queue without a security replica) exists again.
-                craig_fleet::node::declare_topology(&cx.amqp_url, true, cx.queue_type).await?;
+                // The operator who replaced the node runs the deploy step again, where the
+                // scenario has one (docs/operations.md): queues whose only home was the lost
+                // node (classic) were forgotten with it, and a queue no node of the fleet
+                // declares (the audit queue without a security replica) exists again.
+                if cx.redeploy {
+                    craig_fleet::node::declare_topology(&cx.amqp_url, true, cx.queue_type).await?;
+                }
             } else {
                 backend.restart(t).await?;
             }

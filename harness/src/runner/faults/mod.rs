@@ -121,7 +121,7 @@ impl Schedule {
                 toxi.clone(),
                 amqp_url.to_owned(),
                 (writes.0.clone(), writes.1),
-                s.settings.queue_type,
+                (s.settings.queue_type, s.deploy.topology),
             )));
         }
         Self { faults, late_starts, watcher, restarts, at_start }
@@ -323,6 +323,9 @@ pub(super) struct Cx {
     amqp_url: String,
     /// The run's queue type (`[settings] queue_type`): what a wiped broker node held.
     queue_type: craig_mq::topology::QueueType,
+    /// Whether the scenario runs the deploy step (`[deploy] topology`): an operator who
+    /// replaced a wiped broker node runs it again.
+    redeploy: bool,
     /// Told once the fault is in force, where the workload waits for it (a queue limit at
     /// `after_ms = 0`).
     ready: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
@@ -427,7 +430,7 @@ async fn inject(
     toxi: ToxiproxyClient,
     amqp_url: String,
     (mut writes, total_writes): (watch::Receiver<u32>, u32),
-    queue_type: craig_mq::topology::QueueType,
+    (queue_type, redeploy): (craig_mq::topology::QueueType, bool),
 ) -> anyhow::Result<()> {
     match f.at {
         Trigger::AfterMs(ms) => tokio::time::sleep_until(log.started() + Duration::from_millis(ms)).await,
@@ -478,6 +481,7 @@ async fn inject(
         toxi,
         amqp_url,
         queue_type,
+        redeploy,
         ready: std::sync::Mutex::new(ready),
     };
     match f.kind {

@@ -598,7 +598,7 @@ async fn capture_channel(fleet: &Fleet) -> (lapin::Connection, lapin::Channel) {
     let (conn, ch) = fleet.channel().await;
     craig_mq::topology::declare_exchanges(&ch, fleet.sandbox.queue_type()).await.unwrap();
     let durable = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
-    ch.queue_declare(craig_mq::dlq::CAPTURE_QUEUE.into(), durable, FieldTable::default()).await.unwrap();
+    ch.queue_declare(craig_mq::dlq::CAPTURE_QUEUE.into(), durable, fleet.sandbox.queue_type().plain_args()).await.unwrap();
     ch.confirm_select(Default::default()).await.unwrap();
     (conn, ch)
 }

@@ -23,9 +23,12 @@ async fn a_node_moves_past_a_refusing_and_a_hung_endpoint_to_the_broker() {
     let refused = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let hung = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let hung_port = hung.local_addr().unwrap().port();
+    let tries = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = tries.clone();
     let accepted = tokio::spawn(async move {
         let mut held = Vec::new();
         while let Ok((s, _)) = hung.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             held.push(s);
         }
     });
@@ -36,10 +39,12 @@ async fn a_node_moves_past_a_refusing_and_a_hung_endpoint_to_the_broker() {
         .expect("the third endpoint answers");
     assert!(conn.status().connected());
     let _ = conn.close(200, "bye".into()).await;
+    assert_eq!(tries.load(std::sync::atomic::Ordering::SeqCst), 1, "the hung endpoint was tried once");
     // The process remembers the endpoint that answered: the next connect goes straight
-    // there, so a bound shorter than one dead endpoint's is enough now.
+    // there, never to the hung endpoint again.
     let conn = craig_mq::publisher::connect_within(&list, 2, "endpoints-test", Duration::from_millis(700)).await.expect("straight to the broker");
     let _ = conn.close(200, "bye".into()).await;
+    assert_eq!(tries.load(std::sync::atomic::Ordering::SeqCst), 1, "the second connect went straight to the broker");
     let publisher = craig_mq::Publisher::connect(&list, fast_publisher()).await.expect("publisher on the list");
     let sent = envelope();
     publisher.publish(&sent).await.expect("confirmed");
