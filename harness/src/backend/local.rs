@@ -274,6 +274,11 @@ struct Server {
 }
 
 impl Server {
+    /// One of its environment variables (a broker node's name, HOME, data directory).
+    fn var(&self, key: &str) -> Option<String> {
+        self.env.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+    }
+
     fn spawn(&mut self) -> Result<(), BackendError> {
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -506,11 +511,10 @@ impl LocalBackend {
 
     async fn rabbitmqctl_on(server: &Server, args: &[&str]) -> Result<String, BackendError> {
         let ctl = rabbitmq_script()?.with_file_name("rabbitmqctl");
-        let env = |k: &str| server.env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default();
         let run = tokio::process::Command::new(&ctl)
-            .args(["-n", &env("RABBITMQ_NODENAME")])
+            .args(["-n", &server.var("RABBITMQ_NODENAME").unwrap_or_default()])
             .args(args)
-            .env("HOME", env("HOME"))
+            .env("HOME", server.var("HOME").unwrap_or_default())
             .stdin(Stdio::null())
             .kill_on_drop(true)
             .output();
@@ -541,7 +545,7 @@ impl LocalBackend {
 
     /// Erlang node names, node 1 first (`rabbitmqctl cluster_status` names them so).
     pub fn broker_node_names(&self) -> Vec<String> {
-        let name = |s: &Server| s.env.iter().find(|(k, _)| k == "RABBITMQ_NODENAME").map(|(_, v)| v.clone()).unwrap_or_default();
+        let name = |s: &Server| s.var("RABBITMQ_NODENAME").unwrap_or_default();
         std::iter::once(name(&self.rmq)).chain(self.peers.iter().map(|(s, _)| name(s))).collect()
     }
 
@@ -552,12 +556,11 @@ impl LocalBackend {
         }
     }
 
-    fn broker_node_mut(&mut self, node: usize) -> Result<(&mut Server, u16), BackendError> {
-        let nodes = self.broker_nodes();
-        match node {
-            1 => Ok((&mut self.rmq, self.rmq_port)),
-            n => self.peers.get_mut(n.wrapping_sub(2)).map(|(s, p)| (s, *p)).ok_or_else(|| no_node(n, nodes)),
-        }
+    /// Broker node `node` (1-based) as a server target, or the error naming the nodes
+    /// there are.
+    fn node_target(&self, node: usize) -> Result<Target, BackendError> {
+        self.broker_node_ref(node)?;
+        u8::try_from(node).map(Target::BrokerNode).map_err(|_| no_node(node, self.broker_nodes()))
     }
 
     /// Each peer joins node 1's cluster, one at a time; then every node reports the others
@@ -568,13 +571,8 @@ impl LocalBackend {
         }
         let first = self.broker_node_names()[0].clone();
         for node in 2..=self.broker_nodes() {
-            let port = self.broker_node_mut(node)?.1;
-            self.wait_node_ready(node, port, Duration::from_secs(60)).await?;
-            let server = self.broker_node_ref(node)?;
-            for args in [&["stop_app"][..], &["reset"], &["join_cluster", &first], &["start_app"]] {
-                Self::rabbitmqctl_on(server, args).await.map_err(|e| BackendError::failed(format!("broker node {node} joining {first}"), e))?;
-            }
-            self.wait_node_ready(node, port, Duration::from_secs(60)).await?;
+            self.wait_ready(self.node_target(node)?, Duration::from_secs(60)).await?;
+            self.join(node, &first).await?;
         }
         let status = self.rabbitmqctl(&["cluster_status", "--formatter", "json"]).await?;
         let running: Vec<String> = serde_json::from_str::<serde_json::Value>(&status)
@@ -588,52 +586,32 @@ impl LocalBackend {
         Ok(())
     }
 
-    /// Node `node` takes the admin's AMQP login on `port`.
-    async fn wait_node_ready(&mut self, node: usize, port: u16, limit: Duration) -> Result<(), BackendError> {
-        let url = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Ok(Ok(c)) = tokio::time::timeout(Self::PROBE_BOUND, craig_mq::publisher::connect(&url, 0, "chaos-probe")).await {
-                let _ = tokio::time::timeout(Self::PROBE_BOUND, c.close(200, "probe".into())).await;
-                return Ok(());
-            }
-            let (server, _) = self.broker_node_mut(node)?;
-            if let Some(status) = server.exited() {
-                return Err(BackendError::failed(format!("broker node {node}"), format!("it exited with {status}; last log lines:\n{}", log_tail(&server.log))));
-            }
-            if Instant::now() > deadline {
-                return Err(BackendError::failed(format!("broker node {node}"), format!("not ready after {limit:?}; last log lines:\n{}", log_tail(&server.log))));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+    /// Running node `node` joins the cluster of node `to` (`stop_app`, `reset`,
+    /// `join_cluster`, `start_app`) and takes a login again.
+    async fn join(&mut self, node: usize, to: &str) -> Result<(), BackendError> {
+        let server = self.broker_node_ref(node)?;
+        for args in [&["stop_app"][..], &["reset"], &["join_cluster", to], &["start_app"]] {
+            Self::rabbitmqctl_on(server, args).await.map_err(|e| BackendError::failed(format!("broker node {node} joining {to}"), e))?;
         }
-    }
-
-    /// SIGKILL broker node `node`'s process group; the pid that died.
-    pub async fn kill_broker_node(&mut self, node: usize) -> Result<Option<i32>, BackendError> {
-        self.broker_node_mut(node)?.0.kill().await
-    }
-
-    /// Start broker node `node` again on its data (killed first if running), and wait until
-    /// it takes a login.
-    pub async fn restart_broker_node(&mut self, node: usize) -> Result<(), BackendError> {
-        let (server, port) = self.broker_node_mut(node)?;
-        if server.child.is_some() {
-            server.kill().await?;
-        }
-        server.spawn()?;
-        self.wait_node_ready(node, port, Duration::from_secs(60)).await
+        self.wait_ready(self.node_target(node)?, Duration::from_secs(60)).await
     }
 
     /// Every queue as broker node `ask` reports it (`rabbitmqctl list_queues`): its name,
     /// type, a quorum queue's leader and members, its ready messages, and for a classic
-    /// queue whether `ask` is its home (`--local`: a classic queue homed elsewhere has no
-    /// known node here). Issue 25: what a node's loss takes with it, where leaders are.
-    pub async fn queue_placement(&self, ask: usize) -> Result<Vec<QueuePlacement>, BackendError> {
+    /// queue, with `homes`, whether `ask` is its home (`--local`: a classic queue homed
+    /// elsewhere has no known node here; without `homes`, one CLI call fewer and no
+    /// classic queue has a node). Issue 25: what a node's loss takes with it, where
+    /// leaders are.
+    pub async fn queue_placement(&self, ask: usize, homes: bool) -> Result<Vec<QueuePlacement>, BackendError> {
         let json = |out: &str| -> Result<Vec<serde_json::Value>, BackendError> {
             serde_json::from_str(out).map_err(|e| BackendError::failed("reading list_queues", format!("{e}: {out}")))
         };
         let rows = json(&self.rabbitmqctl_node(ask, &["list_queues", "--timeout", "10", "name", "type", "leader", "members", "messages", "--formatter", "json"]).await?)?;
-        let local = json(&self.rabbitmqctl_node(ask, &["list_queues", "--local", "--timeout", "10", "name", "--formatter", "json"]).await?)?;
+        let local = if homes {
+            json(&self.rabbitmqctl_node(ask, &["list_queues", "--local", "--timeout", "10", "name", "--formatter", "json"]).await?)?
+        } else {
+            Vec::new()
+        };
         let here = self.broker_node_names()[ask - 1].clone();
         Ok(rows
             .iter()
@@ -657,6 +635,7 @@ impl LocalBackend {
     /// also drops it from the quorum queues' members), it starts empty, and joins that node
     /// (`stop_app`, `reset`, `join_cluster`, `start_app`).
     pub async fn rejoin_broker_node(&mut self, node: usize) -> Result<(), BackendError> {
+        let target = self.node_target(node)?;
         let names = self.broker_node_names();
         let survivor = (1..=self.broker_nodes()).find(|&k| k != node && self.broker_node_ref(k).is_ok_and(|s| s.child.is_some()));
         let Some(survivor) = survivor else { return Err(BackendError::failed(format!("rejoining broker node {node}"), "no other node runs")) };
@@ -667,27 +646,23 @@ impl LocalBackend {
                 return Err(BackendError::failed(format!("node {survivor} forgetting node {node}"), e));
             }
         }
-        let (server, port) = self.broker_node_mut(node)?;
+        let server = self.server(target);
         // Empty, it must not serve the fleet's accounts on its own before it joins (a client
         // would log in to a broker with no exchanges): no boot definitions this time.
-        if let Some(conf) = server.env.iter().find(|(k, _)| k == "RABBITMQ_CONFIG_FILE").map(|(_, v)| PathBuf::from(v)) {
+        if let Some(conf) = server.var("RABBITMQ_CONFIG_FILE").map(PathBuf::from) {
             let text = std::fs::read_to_string(&conf).unwrap_or_default();
             let kept: String = text.lines().filter(|l| !l.starts_with("load_definitions")).map(|l| format!("{l}\n")).collect();
             std::fs::write(&conf, kept).map_err(|e| BackendError::failed(format!("writing {}", conf.display()), e))?;
         }
         server.spawn()?;
         let joined = async {
-            self.wait_node_ready(node, port, Duration::from_secs(60)).await?;
-            let server = self.broker_node_ref(node)?;
-            for args in [&["stop_app"][..], &["reset"], &["join_cluster", &names[survivor - 1]], &["start_app"]] {
-                Self::rabbitmqctl_on(server, args).await.map_err(|e| BackendError::failed(format!("broker node {node} rejoining"), e))?;
-            }
-            self.wait_node_ready(node, port, Duration::from_secs(60)).await
+            self.wait_ready(target, Duration::from_secs(60)).await?;
+            self.join(node, &names[survivor - 1]).await
         }
         .await;
         if joined.is_err() {
             // Never left serving on its own.
-            let _ = self.broker_node_mut(node)?.0.kill().await;
+            let _ = self.kill(target).await;
         }
         joined
     }
@@ -695,11 +670,11 @@ impl LocalBackend {
     /// Disk loss: remove broker node `node`'s data directory (its mnesia, message stores and
     /// quorum logs) while it is down. Refused while it runs.
     pub fn wipe_broker_node(&mut self, node: usize) -> Result<(), BackendError> {
-        let (server, _) = self.broker_node_mut(node)?;
+        let server = self.server(self.node_target(node)?);
         if server.child.is_some() {
             return Err(BackendError::failed(format!("wiping broker node {node}"), "it is running; kill it first"));
         }
-        let mnesia = server.env.iter().find(|(k, _)| k == "RABBITMQ_MNESIA_BASE").map(|(_, v)| PathBuf::from(v));
+        let mnesia = server.var("RABBITMQ_MNESIA_BASE").map(PathBuf::from);
         let Some(mnesia) = mnesia else { return Err(BackendError::failed(format!("wiping broker node {node}"), "no data directory")) };
         std::fs::remove_dir_all(&mnesia)
             .and_then(|()| std::fs::create_dir_all(&mnesia))

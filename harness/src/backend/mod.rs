@@ -291,10 +291,11 @@ impl Backend {
     }
 
     /// On a broker cluster (the local backend's), every queue as node `ask` reports it and
-    /// the Erlang name of each node, node 1 first; None for a one-node broker.
-    pub async fn queue_placement(&self, ask: usize) -> Result<Option<(Vec<local::QueuePlacement>, Vec<String>)>, BackendError> {
+    /// the Erlang name of each node, node 1 first; None for a one-node broker. With `homes`,
+    /// a classic queue's node is known where `ask` is its home.
+    pub async fn queue_placement(&self, ask: usize, homes: bool) -> Result<Option<(Vec<local::QueuePlacement>, Vec<String>)>, BackendError> {
         match self {
-            Backend::Local(b) if b.broker_nodes() > 1 => Ok(Some((b.queue_placement(ask).await?, b.broker_node_names()))),
+            Backend::Local(b) if b.broker_nodes() > 1 => Ok(Some((b.queue_placement(ask, homes).await?, b.broker_node_names()))),
             _ => Ok(None),
         }
     }

@@ -4,19 +4,13 @@
 use std::time::{Duration, Instant};
 
 use craig_chaos::backend::local::LocalBackend;
+use craig_chaos::backend::Target;
 use craig_mq::topology::{self, QueueSpec, QueueType};
 use lapin::options::BasicGetOptions;
 
-/// `rabbitmqctl list_queues name type leader` on `node`: (name, type, leader) rows.
+/// Every queue as `node` reports it (the backend's `queue_placement`): (name, type, leader).
 async fn queues(b: &LocalBackend, node: usize) -> Vec<(String, String, String)> {
-    let out = b.rabbitmqctl_node(node, &["list_queues", "--timeout", "10", "name", "type", "leader", "--formatter", "json"]).await.unwrap();
-    let rows: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
-    rows.iter()
-        .map(|r| {
-            let s = |k: &str| r[k].as_str().unwrap_or_default().to_owned();
-            (s("name"), s("type"), s("leader"))
-        })
-        .collect()
+    b.queue_placement(node, false).await.unwrap().into_iter().map(|q| (q.name, q.kind, q.leader)).collect()
 }
 
 /// Messages `queue` holds, taken through `url` (basic.get with acks; `None`: the queue
@@ -76,7 +70,7 @@ async fn a_quorum_queue_keeps_what_it_confirmed_through_the_loss_of_a_node_and_i
     publisher.close().await;
 
     // Node 1 dies with its disk.
-    assert!(b.kill_broker_node(1).await.unwrap().is_some());
+    assert!(b.kill(Target::BrokerNode(1)).await.unwrap().is_some());
     b.wipe_broker_node(1).unwrap();
     // The survivors elect a new leader for the quorum queue (the evidence a fault records).
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -43,7 +43,7 @@ impl Room for Kill {
             // A node of a broker cluster (issue 25): where the queues were before it died.
             let node = t.broker_node().filter(|_| matches!(target, FaultTarget::BrokerNode(_)));
             let before = match node {
-                Some(n) => backend.queue_placement(n).await?,
+                Some(n) => backend.queue_placement(n, f.wipe).await?,
                 None => None,
             };
             let died = backend.kill(t).await?;
@@ -61,7 +61,7 @@ impl Room for Kill {
             if !led.is_empty() {
                 let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
                 loop {
-                    let now = backend.queue_placement(survivor).await.ok().flatten().map(|(q, _)| q).unwrap_or_default();
+                    let now = backend.queue_placement(survivor, false).await.ok().flatten().map(|(q, _)| q).unwrap_or_default();
                     let gone = led.iter().all(|l| now.iter().any(|q| &q.name == l && !q.leader.is_empty() && &q.leader != name));
                     if gone {
                         let to: Vec<String> = led.iter().filter_map(|l| now.iter().find(|q| &q.name == l).map(|q| format!("{l} → {}", q.leader))).collect();
