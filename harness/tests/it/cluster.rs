@@ -34,7 +34,10 @@ async fn drain(url: &str, queue: &str) -> Option<usize> {
 /// classic queue, both declared on node 1 (the classic queue's home, the quorum queue's
 /// first leader). Node 1 is killed and its data directory wiped (disk loss). The quorum
 /// queue elects a leader on another node and serves all 100 from the survivors; the
-/// classic queue's messages were on node 1 only, and none can be had.
+/// classic queue's messages were on node 1 only, and none can be had. While its home is
+/// down, and after the cluster forgets that node, a publish that also routes to the live
+/// quorum queue is confirmed and the classic queue never holds it (`mandatory` returns only
+/// a message that reached no queue): a confirm is not a delivery to every bound queue.
 #[tokio::test]
 async fn a_quorum_queue_keeps_what_it_confirmed_through_the_loss_of_a_node_and_its_disk() {
     if let Err(why) = craig_chaos::backend::local::probe() {
@@ -49,7 +52,12 @@ async fn a_quorum_queue_keeps_what_it_confirmed_through_the_loss_of_a_node_and_i
     let ch = conn.create_channel().await.unwrap();
     topology::declare_exchanges(&ch, QueueType::Quorum).await.unwrap();
     for (queue, queue_type) in [("craig-rules.events", QueueType::Quorum), ("craig-classic.events", QueueType::Classic)] {
-        let spec = QueueSpec { queue: queue.into(), bindings: vec!["case.referral_created".into()], with_dlx: true, queue_type };
+        // `case.closed` routes to the classic queue alone.
+        let mut bindings = vec!["case.referral_created".to_owned()];
+        if queue_type == QueueType::Classic {
+            bindings.push("case.closed".into());
+        }
+        let spec = QueueSpec { queue: queue.into(), bindings, with_dlx: true, queue_type };
         topology::declare_consumer_queue(&ch, &spec).await.unwrap();
     }
     let _ = conn.close(200, "bye".into()).await;
@@ -87,5 +95,35 @@ async fn a_quorum_queue_keeps_what_it_confirmed_through_the_loss_of_a_node_and_i
     assert_eq!(drain(&urls[1], "craig-rules.events").await, Some(100), "the quorum queue kept every confirmed message");
     let classic = drain(&urls[1], "craig-classic.events").await;
     assert!(matches!(classic, None | Some(0)), "the classic queue's messages were on the lost node only: {classic:?}");
+
+    // What a publisher hears while the classic queue's home is down and after the cluster
+    // forgets that node (pinned: the ADR's at-least-once chain rests on it).
+    let publish = |key: &'static str| {
+        let url = urls[1].clone();
+        async move {
+            let p = craig_mq::Publisher::connect(&url, craig_mq::PublisherConfig::default()).await.unwrap();
+            let id = uuid::Uuid::now_v7();
+            let e = craig_mq::EventEnvelope::new(key, "cases", Some(id), serde_json::json!({ "referral_id": id })).unwrap();
+            let r = p.publish(&e).await;
+            p.close().await;
+            r
+        }
+    };
+    let both_down = publish("case.referral_created").await;
+    let alone_down = publish("case.closed").await;
+    eprintln!("home down: to both queues {both_down:?}; to the classic queue alone {alone_down:?}");
+    b.rejoin_broker_node(1).await.unwrap();
+    let both_gone = publish("case.referral_created").await;
+    let alone_gone = publish("case.closed").await;
+    eprintln!("home forgotten: to both queues {both_gone:?}; to the classic queue alone {alone_gone:?}");
+    // `mandatory` returns a message only when it reaches no queue at all: routed also to
+    // the live quorum queue, it is confirmed and the classic queue never has it; routed to
+    // the classic queue alone, it comes back unroutable (the outbox keeps the row).
+    assert!(both_down.is_ok() && both_gone.is_ok(), "confirmed for the live queue: {both_down:?}, {both_gone:?}");
+    for r in [&alone_down, &alone_gone] {
+        assert!(matches!(r, Err(craig_mq::PublishError::Unroutable { .. })), "returned, so never confirmed: {r:?}");
+    }
+    assert_eq!(drain(&urls[1], "craig-rules.events").await, Some(2), "the quorum queue has both");
+    assert_eq!(drain(&urls[1], "craig-classic.events").await, None, "forgetting its home deleted the classic queue");
     b.stop().await.unwrap();
 }
