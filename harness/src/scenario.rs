@@ -1163,11 +1163,11 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
                 return Err(err(span, "kill and pause target a replica, the broker or the database, not a link".into()));
             }
             (FaultKind::Partition, FaultTarget::Broker) if s.broker_nodes > 1 => {
-                return Err(err(span, "a partition of a broker cluster is not built yet (its links to node 1 only would be cut, and replicas move to the others)".into()));
+                return Err(err(span, "on a broker cluster a partition cuts one node off from its peers: target = \"broker-N\" (\"broker\" would cut node 1's links only, and replicas move to the others)".into()));
             }
-            (FaultKind::Partition, FaultTarget::Broker | FaultTarget::Database) => {}
+            (FaultKind::Partition, FaultTarget::Broker | FaultTarget::Database | FaultTarget::BrokerNode(_)) => {}
             (FaultKind::Partition, _) => {
-                return Err(err(span, "a partition cuts off \"broker\" or \"database\"".into()));
+                return Err(err(span, "a partition cuts off \"broker\", \"database\" or a node of a broker cluster (\"broker-N\")".into()));
             }
             (FaultKind::Toxic | FaultKind::Down, FaultTarget::Link { .. }) => {}
             (FaultKind::Toxic | FaultKind::Down, _) => {
@@ -1527,7 +1527,7 @@ effect_once = { violate = "compat:pre-d2" }
         for target in ["cases-1", "rules-1->broker"] {
             let e = rejected(&partition(target, "duration_ms = 500\n"));
             assert_eq!(e.line, 25, "{e}: the fault's own line");
-            assert!(e.reason.contains("a partition cuts off \"broker\" or \"database\""), "{e}");
+            assert!(e.reason.contains("a partition cuts off \"broker\", \"database\" or a node of a broker cluster"), "{e}");
         }
         let e = rejected(&partition("broker", ""));
         assert!(e.reason.contains("needs duration_ms"), "{e}");
@@ -1648,6 +1648,23 @@ effect_once = { violate = "compat:pre-d2" }
         }
         let e = rejected(&GOOD.replace("cases = { replicas = 2 }", "cases = { replicas = 2, nodes = 3 }"));
         assert!(e.reason.contains("cases: nodes is the broker's"), "{e}");
+    }
+
+    /// Issue 25: on a cluster a partition cuts one node off from its peers (`broker-N`); a
+    /// partition of `broker` is refused there with what to write instead.
+    #[test]
+    fn a_partition_on_a_broker_cluster_names_a_node() {
+        let with = |target: &str| {
+            GOOD.replace("[fleet]\n", "[fleet]\nbroker = { nodes = 3 }\n")
+                .replace("[expect]", &format!("[[faults]]\nkind = \"partition\"\ntarget = \"{target}\"\nat = {{ after_ms = 100 }}\nduration_ms = 500\n\n[expect]"))
+        };
+        let s = parse_str(&with("broker-1")).unwrap();
+        assert_eq!(s.faults.last().map(|f| f.get_ref().kind.name()), Some("partition"));
+        assert_eq!(s.parse_target("broker-1"), Some(FaultTarget::BrokerNode(1)));
+        let e = rejected(&with("broker"));
+        assert!(e.reason.contains("on a broker cluster a partition cuts one node off from its peers: target = \"broker-N\""), "{e}");
+        let kind_line = with("broker").lines().position(|l| l == "kind = \"partition\"").unwrap() + 1;
+        assert!((kind_line - 1..=kind_line + 3).contains(&e.line), "the partition's own lines: {e}");
     }
 
     #[test]

@@ -369,6 +369,9 @@ pub struct LocalBackend {
     rmq_port: u16,
     /// A cluster's nodes 2..=N (issue 25), each with its AMQP port; empty for one node.
     peers: Vec<(Server, u16)>,
+    /// Packet-filter rules in force (`iptables` arguments after the chain), each a node's
+    /// cut from the others ([`LocalBackend::cut_node`]); removed at the heal, stop or drop.
+    cuts: Vec<(usize, Vec<String>)>,
     services: Vec<String>,
     stopped: bool,
 }
@@ -412,11 +415,12 @@ impl LocalBackend {
             // first, with the run's accounts in its boot definitions, and PostgreSQL's
             // initdb (about a second) runs while it boots.
             let cookie = format!("CRAIGCHAOS{}", uuid::Uuid::now_v7().simple()).to_uppercase();
-            let (mut rmq, rmq_port) = rmq_server(&root, 1, &cookie)?;
+            let cluster = broker_nodes > 1;
+            let (mut rmq, rmq_port) = rmq_server(&root, 1, &cookie, cluster)?;
             rmq.spawn()?;
             let mut peers = Vec::new();
             for node in 2..=broker_nodes {
-                let (mut peer, port) = rmq_server(&root, node, &cookie)?;
+                let (mut peer, port) = rmq_server(&root, node, &cookie, cluster)?;
                 peer.spawn()?;
                 peers.push((peer, port));
             }
@@ -436,6 +440,7 @@ impl LocalBackend {
                 rmq_port,
                 rmq,
                 peers,
+                cuts: Vec::new(),
                 root: root.clone(),
                 services: services.iter().map(|s| s.to_string()).collect(),
                 stopped: false,
@@ -646,7 +651,7 @@ impl LocalBackend {
                 return Err(BackendError::failed(format!("node {survivor} forgetting node {node}"), e));
             }
         }
-        let server = self.server(target);
+        let server = self.server(target)?;
         // Empty, it must not serve the fleet's accounts on its own before it joins (a client
         // would log in to a broker with no exchanges): no boot definitions this time.
         if let Some(conf) = server.var("RABBITMQ_CONFIG_FILE").map(PathBuf::from) {
@@ -667,10 +672,82 @@ impl LocalBackend {
         joined
     }
 
+    /// Cut broker node `node` off from the other nodes at the distribution layer (issue 25),
+    /// or heal that cut. Every node of a cluster connects to its peers from its own
+    /// loopback address ([`dist_source`]) and listens on its own distribution port, so
+    /// packet-filter rules (`iptables`, OUTPUT chain, where loopback traffic passes) drop
+    /// both directions of every connection between `node` and each other node, the ones
+    /// it opened and the ones it accepted, and nothing else: clients still reach every
+    /// node, and `rabbitmqctl` (from 127.0.0.1) still reaches them all. On the cut, the
+    /// rules; on the heal, the packets they dropped (the evidence that the cut met real
+    /// traffic), read before they are removed.
+    pub async fn cut_node(&mut self, node: usize, cut: bool) -> Result<String, BackendError> {
+        self.node_target(node)?;
+        if self.peers.is_empty() {
+            return Err(BackendError::failed(format!("cutting broker node {node} off"), "one node has no peers to be cut off from"));
+        }
+        if !cut {
+            let dropped = self.dropped(node).await;
+            let mine: Vec<Vec<String>> = self.cuts.iter().filter(|(n, _)| *n == node).map(|(_, r)| r.clone()).collect();
+            self.cuts.retain(|(n, _)| *n != node);
+            let mut first = None;
+            for rule in &mine {
+                if let Err(e) = iptables("-D", rule).await {
+                    first.get_or_insert(e);
+                }
+            }
+            return match (first, dropped) {
+                (Some(e), _) => Err(e),
+                (None, Ok(p)) => Ok(format!("{p} packets between node {node} and its peers dropped")),
+                (None, Err(e)) => Err(e),
+            };
+        }
+        let dist = |k: usize| self.broker_node_ref(k).ok().and_then(|s| s.var("RABBITMQ_DIST_PORT")).unwrap_or_default();
+        let tag = format!("craig-chaos-{}-node-{node}", std::process::id());
+        let (me, my_port) = (dist_source(node), dist(node));
+        let mut rules = Vec::new();
+        for other in (1..=self.broker_nodes()).filter(|&k| k != node) {
+            let (them, their_port) = (dist_source(other), dist(other));
+            // The connection `node` opened to `other`, both ways; the one `other` opened to it.
+            for (addr_flag, addr, port_flag, port) in [
+                ("-s", me.as_str(), "--dport", their_port.as_str()),
+                ("-d", me.as_str(), "--sport", their_port.as_str()),
+                ("-s", them.as_str(), "--dport", my_port.as_str()),
+                ("-d", them.as_str(), "--sport", my_port.as_str()),
+            ] {
+                rules.push(
+                    [addr_flag, addr, "-p", "tcp", "-m", "tcp", port_flag, port, "-m", "comment", "--comment", tag.as_str(), "-j", "DROP"]
+                        .map(str::to_owned)
+                        .to_vec(),
+                );
+            }
+        }
+        for rule in rules {
+            if let Err(e) = iptables("-I", &rule).await {
+                // Nothing half cut: the rules already in are taken out again.
+                let _ = Box::pin(self.cut_node(node, false)).await;
+                return Err(e);
+            }
+            self.cuts.push((node, rule));
+        }
+        Ok(format!("node {node} cut off from its peers: its distribution port {my_port} and connections from {me} dropped both ways (iptables)"))
+    }
+
+    /// Packets dropped so far by `node`'s cut rules (`iptables -L -v -x`, by their comment).
+    async fn dropped(&self, node: usize) -> Result<u64, BackendError> {
+        let tag = format!("craig-chaos-{}-node-{node} ", std::process::id());
+        let out = iptables_output(&["-w", "-L", "OUTPUT", "-v", "-x", "-n"]).await?;
+        Ok(out
+            .lines()
+            .filter(|l| format!("{l} ").contains(&format!("/* {}*/", tag)))
+            .filter_map(|l| l.split_whitespace().next()?.parse::<u64>().ok())
+            .sum())
+    }
+
     /// Disk loss: remove broker node `node`'s data directory (its mnesia, message stores and
     /// quorum logs) while it is down. Refused while it runs.
     pub fn wipe_broker_node(&mut self, node: usize) -> Result<(), BackendError> {
-        let server = self.server(self.node_target(node)?);
+        let server = self.server(self.node_target(node)?)?;
         if server.child.is_some() {
             return Err(BackendError::failed(format!("wiping broker node {node}"), "it is running; kill it first"));
         }
@@ -697,12 +774,14 @@ impl LocalBackend {
         &self.root
     }
 
-    fn server(&mut self, t: Target) -> &mut Server {
+    /// The server behind `t`; a broker node the broker does not have is an error (the
+    /// scenario's parser holds broker-N to the cluster's nodes; a library caller may not).
+    fn server(&mut self, t: Target) -> Result<&mut Server, BackendError> {
+        let nodes = self.broker_nodes();
         match t.broker_node() {
-            None => &mut self.pg,
-            Some(1) => &mut self.rmq,
-            // The scenario's parser holds broker-N to the cluster's nodes.
-            Some(n) => &mut self.peers[n - 2].0,
+            None => Ok(&mut self.pg),
+            Some(1) => Ok(&mut self.rmq),
+            Some(n) => self.peers.get_mut(n.wrapping_sub(2)).map(|(s, _)| s).ok_or_else(|| no_node(n, nodes)),
         }
     }
 
@@ -711,6 +790,7 @@ impl LocalBackend {
 
     async fn wait_ready(&mut self, t: Target, limit: Duration) -> Result<(), BackendError> {
         let deadline = Instant::now() + limit;
+        self.server(t)?;
         let url = match t.broker_node() {
             None => self.admin_url(),
             Some(n) => self.broker_node_urls()[n - 1].clone(),
@@ -736,16 +816,16 @@ impl LocalBackend {
             if ready {
                 return Ok(());
             }
-            let server = self.server(t);
+            let server = self.server(t)?;
             if let Some(status) = server.exited() {
                 return Err(BackendError::failed(
-                    format!("starting the private {}", server.name),
+                    format!("starting the private {} ({t})", server.name),
                     format!("it exited with {status}; last log lines:\n{}", log_tail(&server.log)),
                 ));
             }
             if Instant::now() > deadline {
                 return Err(BackendError::failed(
-                    format!("starting the private {}", server.name),
+                    format!("starting the private {} ({t})", server.name),
                     format!("not ready after {limit:?}; last log lines:\n{}", log_tail(&server.log)),
                 ));
             }
@@ -755,11 +835,11 @@ impl LocalBackend {
 
     /// The pid (group) that died; None when the server was not running.
     pub async fn kill(&mut self, t: Target) -> Result<Option<i32>, BackendError> {
-        self.server(t).kill().await
+        self.server(t)?.kill().await
     }
 
     pub async fn restart(&mut self, t: Target) -> Result<(), BackendError> {
-        let s = self.server(t);
+        let s = self.server(t)?;
         if s.child.is_some() {
             s.kill().await?;
         }
@@ -771,7 +851,7 @@ impl LocalBackend {
     /// SIGSTOP / SIGCONT the server's process group; on a stop, the evidence: the kernel
     /// reports the group leader (postmaster, beam) stopped.
     pub async fn pause(&mut self, t: Target, paused: bool) -> Result<Option<String>, BackendError> {
-        let s = self.server(t);
+        let s = self.server(t)?;
         s.signal(if paused { Signal::SIGSTOP } else { Signal::SIGCONT })?;
         let Some(pid) = s.pgid().map(Pid::as_raw).filter(|_| paused) else { return Ok(None) };
         Ok(crate::process::wait_stopped(pid).await.then(|| format!("pid {pid} (and its process group) stopped")))
@@ -779,6 +859,9 @@ impl LocalBackend {
 
     pub async fn stop(mut self) -> Result<(), BackendError> {
         self.stopped = true;
+        for (_, rule) in std::mem::take(&mut self.cuts) {
+            let _ = iptables("-D", &rule).await;
+        }
         let a = self.pg.kill().await.map(drop);
         let mut b = self.rmq.kill().await.map(drop);
         for (peer, _) in &mut self.peers {
@@ -791,6 +874,9 @@ impl LocalBackend {
 
 impl Drop for LocalBackend {
     fn drop(&mut self) {
+        for (_, rule) in std::mem::take(&mut self.cuts) {
+            let _ = Command::new("iptables").arg("-w").arg("-D").arg("OUTPUT").args(&rule).stdout(Stdio::null()).stderr(Stdio::null()).status();
+        }
         if !self.stopped {
             self.pg.kill_now();
             self.rmq.kill_now();
@@ -822,6 +908,7 @@ fn no_node(node: usize, nodes: usize) -> BackendError {
 /// Remove `craig-chaos-<pid>-*` temp dirs whose harness process is gone (a run killed by
 /// SIGKILL has no chance to clean up; its servers died with it through PDEATHSIG).
 fn reap_leftovers() {
+    reap_cuts();
     let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
     for e in entries.flatten() {
         let name = e.file_name();
@@ -830,6 +917,40 @@ fn reap_leftovers() {
         if matches!(nix::sys::signal::kill(Pid::from_raw(pid), None), Err(nix::errno::Errno::ESRCH)) {
             let _ = std::fs::remove_dir_all(e.path());
         }
+    }
+}
+
+/// `iptables -w <op> OUTPUT <rule>` (the partition of a cluster node), its error named.
+async fn iptables(op: &str, rule: &[String]) -> Result<(), BackendError> {
+    let mut args = vec!["-w".to_owned(), op.to_owned(), "OUTPUT".to_owned()];
+    args.extend(rule.iter().cloned());
+    iptables_output(&args.iter().map(String::as_str).collect::<Vec<_>>()).await.map(drop)
+}
+
+async fn iptables_output(args: &[&str]) -> Result<String, BackendError> {
+    let out = tokio::time::timeout(Duration::from_secs(10), tokio::process::Command::new("iptables").args(args).stdin(Stdio::null()).kill_on_drop(true).output())
+        .await
+        .map_err(|_| BackendError::failed(format!("iptables {}", args.join(" ")), "no answer within 10 s"))?
+        .map_err(|e| BackendError::failed("running iptables (a partition between broker nodes needs it, as root)", e))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(BackendError::failed(format!("iptables {}", args.join(" ")), String::from_utf8_lossy(&out.stderr).trim().to_owned()))
+    }
+}
+
+/// Remove cut rules (`craig-chaos-<pid>-node-N` comments) a run killed before its heal
+/// left behind, where that run's process is gone.
+fn reap_cuts() {
+    let Ok(out) = Command::new("iptables").args(["-w", "-S", "OUTPUT"]).stderr(Stdio::null()).output() else { return };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Some(at) = line.find("craig-chaos-") else { continue };
+        let Some(pid) = line[at + "craig-chaos-".len()..].split('-').next().and_then(|p| p.parse::<i32>().ok()) else { continue };
+        if !matches!(nix::sys::signal::kill(Pid::from_raw(pid), None), Err(nix::errno::Errno::ESRCH)) {
+            continue;
+        }
+        let Some(rule) = line.strip_prefix("-A OUTPUT ") else { continue };
+        let _ = Command::new("iptables").args(["-w", "-D", "OUTPUT"]).args(rule.split_whitespace()).stdout(Stdio::null()).stderr(Stdio::null()).status();
     }
 }
 
@@ -1011,7 +1132,14 @@ fn core_plugins_dir(script: &Path, dir: &Path) -> Option<PathBuf> {
 /// node a cluster's peers join; it alone loads the boot definitions (the peers take the
 /// cluster's users when they join). Every node of a run shares `cookie` (Erlang
 /// distribution), written into its own HOME.
-fn rmq_server(root: &Path, index: usize, cookie: &str) -> Result<(Server, u16), BackendError> {
+/// The loopback address broker node `index` of a cluster opens its distribution
+/// connections from (`inet_dist_connect_options`), so a packet filter can tell the nodes
+/// apart on one host ([`LocalBackend::cut_node`]): 127.0.0.(1 + index).
+fn dist_source(index: usize) -> String {
+    format!("127.0.0.{}", 1 + index)
+}
+
+fn rmq_server(root: &Path, index: usize, cookie: &str, cluster: bool) -> Result<(Server, u16), BackendError> {
     let script = rabbitmq_script()?;
     let dir = if index == 1 { root.join("rabbitmq") } else { root.join(format!("rabbitmq-{index}")) };
     for sub in ["mnesia", "log", "home"] {
@@ -1042,6 +1170,11 @@ fn rmq_server(root: &Path, index: usize, cookie: &str) -> Result<(Server, u16), 
     };
     std::fs::write(&conf, format!("listeners.tcp.default = 127.0.0.1:{port}\nloopback_users = none\n{load}"))
         .and_then(|()| std::fs::write(dir.join("enabled_plugins"), "[].\n"))
+        .and_then(|()| {
+            // A cluster's node connects to its peers from its own loopback address.
+            let kernel = if cluster { format!("{{kernel, [{{inet_dist_connect_options, [{{ip, {{127,0,0,{}}}}}]}}]}}", 1 + index) } else { String::new() };
+            std::fs::write(dir.join("advanced.config"), format!("[{kernel}].\n"))
+        })
         .and_then(|()| std::fs::write(dir.join("rabbitmq-env.conf"), ""))
         .map_err(|e| BackendError::failed("writing rabbitmq config", e))?;
     let p = |sub: &str| dir.join(sub).to_string_lossy().into_owned();

@@ -300,6 +300,21 @@ impl Backend {
         }
     }
 
+    /// A node of a broker cluster cut off from the other nodes at the distribution layer,
+    /// or healed (issue 25; the local backend's cluster, packet-filter rules): the
+    /// evidence (on the heal, the packets the cut dropped).
+    pub async fn cut_node(&mut self, target: Target, cut: bool) -> Result<String, BackendError> {
+        match (self, target) {
+            (Backend::Local(b), Target::BrokerNode(n)) if b.broker_nodes() > 1 => b.cut_node(usize::from(n), cut).await,
+            (b, _) => Err(BackendError::Unsupported {
+                backend: b.kind().name(),
+                fault: "partition",
+                target,
+                why: "only a node of a broker cluster on the local backend is cut off from its peers here",
+            }),
+        }
+    }
+
     /// A wiped broker node back in its cluster, as an operator replaces one: the survivors
     /// forget it, it starts empty and joins them.
     pub async fn rejoin(&mut self, target: Target) -> Result<(), BackendError> {

@@ -124,6 +124,7 @@ async fn a_quorum_queue_keeps_what_it_confirmed_through_the_loss_of_a_node_and_i
         assert!(matches!(r, Err(craig_mq::PublishError::Unroutable { .. })), "returned, so never confirmed: {r:?}");
     }
     assert_eq!(drain(&urls[1], "craig-rules.events").await, Some(2), "the quorum queue has both");
-    assert_eq!(drain(&urls[1], "craig-classic.events").await, None, "forgetting its home deleted the classic queue");
+    let after = queues(&b, 2).await;
+    assert!(after.iter().all(|q| q.0 != "craig-classic.events"), "forgetting its home deleted the classic queue: {after:?}");
     b.stop().await.unwrap();
 }

@@ -536,7 +536,7 @@ mod tests {
     /// Issue 24: a backend states what it can do, and a scenario it cannot run is refused
     /// before the run starts, naming each fault and why. Every shipped scenario runs on
     /// `local` and `containers`; `external` refuses exactly those that kill or pause a
-    /// server.
+    /// server or cut a broker node off from its peers.
     #[test]
     fn each_backend_refuses_exactly_the_shipped_faults_it_cannot_do() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios");
@@ -546,7 +546,10 @@ mod tests {
         for s in crate::scenario::load(&paths).unwrap() {
             assert!(refuse_unsupported(&s, BackendKind::Local).is_ok(), "{}", s.name);
             let faults: Vec<(FaultKind, FaultTarget)> = s.faults.iter().map(|f| (f.get_ref().kind, s.parse_target(&f.get_ref().target).unwrap())).collect();
-            let on_server = faults.iter().any(|(k, t)| matches!(k, FaultKind::Kill | FaultKind::Pause) && matches!(t, FaultTarget::Broker | FaultTarget::BrokerNode(_) | FaultTarget::Database));
+            let on_server = faults.iter().any(|(k, t)| {
+                (matches!(k, FaultKind::Kill | FaultKind::Pause) && matches!(t, FaultTarget::Broker | FaultTarget::BrokerNode(_) | FaultTarget::Database))
+                    || (*k == FaultKind::Partition && matches!(t, FaultTarget::BrokerNode(_)))
+            });
             match refuse_unsupported(&s, BackendKind::External) {
                 Ok(()) => assert!(!on_server, "{}: external must refuse a server fault", s.name),
                 Err(e) => {

@@ -18,6 +18,12 @@
 //!   nothing, where a real partition lets their SYN go unanswered). The harness's own
 //!   connections are not cut. Evidence: payload held, read from the toxics before removal
 //!   (issue 22.9: not heartbeats alone).
+//! - `broker-N`, a node of a broker cluster (issue 25, local backend): cut off from its
+//!   peers at the distribution layer, clients untouched: packet-filter rules drop both
+//!   directions of every connection between it and each other node
+//!   (`LocalBackend::cut_node`). Evidence, read at the heal: the packets the rules dropped
+//!   (none is no evidence), and where the quorum queues the node led have their leaders
+//!   once it is back, as a peer lists them (another node: elected while it was cut off).
 
 use super::kill::server;
 use super::{Cx, Room, not_supported};
@@ -33,6 +39,9 @@ pub(super) enum Cut {
     Container(crate::backend::Target),
     /// Held links: (proxy, toxic) pairs.
     Links(Vec<(String, String)>),
+    /// A cluster node cut off from its peers: the cut's own words, and the queues it led
+    /// when the cut began (name, leader), with every node's name.
+    Node { target: crate::backend::Target, said: String, led: Vec<String>, names: Vec<String> },
 }
 
 /// The proxy toxic's latency: longer than any hold, so nothing passes until the heal
@@ -43,9 +52,12 @@ impl Room for Partition {
     type Applied = Cut;
 
     /// Every backend: containers at the network, the others in the fault proxy.
-    fn supported(_: BackendKind, target: &FaultTarget) -> Result<(), &'static str> {
+    fn supported(backend: BackendKind, target: &FaultTarget) -> Result<(), &'static str> {
         match target {
             FaultTarget::Broker | FaultTarget::Database => Ok(()),
+            // A cluster runs on the local backend only (refused elsewhere before anything
+            // starts); external's servers are shared and never cut.
+            FaultTarget::BrokerNode(_) => super::kill::server_supported(backend, target),
             _ => Err("a partition cuts off the broker or the database"),
         }
     }
@@ -53,6 +65,13 @@ impl Room for Partition {
     async fn apply(cx: &Cx, f: &Fault, target: &FaultTarget) -> anyhow::Result<Cut> {
         let Some(t) = server(target) else { return Err(not_supported(f)) };
         let mut backend = cx.backend.lock().await;
+        if let FaultTarget::BrokerNode(n) = target {
+            let n = usize::from(*n);
+            let (before, names) = backend.queue_placement(n, false).await?.unwrap_or_default();
+            let said = backend.cut_node(t, true).await?;
+            let led = names.get(n - 1).map(|me| before.iter().filter(|q| &q.leader == me).map(|q| q.name.clone()).collect()).unwrap_or_default();
+            return Ok(Cut::Node { target: t, said, led, names });
+        }
         if backend.kind() == BackendKind::Containers {
             match backend.partition(t, true).await {
                 Ok(off) => {
@@ -93,6 +112,32 @@ impl Room for Partition {
         match cut {
             Cut::Container(t) => {
                 cx.backend.lock().await.partition(t, false).await?;
+            }
+            Cut::Node { target, said, led, names } => {
+                let mut backend = cx.backend.lock().await;
+                let n = target.broker_node().unwrap_or(1);
+                let healed = backend.cut_node(target, false).await?;
+                let dropped = !healed.starts_with("0 packets");
+                // Where the leaders of the queues it led are once it is back, as a peer sees
+                // them: a leader on another node was elected while it was cut off (a leader
+                // does not move on its own). A peer may be slow to answer just after the
+                // heal; bounded, and said when it does not answer.
+                let peer = (1..=names.len()).find(|&k| k != n).unwrap_or(1);
+                let mut leaders = String::new();
+                if !led.is_empty() {
+                    let me = names.get(n - 1).cloned().unwrap_or_default();
+                    leaders = match tokio::time::timeout(std::time::Duration::from_secs(15), backend.queue_placement(peer, false)).await {
+                        Ok(Ok(Some((now, _)))) => {
+                            let to: Vec<String> = led
+                                .iter()
+                                .filter_map(|l| now.iter().find(|q| &q.name == l).map(|q| format!("{l} → {}", if q.leader == me { "still it".to_owned() } else { q.leader.clone() })))
+                                .collect();
+                            format!("; the leaders it held, as node {peer} saw them after the heal: {}", to.join(", "))
+                        }
+                        _ => format!("; node {peer} did not list the queues within 15 s after the heal"),
+                    };
+                }
+                cx.evidence(dropped.then(|| format!("{said}; {healed}{leaders}")));
             }
             Cut::Links(held) => {
                 // Evidence before removal, best effort (a failed read must not leave a link
