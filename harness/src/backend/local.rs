@@ -672,42 +672,28 @@ impl LocalBackend {
         joined
     }
 
-    /// Cut broker node `node` off from the other nodes at the distribution layer (issue 25),
-    /// or heal that cut. Every node of a cluster connects to its peers from its own
-    /// loopback address ([`dist_source`]) and listens on its own distribution port, so
-    /// packet-filter rules (`iptables`, OUTPUT chain, where loopback traffic passes) drop
-    /// both directions of every connection between `node` and each other node, the ones
-    /// it opened and the ones it accepted, and nothing else: clients still reach every
-    /// node, and `rabbitmqctl` (from 127.0.0.1) still reaches them all. On the cut, the
-    /// rules; on the heal, the packets they dropped (the evidence that the cut met real
-    /// traffic), read before they are removed.
-    pub async fn cut_node(&mut self, node: usize, cut: bool) -> Result<String, BackendError> {
+    /// Cut broker node `node` off from the other nodes at the distribution layer (issue 25).
+    /// Every node of a cluster connects to its peers from its own loopback address
+    /// ([`dist_source`]) and listens on its own distribution port, so packet-filter rules
+    /// (`iptables`, OUTPUT chain, where loopback traffic passes) drop both directions of
+    /// every connection between `node` and each other node, the ones it opened and the ones
+    /// it accepted, and nothing else: clients still reach every node, and `rabbitmqctl`
+    /// (from 127.0.0.1) still reaches them all. A node already cut is refused. The rules'
+    /// own words; [`LocalBackend::heal_cut`] removes them.
+    pub async fn cut_node(&mut self, node: usize) -> Result<String, BackendError> {
         self.node_target(node)?;
         if self.peers.is_empty() {
             return Err(BackendError::failed(format!("cutting broker node {node} off"), "one node has no peers to be cut off from"));
         }
-        if !cut {
-            let dropped = self.dropped(node).await;
-            let mine: Vec<Vec<String>> = self.cuts.iter().filter(|(n, _)| *n == node).map(|(_, r)| r.clone()).collect();
-            self.cuts.retain(|(n, _)| *n != node);
-            let mut first = None;
-            for rule in &mine {
-                if let Err(e) = iptables("-D", rule).await {
-                    first.get_or_insert(e);
-                }
-            }
-            return match (first, dropped) {
-                (Some(e), _) => Err(e),
-                (None, Ok(p)) => Ok(format!("{p} packets between node {node} and its peers dropped")),
-                (None, Err(e)) => Err(e),
-            };
+        if self.cuts.iter().any(|(n, _)| *n == node) {
+            return Err(BackendError::failed(format!("cutting broker node {node} off"), "it is cut off already (one partition of a node at a time)"));
         }
         let dist = |k: usize| self.broker_node_ref(k).ok().and_then(|s| s.var("RABBITMQ_DIST_PORT")).unwrap_or_default();
-        let tag = format!("craig-chaos-{}-node-{node}", std::process::id());
         let (me, my_port) = (dist_source(node), dist(node));
         let mut rules = Vec::new();
         for other in (1..=self.broker_nodes()).filter(|&k| k != node) {
             let (them, their_port) = (dist_source(other), dist(other));
+            let tag = self.cut_tag(node, other);
             // The connection `node` opened to `other`, both ways; the one `other` opened to it.
             for (addr_flag, addr, port_flag, port) in [
                 ("-s", me.as_str(), "--dport", their_port.as_str()),
@@ -723,25 +709,55 @@ impl LocalBackend {
             }
         }
         for rule in rules {
+            // Tracked before it is asked for: an insert that timed out may still be in.
+            self.cuts.push((node, rule.clone()));
             if let Err(e) = iptables("-I", &rule).await {
                 // Nothing half cut: the rules already in are taken out again.
-                let _ = Box::pin(self.cut_node(node, false)).await;
+                let _ = self.heal_cut(node).await;
                 return Err(e);
             }
-            self.cuts.push((node, rule));
         }
         Ok(format!("node {node} cut off from its peers: its distribution port {my_port} and connections from {me} dropped both ways (iptables)"))
     }
 
-    /// Packets dropped so far by `node`'s cut rules (`iptables -L -v -x`, by their comment).
-    async fn dropped(&self, node: usize) -> Result<u64, BackendError> {
-        let tag = format!("craig-chaos-{}-node-{node} ", std::process::id());
-        let out = iptables_output(&["-w", "-L", "OUTPUT", "-v", "-x", "-n"]).await?;
-        Ok(out
-            .lines()
-            .filter(|l| format!("{l} ").contains(&format!("/* {}*/", tag)))
-            .filter_map(|l| l.split_whitespace().next()?.parse::<u64>().ok())
-            .sum())
+    /// The rules' comment for the cut between `node` and `peer`: the run's own directory
+    /// name (`craig-chaos-<pid>-<nanos>`, so two runs in one process never share it) and the
+    /// pair.
+    fn cut_tag(&self, node: usize, peer: usize) -> String {
+        let run = self.root.file_name().and_then(|n| n.to_str()).unwrap_or("craig-chaos-0");
+        format!("{run}-node-{node}-peer-{peer}")
+    }
+
+    /// Heal `node`'s cut: the packets its rules dropped for each peer (read first: the
+    /// evidence that the cut met real traffic on every pair), then every rule removed. A
+    /// rule whose removal fails stays tracked, for the stop or drop to try again.
+    pub async fn heal_cut(&mut self, node: usize) -> Result<Vec<(usize, u64)>, BackendError> {
+        let listed = iptables_output(&["-w", "5", "-L", "OUTPUT", "-v", "-x", "-n"]).await;
+        let dropped = listed.map(|out| {
+            (1..=self.broker_nodes())
+                .filter(|&k| k != node)
+                .map(|peer| {
+                    let tag = format!("/* {} */", self.cut_tag(node, peer));
+                    (peer, out.lines().filter(|l| l.contains(&tag)).filter_map(|l| l.split_whitespace().next()?.parse::<u64>().ok()).sum())
+                })
+                .collect()
+        });
+        let mine: Vec<Vec<String>> = self.cuts.iter().filter(|(n, _)| *n == node).map(|(_, r)| r.clone()).collect();
+        self.cuts.retain(|(n, _)| *n != node);
+        let mut first = None;
+        for rule in mine {
+            if let Err(e) = iptables("-D", &rule).await {
+                let gone = e.to_string().contains("does a matching rule exist") || e.to_string().contains("No chain/target/match");
+                if !gone {
+                    self.cuts.push((node, rule));
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        match first {
+            Some(e) => Err(e),
+            None => dropped,
+        }
     }
 
     /// Disk loss: remove broker node `node`'s data directory (its mnesia, message stores and
@@ -875,7 +891,7 @@ impl LocalBackend {
 impl Drop for LocalBackend {
     fn drop(&mut self) {
         for (_, rule) in std::mem::take(&mut self.cuts) {
-            let _ = Command::new("iptables").arg("-w").arg("-D").arg("OUTPUT").args(&rule).stdout(Stdio::null()).stderr(Stdio::null()).status();
+            let _ = Command::new("iptables").args(["-w", "5", "-D", "OUTPUT"]).args(&rule).stdout(Stdio::null()).stderr(Stdio::null()).status();
         }
         if !self.stopped {
             self.pg.kill_now();
@@ -922,7 +938,7 @@ fn reap_leftovers() {
 
 /// `iptables -w <op> OUTPUT <rule>` (the partition of a cluster node), its error named.
 async fn iptables(op: &str, rule: &[String]) -> Result<(), BackendError> {
-    let mut args = vec!["-w".to_owned(), op.to_owned(), "OUTPUT".to_owned()];
+    let mut args = vec!["-w".to_owned(), "5".to_owned(), op.to_owned(), "OUTPUT".to_owned()];
     args.extend(rule.iter().cloned());
     iptables_output(&args.iter().map(String::as_str).collect::<Vec<_>>()).await.map(drop)
 }
@@ -939,10 +955,10 @@ async fn iptables_output(args: &[&str]) -> Result<String, BackendError> {
     }
 }
 
-/// Remove cut rules (`craig-chaos-<pid>-node-N` comments) a run killed before its heal
+/// Remove cut rules (`craig-chaos-<pid>-<nanos>-node-N-peer-M` comments) a run killed before its heal
 /// left behind, where that run's process is gone.
 fn reap_cuts() {
-    let Ok(out) = Command::new("iptables").args(["-w", "-S", "OUTPUT"]).stderr(Stdio::null()).output() else { return };
+    let Ok(out) = Command::new("iptables").args(["-w", "5", "-S", "OUTPUT"]).stderr(Stdio::null()).output() else { return };
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let Some(at) = line.find("craig-chaos-") else { continue };
         let Some(pid) = line[at + "craig-chaos-".len()..].split('-').next().and_then(|p| p.parse::<i32>().ok()) else { continue };
@@ -950,7 +966,7 @@ fn reap_cuts() {
             continue;
         }
         let Some(rule) = line.strip_prefix("-A OUTPUT ") else { continue };
-        let _ = Command::new("iptables").args(["-w", "-D", "OUTPUT"]).args(rule.split_whitespace()).stdout(Stdio::null()).stderr(Stdio::null()).status();
+        let _ = Command::new("iptables").args(["-w", "5", "-D", "OUTPUT"]).args(rule.split_whitespace()).stdout(Stdio::null()).stderr(Stdio::null()).status();
     }
 }
 

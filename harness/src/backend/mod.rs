@@ -300,18 +300,25 @@ impl Backend {
         }
     }
 
-    /// A node of a broker cluster cut off from the other nodes at the distribution layer,
-    /// or healed (issue 25; the local backend's cluster, packet-filter rules): the
-    /// evidence (on the heal, the packets the cut dropped).
-    pub async fn cut_node(&mut self, target: Target, cut: bool) -> Result<String, BackendError> {
+    /// A node of a broker cluster cut off from the other nodes at the distribution layer
+    /// (issue 25; the local backend's cluster, packet-filter rules): the cut's own words.
+    pub async fn cut_node(&mut self, target: Target) -> Result<String, BackendError> {
         match (self, target) {
-            (Backend::Local(b), Target::BrokerNode(n)) if b.broker_nodes() > 1 => b.cut_node(usize::from(n), cut).await,
+            (Backend::Local(b), Target::BrokerNode(n)) if b.broker_nodes() > 1 => b.cut_node(usize::from(n)).await,
             (b, _) => Err(BackendError::Unsupported {
                 backend: b.kind().name(),
                 fault: "partition",
                 target,
                 why: "only a node of a broker cluster on the local backend is cut off from its peers here",
             }),
+        }
+    }
+
+    /// The cut of [`Backend::cut_node`] healed: the packets it dropped, per peer node.
+    pub async fn heal_cut(&mut self, target: Target) -> Result<Vec<(usize, u64)>, BackendError> {
+        match (self, target) {
+            (Backend::Local(b), Target::BrokerNode(n)) => b.heal_cut(usize::from(n)).await,
+            (b, _) => Err(BackendError::Unsupported { backend: b.kind().name(), fault: "partition", target, why: "no cut here" }),
         }
     }
 

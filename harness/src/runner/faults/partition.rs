@@ -22,8 +22,9 @@
 //!   peers at the distribution layer, clients untouched: packet-filter rules drop both
 //!   directions of every connection between it and each other node
 //!   (`LocalBackend::cut_node`). Evidence, read at the heal: the packets the rules dropped
-//!   (none is no evidence), and where the quorum queues the node led have their leaders
-//!   once it is back, as a peer lists them (another node: elected while it was cut off).
+//!   for each peer (a peer with none: no evidence), and where the quorum queues the node led
+//!   have their leaders once it is back, as a peer lists them (another node: elected while
+//!   it was cut off).
 
 use super::kill::server;
 use super::{Cx, Room, not_supported};
@@ -57,6 +58,9 @@ impl Room for Partition {
             FaultTarget::Broker | FaultTarget::Database => Ok(()),
             // A cluster runs on the local backend only (refused elsewhere before anything
             // starts); external's servers are shared and never cut.
+            FaultTarget::BrokerNode(_) if backend == BackendKind::Local && !nix::unistd::geteuid().is_root() => {
+                Err("a partition between broker nodes needs root here (packet-filter rules on the loopback)")
+            }
             FaultTarget::BrokerNode(_) => super::kill::server_supported(backend, target),
             _ => Err("a partition cuts off the broker or the database"),
         }
@@ -68,7 +72,7 @@ impl Room for Partition {
         if let FaultTarget::BrokerNode(n) = target {
             let n = usize::from(*n);
             let (before, names) = backend.queue_placement(n, false).await?.unwrap_or_default();
-            let said = backend.cut_node(t, true).await?;
+            let said = backend.cut_node(t).await?;
             let led = names.get(n - 1).map(|me| before.iter().filter(|q| &q.leader == me).map(|q| q.name.clone()).collect()).unwrap_or_default();
             return Ok(Cut::Node { target: t, said, led, names });
         }
@@ -116,12 +120,14 @@ impl Room for Partition {
             Cut::Node { target, said, led, names } => {
                 let mut backend = cx.backend.lock().await;
                 let n = target.broker_node().unwrap_or(1);
-                let healed = backend.cut_node(target, false).await?;
-                let dropped = !healed.starts_with("0 packets");
+                let dropped = backend.heal_cut(target).await?;
+                // Every pair's rules met traffic, or the cut is not shown: one connection
+                // that escaped would hide in a sum.
+                let all = !dropped.is_empty() && dropped.iter().all(|(_, p)| *p > 0);
+                let counts: Vec<String> = dropped.iter().map(|(peer, p)| format!("{p} with node {peer}")).collect();
                 // Where the leaders of the queues it led are once it is back, as a peer sees
                 // them: a leader on another node was elected while it was cut off (a leader
-                // does not move on its own). A peer may be slow to answer just after the
-                // heal; bounded, and said when it does not answer.
+                // does not move on its own). Bounded, and said when the peer does not answer.
                 let peer = (1..=names.len()).find(|&k| k != n).unwrap_or(1);
                 let mut leaders = String::new();
                 if !led.is_empty() {
@@ -137,7 +143,7 @@ impl Room for Partition {
                         _ => format!("; node {peer} did not list the queues within 15 s after the heal"),
                     };
                 }
-                cx.evidence(dropped.then(|| format!("{said}; {healed}{leaders}")));
+                cx.evidence(all.then(|| format!("{said}; packets dropped: {}{leaders}", counts.join(", "))));
             }
             Cut::Links(held) => {
                 // Evidence before removal, best effort (a failed read must not leave a link
