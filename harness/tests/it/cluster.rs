@@ -38,6 +38,7 @@ async fn drain(url: &str, queue: &str) -> Option<usize> {
 /// down, and after the cluster forgets that node, a publish that also routes to the live
 /// quorum queue is confirmed and the classic queue never holds it (`mandatory` returns only
 /// a message that reached no queue): a confirm is not a delivery to every bound queue.
+/// First, as root, a partition's mechanism: a node cut off from its peers and healed.
 #[tokio::test]
 async fn a_quorum_queue_keeps_what_it_confirmed_through_the_loss_of_a_node_and_its_disk() {
     if let Err(why) = craig_chaos::backend::local::probe() {
@@ -48,6 +49,26 @@ async fn a_quorum_queue_keeps_what_it_confirmed_through_the_loss_of_a_node_and_i
     let mut b = LocalBackend::start_cluster(&[], 3).await.expect("a 3-node cluster");
     eprintln!("3-node RabbitMQ cluster ready in {:.1} s", started.elapsed().as_secs_f64());
     let urls = b.broker_node_urls();
+
+    // The partition's mechanism (issue 25, root only): node 3 cut off from its peers drops
+    // traffic with each of them while clients and rabbitmqctl still reach it; the heal
+    // leaves no rule behind.
+    if nix::unistd::geteuid().is_root() {
+        b.cut_node(3).await.expect("cut");
+        assert!(b.cut_node(3).await.is_err(), "one cut of a node at a time");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let c = craig_mq::publisher::connect(&urls[2], 5, "cluster-test").await.expect("a client still reaches the cut node");
+        let _ = c.close(200, "bye".into()).await;
+        // (`eval`: a command that asks only that node; `status` asks the peers and waits.)
+        let me = b.rabbitmqctl_node(3, &["eval", "node()."]).await.expect("rabbitmqctl still reaches the cut node");
+        assert_eq!(me.trim(), b.broker_node_names()[2], "{me}");
+        let dropped = b.heal_cut(3).await.expect("heal");
+        assert_eq!(dropped.iter().map(|(peer, _)| *peer).collect::<Vec<_>>(), [1, 2], "{dropped:?}");
+        assert!(dropped.iter().all(|(_, p)| *p > 0), "traffic with each peer was dropped: {dropped:?}");
+        let rules = std::process::Command::new("iptables").args(["-w", "5", "-S", "OUTPUT"]).output().unwrap();
+        let tag = format!("{}-node-3", b.root().file_name().unwrap().to_str().unwrap());
+        assert!(!String::from_utf8_lossy(&rules.stdout).contains(&tag), "no rule left behind");
+    }
     let conn = craig_mq::publisher::connect(&urls[0], 5, "cluster-test").await.unwrap();
     let ch = conn.create_channel().await.unwrap();
     topology::declare_exchanges(&ch, QueueType::Quorum).await.unwrap();
