@@ -709,15 +709,32 @@ impl LocalBackend {
             }
         }
         for rule in rules {
-            // Tracked before it is asked for: an insert that timed out may still be in.
+            // Tracked before it is asked for: an insert that timed out may still be in. One
+            // that was refused is not, and is no longer tracked.
             self.cuts.push((node, rule.clone()));
             if let Err(e) = iptables("-I", &rule).await {
+                if !e.to_string().contains("no answer within") {
+                    self.cuts.pop();
+                }
                 // Nothing half cut: the rules already in are taken out again.
                 let _ = self.heal_cut(node).await;
                 return Err(e);
             }
         }
         Ok(format!("node {node} cut off from its peers: its distribution port {my_port} and connections from {me} dropped both ways (iptables)"))
+    }
+
+    /// The packets `node`'s cut rules have dropped so far, per peer node (`iptables -L -v
+    /// -x`, by each pair's comment); the cut stays.
+    pub async fn cut_dropped(&self, node: usize) -> Result<Vec<(usize, u64)>, BackendError> {
+        let out = iptables_output(&["-w", "5", "-L", "OUTPUT", "-v", "-x", "-n"]).await?;
+        Ok((1..=self.broker_nodes())
+            .filter(|&k| k != node)
+            .map(|peer| {
+                let tag = format!("/* {} */", self.cut_tag(node, peer));
+                (peer, out.lines().filter(|l| l.contains(&tag)).filter_map(|l| l.split_whitespace().next()?.parse::<u64>().ok()).sum())
+            })
+            .collect())
     }
 
     /// The rules' comment for the cut between `node` and `peer`: the run's own directory
@@ -732,22 +749,14 @@ impl LocalBackend {
     /// evidence that the cut met real traffic on every pair), then every rule removed. A
     /// rule whose removal fails stays tracked, for the stop or drop to try again.
     pub async fn heal_cut(&mut self, node: usize) -> Result<Vec<(usize, u64)>, BackendError> {
-        let listed = iptables_output(&["-w", "5", "-L", "OUTPUT", "-v", "-x", "-n"]).await;
-        let dropped = listed.map(|out| {
-            (1..=self.broker_nodes())
-                .filter(|&k| k != node)
-                .map(|peer| {
-                    let tag = format!("/* {} */", self.cut_tag(node, peer));
-                    (peer, out.lines().filter(|l| l.contains(&tag)).filter_map(|l| l.split_whitespace().next()?.parse::<u64>().ok()).sum())
-                })
-                .collect()
-        });
+        let dropped = self.cut_dropped(node).await;
         let mine: Vec<Vec<String>> = self.cuts.iter().filter(|(n, _)| *n == node).map(|(_, r)| r.clone()).collect();
         self.cuts.retain(|(n, _)| *n != node);
         let mut first = None;
         for rule in mine {
             if let Err(e) = iptables("-D", &rule).await {
-                let gone = e.to_string().contains("does a matching rule exist") || e.to_string().contains("No chain/target/match");
+                let e_text = e.to_string();
+                let gone = ["does a matching rule exist", "No chain/target/match", "No such file or directory"].iter().any(|t| e_text.contains(t));
                 if !gone {
                     self.cuts.push((node, rule));
                     first.get_or_insert(e);

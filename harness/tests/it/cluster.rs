@@ -56,7 +56,17 @@ async fn a_quorum_queue_keeps_what_it_confirmed_through_the_loss_of_a_node_and_i
     if nix::unistd::geteuid().is_root() {
         b.cut_node(3).await.expect("cut");
         assert!(b.cut_node(3).await.is_err(), "one cut of a node at a time");
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        // Inter-node traffic with each peer meets the rules (bounded: an idle link ticks
+        // every 15 s at the latest).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let now = b.cut_dropped(3).await.expect("counters");
+            if now.iter().all(|(_, p)| *p > 0) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "no traffic with some peer met the cut within 30 s: {now:?}");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
         let c = craig_mq::publisher::connect(&urls[2], 5, "cluster-test").await.expect("a client still reaches the cut node");
         let _ = c.close(200, "bye".into()).await;
         // (`eval`: a command that asks only that node; `status` asks the peers and waits.)

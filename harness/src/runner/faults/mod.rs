@@ -535,8 +535,9 @@ mod tests {
 
     /// Issue 24: a backend states what it can do, and a scenario it cannot run is refused
     /// before the run starts, naming each fault and why. Every shipped scenario runs on
-    /// `local` and `containers`; `external` refuses exactly those that kill or pause a
-    /// server or cut a broker node off from its peers.
+    /// `local` (a partition between broker nodes only as root) and `containers`; `external`
+    /// refuses exactly those that kill or pause a server or cut a broker node off from its
+    /// peers.
     #[test]
     fn each_backend_refuses_exactly_the_shipped_faults_it_cannot_do() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios");
@@ -547,9 +548,10 @@ mod tests {
             let faults: Vec<(FaultKind, FaultTarget)> = s.faults.iter().map(|f| (f.get_ref().kind, s.parse_target(&f.get_ref().target).unwrap())).collect();
             // A partition between broker nodes needs root (iptables): refused up front otherwise.
             let cuts_a_node = faults.iter().any(|(k, t)| *k == FaultKind::Partition && matches!(t, FaultTarget::BrokerNode(_)));
-            match refuse_unsupported(&s, BackendKind::Local) {
-                Ok(()) => {}
-                Err(e) => assert!(cuts_a_node && !nix::unistd::geteuid().is_root() && e.to_string().contains("needs root"), "{}: {e}", s.name),
+            let local = refuse_unsupported(&s, BackendKind::Local);
+            assert_eq!(local.is_err(), cuts_a_node && !nix::unistd::geteuid().is_root(), "{}: {local:?}", s.name);
+            if let Err(e) = local {
+                assert!(e.to_string().contains("partition broker-") && e.to_string().contains("needs root"), "{e}");
             }
             let on_server = faults.iter().any(|(k, t)| {
                 (matches!(k, FaultKind::Kill | FaultKind::Pause) && matches!(t, FaultTarget::Broker | FaultTarget::BrokerNode(_) | FaultTarget::Database))
