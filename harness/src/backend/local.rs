@@ -900,7 +900,7 @@ impl LocalBackend {
 impl Drop for LocalBackend {
     fn drop(&mut self) {
         for (_, rule) in std::mem::take(&mut self.cuts) {
-            let _ = Command::new("iptables").args(["-w", "5", "-D", "OUTPUT"]).args(&rule).stdout(Stdio::null()).stderr(Stdio::null()).status();
+            iptables_delete_now(&rule);
         }
         if !self.stopped {
             self.pg.kill_now();
@@ -964,6 +964,12 @@ async fn iptables_output(args: &[&str]) -> Result<String, BackendError> {
     }
 }
 
+/// `iptables -D OUTPUT <rule>`, blocking and best effort (a drop, the reaper): nothing to
+/// report to.
+fn iptables_delete_now<S: AsRef<std::ffi::OsStr>>(rule: impl IntoIterator<Item = S>) {
+    let _ = Command::new("iptables").args(["-w", "5", "-D", "OUTPUT"]).args(rule).stdout(Stdio::null()).stderr(Stdio::null()).status();
+}
+
 /// Remove cut rules (`craig-chaos-<pid>-<nanos>-node-N-peer-M` comments) a run killed before its heal
 /// left behind, where that run's process is gone.
 fn reap_cuts() {
@@ -975,7 +981,7 @@ fn reap_cuts() {
             continue;
         }
         let Some(rule) = line.strip_prefix("-A OUTPUT ") else { continue };
-        let _ = Command::new("iptables").args(["-w", "5", "-D", "OUTPUT"]).args(rule.split_whitespace()).stdout(Stdio::null()).stderr(Stdio::null()).status();
+        iptables_delete_now(rule.split_whitespace());
     }
 }
 
