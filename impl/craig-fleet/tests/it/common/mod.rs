@@ -123,11 +123,23 @@ impl Fleet {
         n
     }
 
-    /// Wait until every queue in `queues` exists (nodes declare theirs at start).
+    /// Consumers on `queue` by passive declare; `None` while it is not declared.
+    async fn consumers_if_declared(&self, queue: &str) -> Option<u32> {
+        let (conn, ch) = self.channel().await;
+        let q = lapin::options::QueueDeclareOptions { passive: true, ..Default::default() };
+        let n = ch.queue_declare(queue.into(), q, lapin::types::FieldTable::default()).await.ok().map(|q| q.consumer_count());
+        let _ = conn.close(200, "bye".into()).await;
+        n
+    }
+
+    /// Wait until a node consumes every queue in `queues`. A node declares its queue, then
+    /// binds it, then consumes, so a consumer means the bindings are in place too; a queue
+    /// that merely exists may not be bound yet, and a publish in that gap skips it (seen in
+    /// CI: the security queue missed the event the test then waited 20 s for).
     pub async fn wait_for_queues(&self, queues: &[&str]) {
-        eventually(Duration::from_secs(15), &format!("queues {queues:?} declared"), || async {
+        eventually(Duration::from_secs(15), &format!("queues {queues:?} declared, bound and consumed"), || async {
             for q in queues {
-                if self.depth_if_declared(q).await.is_none() {
+                if self.consumers_if_declared(q).await.unwrap_or(0) == 0 {
                     return false;
                 }
             }
