@@ -321,6 +321,9 @@ fn process_gone(pid: i32) -> bool {
 }
 
 /// `docker ARGS` through the CLI, bounded (30 s); its stdout, or why it failed.
+/// How often [`ContainersBackend::pause`] asks for a freeze the runtime gave up on.
+const FREEZE_TRIES: u32 = 5;
+
 async fn docker(args: &[&str]) -> Result<String, String> {
     let o = docker_output(args).await?;
     if o.status.success() {
@@ -572,10 +575,28 @@ impl ContainersBackend {
 
     /// `docker pause` / `unpause` (the cgroup freezer); on a pause, the evidence is the
     /// engine's own word that the container is paused.
+    ///
+    /// A freeze the runtime gave up on ("OCI runtime pause failed: unable to freeze", moby
+    /// #48205: runc thaws the cgroup again when it does not settle, as with a server forking
+    /// a backend for a new connection just then) is tried again, at most
+    /// [`FREEZE_TRIES`] times 200 ms apart: the container is running, not paused, in
+    /// between, so the pause starts that much later (seen once in CI, on the database
+    /// under load). Any other error, or the last try's, fails the fault.
     pub async fn pause(&mut self, t: Target, paused: bool) -> Result<Option<String>, BackendError> {
         let id = self.id(t).to_owned();
         let op = if paused { "pause" } else { "unpause" };
-        docker(&[op, &id]).await.map_err(|e| BackendError::failed(format!("{op} the {t} container"), e))?;
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match docker(&[op, &id]).await {
+                Ok(_) => break,
+                Err(e) if paused && e.contains("unable to freeze") && tries < FREEZE_TRIES => {
+                    tracing::warn!(event = "chaos.pause_retried", target = %t, tries, error = %e, "the runtime did not freeze the container; trying again");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => return Err(BackendError::failed(format!("{op} the {t} container"), e)),
+            }
+        }
         if !paused {
             return Ok(None);
         }
