@@ -241,6 +241,11 @@ pub enum Event {
     /// A dedup record the harness staged at the edge of the inbox window (issue 22.6), its
     /// age when staged.
     InboxEdge { envelope: Uuid, service: String, age_ms: u64 },
+    /// An `event_inbox` row of consuming service `service` (rules, financial), read at the
+    /// end (issue 25): the consumer recorded this envelope, in its own commit before its
+    /// handler ran (§D2), so the broker delivered it. `no_loss` tells a confirmed event the
+    /// broker never delivered from one a consumer took and lost by these.
+    Inboxed { envelope: Uuid, service: String },
     /// A DELETE of an `event_inbox` row, recorded by a harness trigger with the row's age
     /// then, and the inbox window the service runs with.
     InboxPruned { envelope: Uuid, service: String, age_ms: u64, window_ms: u64 },

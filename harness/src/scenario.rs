@@ -717,13 +717,14 @@ impl TryFrom<toml::Value> for Expectation {
     type Error = String;
     fn try_from(v: toml::Value) -> Result<Self, String> {
         const SHAPE: &str =
-            "expected \"hold\", \"violate\" or { violate = \"<cause>\" | [\"<cause>\", ...] } with causes compat:<mode>, replica:<name>, fault:<kind> <target>, kind:<violation kind>, queue:<classic|quorum>";
+            "expected \"hold\", \"violate\" or { violate = \"<cause>\" | [\"<cause>\", ...] } with causes compat:<mode>, replica:<name>, fault:<kind> <target>, kind:<violation kind>, queue:<classic|quorum>, lost_at:<broker|consumer>";
         let cause_ok = |c: &str| {
             c.strip_prefix("compat:").is_some_and(|m| m.parse::<craig_fleet::Compat>().is_ok())
                 || c.strip_prefix("replica:").is_some_and(|r| !r.is_empty())
                 || c.strip_prefix("fault:").is_some_and(|f| f.split_once(' ').is_some_and(|(k, t)| !k.is_empty() && !t.is_empty()))
                 || c.strip_prefix("kind:").is_some_and(|k| crate::checkers::VIOLATION_KINDS.contains(&k))
                 || c.strip_prefix("queue:").is_some_and(|q| q.parse::<craig_mq::topology::QueueType>().is_ok())
+                || matches!(c, "lost_at:broker" | "lost_at:consumer")
         };
         match v {
             toml::Value::String(w) => match w.as_str() {
@@ -1610,6 +1611,7 @@ effect_once = { violate = "compat:pre-d2" }
         for (bad, why) in [
             (r#"{ violate = "compat:pre-nope" }"#, "unknown cause \"compat:pre-nope\""),
             (r#"{ violate = "weather" }"#, "unknown cause"),
+            (r#"{ violate = "lost_at:disk" }"#, "unknown cause \"lost_at:disk\""),
             (r#"{ hold = "compat:pre-d2" }"#, "expected \"hold\", \"violate\""),
             (r#"{ violate = "replica:rules-9" }"#, "cause names replica \"rules-9\""),
         ] {

@@ -1,4 +1,4 @@
-//! `no_loss`, ADR-022 §D1/§D3 at-least-once: every acknowledged write's event produces its effect, every published dead letter reaches `craig.dlx`. Excused: nothing; blame needs the system's own word (who stamped, who rejected).
+//! `no_loss`, ADR-022 §D1/§D3 at-least-once: every acknowledged write's event produces its effect, every published dead letter reaches `craig.dlx`. Excused: nothing; blame needs the system's own word (who stamped, who rejected). Where a confirmed event was lost is named from the database (issue 25): `lost_at:consumer` when a consumer's inbox recorded it, `lost_at:broker` when the current behaviour stamped it (after a confirm) and no consumer recorded it; counted per consumer queue (`confirmed`, `confirmed_never_delivered`).
 
 use super::*;
 
@@ -63,11 +63,56 @@ pub fn no_loss(h: &History) -> Verdict {
             _ => None,
         })
         .collect();
+    // Issue 25: what the consumers recorded (their §D2 inbox rows, read at the end, and
+    // rows a retention prune deleted), and what the harness's own tap saw dead-lettered.
+    // The inbox row is the consumer's first commit for a delivery, so an envelope with none
+    // was never delivered to a consumer that kept it.
+    let mut inboxed: HashSet<Uuid> = HashSet::new();
+    let mut tapped: HashSet<Uuid> = HashSet::new();
+    let mut queue_of: HashMap<Uuid, String> = HashMap::new();
+    let mut inboxless: HashSet<String> = HashSet::new();
+    for e in h.iter() {
+        match &e.event {
+            Event::Inboxed { envelope, .. } | Event::InboxPruned { envelope, .. } => {
+                inboxed.insert(*envelope);
+            }
+            Event::DeadLettered { envelope: Some(env), .. } => {
+                tapped.insert(*env);
+            }
+            // The queue an aggregate's event is consumed from: a referral's by rules, an
+            // active placement's by financial.
+            Event::Committed { aggregate, table } => {
+                let svc = if table == "placements" { "financial" } else { "rules" };
+                queue_of.insert(*aggregate, craig_mq::topology::consumer_queue(svc));
+            }
+            // A consumer without the inbox (compat pre-d2) records nothing: where its
+            // service consumed, "no inbox row" says nothing about the broker.
+            Event::Started { replica, compat } if compat.iter().any(|c| c == "pre-d2") => {
+                inboxless.insert(craig_mq::topology::consumer_queue(service_of(replica)));
+            }
+            _ => {}
+        }
+    }
+    // Per consumer queue: acknowledged writes whose event the broker confirmed (published in
+    // the outbox, stamped by the current behaviour), and of those, the ones no consumer's
+    // inbox ever recorded and that took no effect.
+    let mut per_queue: BTreeMap<String, (u64, u64)> = BTreeMap::new();
     let (mut attempted, mut acknowledged, mut ok, mut lost, mut recovered, mut unknown, mut failed) = (0, 0, 0, 0, 0, 0, 0);
     for entry in h.iter() {
         let Event::Write { referral, outcome, replica, .. } = &entry.event else { continue };
         attempted += 1;
         let delivered = fx.by_referral.contains_key(referral);
+        let envs = envelopes.get(referral).map(Vec::as_slice).unwrap_or(&[]);
+        let seen = envs.iter().any(|e| inboxed.contains(e));
+        // Confirmed: published in the outbox, and the stamp that stood ran the current
+        // behaviour, which stamps only after the broker's confirm (a pre-1128 stamp had none).
+        let confirmed = envs.iter().any(|e| published.contains(e))
+            && envs.iter().filter_map(|e| stamps.get(e)).flatten().max_by_key(|(t, ..)| *t).is_some_and(|(.., c)| c.is_empty());
+        if *outcome == Outcome::Ok && confirmed {
+            let q = per_queue.entry(queue_of.get(referral).cloned().unwrap_or_else(|| "unknown queue".to_owned())).or_default();
+            q.0 += 1;
+            q.1 += u64::from(!seen && !delivered);
+        }
         match outcome {
             Outcome::Ok => {
                 acknowledged += 1;
@@ -77,7 +122,6 @@ pub fn no_loss(h: &History) -> Verdict {
                     lost += 1;
                     // Blame whoever stamped its event published (it vouched for a delivery
                     // that never happened); with no stamp, the replica that acknowledged it.
-                    let envs = envelopes.get(referral).map(Vec::as_slice).unwrap_or(&[]);
                     let mut stamped: Vec<&(u64, &str, &[String])> = envs.iter().filter_map(|env| stamps.get(env)).flatten().collect();
                     stamped.sort_by_key(|(t, ..)| *t);
                     let by = match stamped.last() {
@@ -92,10 +136,28 @@ pub fn no_loss(h: &History) -> Verdict {
                             for (_, node, queue_type) in &after {
                                 tags.extend([format!("fault:kill {node}"), format!("queue:{queue_type}")]);
                             }
+                            // Where it was lost (issue 25), by the consumers' inboxes: taken by
+                            // a consumer and lost after; or, stamped by the current behaviour
+                            // (which stamps only after a confirm) and neither recorded by a
+                            // consumer nor seen dead-lettered by the harness's tap, confirmed
+                            // by the broker and never delivered. A compat stamp may have had
+                            // no confirm behind it: no place is named then.
+                            let place = if seen {
+                                tags.push("lost_at:consumer".to_owned());
+                                "; a consumer's inbox recorded it, so it was lost after delivery"
+                            } else if c.is_empty()
+                                && !envs.iter().any(|e| tapped.contains(e))
+                                && queue_of.get(referral).is_some_and(|q| !inboxless.contains(q))
+                            {
+                                tags.push("lost_at:broker".to_owned());
+                                "; no consumer's inbox recorded it: confirmed by the broker and never delivered"
+                            } else {
+                                ""
+                            };
                             v.blame(tags);
                             let who: Vec<String> = stamped.iter().map(|(t, r, c)| format!("{} @{t}ms", running(r, Some(c)))).collect();
                             let lost_on: Vec<String> = after.iter().map(|(at, node, qt)| format!("; then {node} lost its data @{at}ms ({qt} queues)")).collect();
-                            format!("its event was stamped published by {}{}", who.join(", "), lost_on.concat())
+                            format!("its event was stamped published by {}{}{place}", who.join(", "), lost_on.concat())
                         }
                         // Stamped, but no replica said so: no attribution evidence.
                         None if envs.iter().any(|e| published.contains(e)) => {
@@ -144,6 +206,10 @@ pub fn no_loss(h: &History) -> Verdict {
         ("dead_letters_lost", dead_lost),
     ] {
         v.count(k, n);
+    }
+    for (queue, (confirmed, never_seen)) in per_queue {
+        v.count(&format!("confirmed {queue}"), confirmed as usize);
+        v.count(&format!("confirmed_never_delivered {queue}"), never_seen as usize);
     }
     v.validity = if lost > 0 || dead_lost > 0 {
         Validity::Invalid

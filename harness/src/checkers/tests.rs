@@ -536,9 +536,6 @@ fn a_dead_letter_naming_another_queue_than_its_consumer_is_misattributed() {
     assert!(v.all_point_at("kind:misattributed") && v.all_point_at("compat:pre-1196"), "{:?}", v.culprits);
 }
 
-/// A rolling upgrade: cases-1 runs pre-1128 until 1000 ms, then current. Each loss is
-/// blamed on whoever stamped it with the behaviour it ran then, and a loss nobody
-/// stamped on the replica that acknowledged the write.
 /// Issue 25: an event the broker confirmed (stamped published) and never delivered, when a
 /// broker node lost its data AFTER the stamp, is the broker's loss: blamed on that node's
 /// kill and the run's queue type. Only as far as the loss can explain: the consumer's queue
@@ -574,6 +571,70 @@ fn no_loss_blames_a_confirmed_event_lost_with_a_broker_nodes_disk_on_the_node_an
     assert!(!v.culprits.contains_key("fault:kill broker-1"), "{:?}", v.culprits);
 }
 
+/// Issue 25: where a confirmed event was lost, by the consumers' own inbox rows. Stamped
+/// published by the current behaviour (which stamps only after a confirm) and recorded by
+/// no consumer: `lost_at:broker`, and counted per consumer queue. Recorded by a consumer:
+/// `lost_at:consumer`. Stamped by pre-1128 (no confirm behind the stamp), seen dead-lettered
+/// by the tap, consumed by a replica without the inbox (pre-d2), or with no committed row
+/// to name its queue: no place is named.
+#[test]
+fn no_loss_names_where_a_confirmed_event_was_lost_by_the_consumers_inboxes() {
+    #[derive(Clone, Copy, PartialEq)]
+    enum Then {
+        NothingSeen,
+        Inboxed,
+        Tapped,
+        PreD2Consumer,
+        NotCommitted,
+    }
+    let run = |stamp_compat: &[&str], then: Then| {
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", stamp_compat);
+        started(&mut h, 0, "rules-1", if then == Then::PreD2Consumer { &["pre-d2"] } else { &[] });
+        // One delivered write, one lost.
+        for n in [1, 2] {
+            write(&mut h, 100, n, Outcome::Ok);
+            staged(&mut h, 10 + n, n);
+            stamped(&mut h, 200, 10 + n, "cases-1", stamp_compat);
+            if then != Then::NotCommitted {
+                h.push(90, Event::Committed { aggregate: id(n), table: "referrals".into() });
+            }
+        }
+        h.push(300, Event::Inboxed { envelope: id(11), service: "rules".into() });
+        effect(&mut h, 310, 11, 1);
+        match then {
+            Then::Inboxed => h.push(400, Event::Inboxed { envelope: id(12), service: "rules".into() }),
+            Then::Tapped => h.push(
+                400,
+                Event::DeadLettered { key: "k".into(), token: None, envelope: Some(id(12)), queue: Some("craig-rules.events".into()), event_type: None },
+            ),
+            _ => {}
+        }
+        h.sort();
+        no_loss(&h)
+    };
+    let v = run(&[], Then::NothingSeen);
+    assert_eq!((v.validity, v.violations), (Validity::Invalid, 1));
+    assert_eq!(v.culprits.get("lost_at:broker"), Some(&1), "{:?}", v.culprits);
+    assert!(v.witnesses[0].contains("no consumer's inbox recorded it: confirmed by the broker and never delivered"), "{:?}", v.witnesses);
+    assert_eq!((v.counts["confirmed craig-rules.events"], v.counts["confirmed_never_delivered craig-rules.events"]), (2, 1), "{:?}", v.counts);
+    let v = run(&[], Then::Inboxed);
+    assert_eq!(v.culprits.get("lost_at:consumer"), Some(&1), "{:?}", v.culprits);
+    assert!(!v.culprits.contains_key("lost_at:broker"), "{:?}", v.culprits);
+    assert_eq!(v.counts["confirmed_never_delivered craig-rules.events"], 0, "{:?}", v.counts);
+    for (compat, then) in [(&["pre-1128"][..], Then::NothingSeen), (&[][..], Then::Tapped), (&[][..], Then::PreD2Consumer), (&[][..], Then::NotCommitted)] {
+        let v = run(compat, then);
+        assert_eq!(v.violations, 1);
+        assert!(!v.culprits.keys().any(|k| k.starts_with("lost_at:")), "{compat:?}: {:?}", v.culprits);
+    }
+    // A pre-1128 stamp had no confirm behind it: nothing counted as confirmed.
+    let v = run(&["pre-1128"], Then::NothingSeen);
+    assert!(!v.counts.keys().any(|k| k.starts_with("confirmed")), "{:?}", v.counts);
+}
+
+/// A rolling upgrade: cases-1 runs pre-1128 until 1000 ms, then current. Each loss is
+/// blamed on whoever stamped it with the behaviour it ran then, and a loss nobody
+/// stamped on the replica that acknowledged the write.
 #[test]
 fn no_loss_blames_each_loss_on_the_stamping_replica_and_its_compat_at_the_time() {
     let mut h = History::default();
