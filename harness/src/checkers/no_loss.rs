@@ -15,6 +15,9 @@ pub fn no_loss(h: &History) -> Verdict {
     // staged in its transaction (§D1). Another producer's row naming it (financial's
     // payment.created) does not make it staged.
     let mut staged_by_cases: HashSet<Uuid> = HashSet::new();
+    // ... and those rows themselves: the events a consumer queue carries for the aggregate
+    // (a consumer's own later events naming it, rules' for instance, are not).
+    let mut cases_envelopes: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
     let mut published: HashSet<Uuid> = HashSet::new();
     let mut stamps: HashMap<Uuid, Vec<(u64, &str, &[String])>> = HashMap::new();
     for e in h.iter() {
@@ -23,6 +26,7 @@ pub fn no_loss(h: &History) -> Verdict {
                 envelopes.entry(*r).or_default().push(*envelope);
                 if service == "cases" {
                     staged_by_cases.insert(*r);
+                    cases_envelopes.entry(*r).or_default().push(*envelope);
                 }
                 if *p {
                     published.insert(*envelope);
@@ -103,11 +107,13 @@ pub fn no_loss(h: &History) -> Verdict {
         attempted += 1;
         let delivered = fx.by_referral.contains_key(referral);
         let envs = envelopes.get(referral).map(Vec::as_slice).unwrap_or(&[]);
-        let seen = envs.iter().any(|e| inboxed.contains(e));
-        // Confirmed: published in the outbox, and the stamp that stood ran the current
-        // behaviour, which stamps only after the broker's confirm (a pre-1128 stamp had none).
-        let confirmed = envs.iter().any(|e| published.contains(e))
-            && envs.iter().filter_map(|e| stamps.get(e)).flatten().max_by_key(|(t, ..)| *t).is_some_and(|(.., c)| c.is_empty());
+        let queued = cases_envelopes.get(referral).map(Vec::as_slice).unwrap_or(&[]);
+        let seen = queued.iter().any(|e| inboxed.contains(e));
+        // Confirmed: cases' row published in the outbox, and the stamp of it that stood ran
+        // the current behaviour, which stamps only after the broker's confirm (a pre-1128
+        // stamp had none).
+        let confirmed = queued.iter().any(|e| published.contains(e))
+            && queued.iter().filter_map(|e| stamps.get(e)).flatten().max_by_key(|(t, ..)| *t).is_some_and(|(.., c)| c.is_empty());
         if *outcome == Outcome::Ok && confirmed {
             let q = per_queue.entry(queue_of.get(referral).cloned().unwrap_or_else(|| "unknown queue".to_owned())).or_default();
             q.0 += 1;
@@ -146,7 +152,7 @@ pub fn no_loss(h: &History) -> Verdict {
                                 tags.push("lost_at:consumer".to_owned());
                                 "; a consumer's inbox recorded it, so it was lost after delivery"
                             } else if c.is_empty()
-                                && !envs.iter().any(|e| tapped.contains(e))
+                                && !queued.iter().any(|e| tapped.contains(e))
                                 && queue_of.get(referral).is_some_and(|q| !inboxless.contains(q))
                             {
                                 tags.push("lost_at:broker".to_owned());
