@@ -64,8 +64,7 @@ impl Room for Kill {
                     let now = backend.queue_placement(survivor, false).await.ok().flatten().map(|(q, _)| q).unwrap_or_default();
                     let gone = led.iter().all(|l| now.iter().any(|q| &q.name == l && !q.leader.is_empty() && &q.leader != name));
                     if gone {
-                        let to: Vec<String> = led.iter().filter_map(|l| now.iter().find(|q| &q.name == l).map(|q| format!("{l} → {}", q.leader))).collect();
-                        moved = format!("; leaders moved off it: {}", to.join(", "));
+                        moved = format!("; leaders moved off it: {}", super::leaders_now(&led, &now, name).join(", "));
                         break;
                     }
                     if tokio::time::Instant::now() > deadline {

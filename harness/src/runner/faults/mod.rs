@@ -377,6 +377,18 @@ async fn run<R: Room>(cx: &Cx, f: &Fault, target: &FaultTarget) -> anyhow::Resul
 }
 
 /// How long fault `f` is held in force (`duration_ms`, or `restart_after_ms` for a kill).
+/// Where the quorum queues a broker node led (`led`) have their leaders in a listing `now`
+/// (issue 25), as `queue → node`, or `still it` where node `me` still leads: the evidence a
+/// kill and a partition of a cluster node give. A queue the listing lacks is left out.
+pub(super) fn leaders_now(led: &[impl AsRef<str>], now: &[crate::backend::local::QueuePlacement], me: &str) -> Vec<String> {
+    led.iter()
+        .filter_map(|l| {
+            let l = l.as_ref();
+            now.iter().find(|q| q.name == l).map(|q| format!("{l} → {}", if q.leader == me { "still it" } else { q.leader.as_str() }))
+        })
+        .collect()
+}
+
 fn hold(f: &Fault) -> Duration {
     Duration::from_millis(f.duration_ms.or(f.restart_after_ms).unwrap_or(0))
 }
@@ -532,6 +544,21 @@ pub(crate) fn label(f: &Fault) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The leaders a node held, as a listing after its kill or partition shows them: moved,
+    /// still on it, or (a queue the listing lacks) left out.
+    #[test]
+    fn leaders_now_says_where_each_led_queue_is_led() {
+        let q = |name: &str, leader: &str| crate::backend::local::QueuePlacement {
+            name: name.into(),
+            kind: "quorum".into(),
+            nodes: vec![],
+            leader: leader.into(),
+            messages: 0,
+        };
+        let now = [q("a", "n2"), q("b", "n1"), q("c", "n3")];
+        assert_eq!(leaders_now(&["a", "b", "gone"], &now, "n1"), ["a → n2", "b → still it"]);
+    }
 
     /// Issue 24: a backend states what it can do, and a scenario it cannot run is refused
     /// before the run starts, naming each fault and why. Every shipped scenario runs on

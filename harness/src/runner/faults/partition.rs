@@ -134,11 +134,7 @@ impl Room for Partition {
                     let me = names.get(n - 1).cloned().unwrap_or_default();
                     leaders = match tokio::time::timeout(std::time::Duration::from_secs(15), backend.queue_placement(peer, false)).await {
                         Ok(Ok(Some((now, _)))) => {
-                            let to: Vec<String> = led
-                                .iter()
-                                .filter_map(|l| now.iter().find(|q| &q.name == l).map(|q| format!("{l} → {}", if q.leader == me { "still it".to_owned() } else { q.leader.clone() })))
-                                .collect();
-                            format!("; the leaders it held, as node {peer} saw them after the heal: {}", to.join(", "))
+                            format!("; the leaders it held, as node {peer} saw them after the heal: {}", super::leaders_now(&led, &now, &me).join(", "))
                         }
                         _ => format!("; node {peer} did not list the queues within 15 s after the heal"),
                     };
