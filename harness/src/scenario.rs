@@ -171,7 +171,8 @@ pub struct Scenario {
     pub path: PathBuf,
     /// The broker's nodes (`[fleet] broker = { nodes = N }`, 1..=5; default 1). A cluster
     /// runs on the local backend; every replica gets a link to each node (`<replica>->broker`
-    /// for node 1, `<replica>->broker-N` for the others) and the list of them (`AMQP_URL`).
+    /// for node 1, `<replica>->broker-N` for the others) and the list of them (`AMQP_URL`),
+    /// replica i's starting at node ((i - 1) mod N) + 1.
     #[serde(skip)]
     pub broker_nodes: u8,
 }

@@ -667,6 +667,12 @@ async fn start(
                 let mq = toxi.create_proxy(&format!("{name}->{to}"), &mq_listen, addr).await?;
                 amqp_urls.push(through(account, &mq_reach.unwrap_or(mq.listen)));
             }
+            // Replica i starts on node ((i - 1) mod N) + 1 and moves on in node order, so the
+            // replicas of a service publish and consume through every node of a cluster, not
+            // all through node 1 (issue 25: "producers publish with confirms to every node").
+            // One replica, or one node: node 1 first, as before.
+            let nodes = amqp_urls.len().max(1);
+            amqp_urls.rotate_left((i as usize - 1) % nodes);
             let amqp_url = amqp_urls.join(",");
             let mut spec = ReplicaSpec::new(svc.clone(), i);
             spec.compat = entry.get_ref().compat_of(i);

@@ -148,7 +148,10 @@ pub async fn connect_within(amqp_url: &str, heartbeat_secs: u16, name: &str, wit
             Ok(conn) => {
                 NEXT_ENDPOINT.store(i, std::sync::atomic::Ordering::Relaxed);
                 if n > 1 {
-                    tracing::debug!(event = "amqp.endpoint_connected", endpoint = i, endpoints = n, name);
+                    // Info: rare (a connect), and the one record of which node a process
+                    // publishes or consumes through (redacted: no password).
+                    tracing::info!(event = "amqp.endpoint_connected", endpoint = i, endpoints = n, name,
+                        url = %crate::settings::redact(endpoints[i]));
                 }
                 return Ok(conn);
             }
