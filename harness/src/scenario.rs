@@ -1152,8 +1152,10 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
                     }
                 }
             }
+            // A graceful restart of a cluster node (issue 25): drained, stopped, started, revived.
+            (FaultKind::Upgrade, FaultTarget::BrokerNode(_)) if fault.compat.is_none() && fault.failpoint.is_none() => {}
             (FaultKind::Upgrade | FaultKind::Downgrade, _) => {
-                return Err(err(span, "upgrade and downgrade target a replica like \"cases-1\"".into()));
+                return Err(err(span, "upgrade and downgrade target a replica like \"cases-1\" (an upgrade also a node of a broker cluster, \"broker-2\", with no compat or failpoint: a graceful restart)".into()));
             }
             (FaultKind::Kill, target) if fault.wipe && !matches!(target, FaultTarget::BrokerNode(_)) => {
                 return Err(err(key_in(f.span(), "wipe"), "wipe = true takes a node of a broker cluster (target = \"broker-2\", [fleet] broker = { nodes = 3 })".into()));
@@ -1668,6 +1670,24 @@ effect_once = { violate = "compat:pre-d2" }
         assert!(e.reason.contains("on a broker cluster a partition cuts one node off from its peers: target = \"broker-N\""), "{e}");
         let kind_line = with("broker").lines().position(|l| l == "kind = \"partition\"").unwrap() + 1;
         assert!((kind_line - 1..=kind_line + 3).contains(&e.line), "the partition's own lines: {e}");
+    }
+
+    /// Issue 25: an upgrade of a cluster's node is a graceful restart (drain, stop, start,
+    /// revive): no compat (a broker node runs no craig behaviour) and no failpoint; a
+    /// downgrade of one is refused.
+    #[test]
+    fn an_upgrade_of_a_broker_node_is_a_graceful_restart_without_compat() {
+        let with = |kind: &str, extra: &str| {
+            GOOD.replace("[fleet]\n", "[fleet]\nbroker = { nodes = 3 }\n")
+                .replace("[expect]", &format!("[[faults]]\nkind = \"{kind}\"\ntarget = \"broker-2\"\nat = {{ after_ms = 100 }}\n{extra}\n[expect]"))
+        };
+        let s = parse_str(&with("upgrade", "")).unwrap();
+        let f = s.faults.last().unwrap().get_ref();
+        assert_eq!((f.kind, s.parse_target(&f.target)), (FaultKind::Upgrade, Some(FaultTarget::BrokerNode(2))));
+        for (kind, extra) in [("upgrade", "compat = [\"pre-1128\"]\n"), ("downgrade", "compat = [\"pre-1128\"]\n")] {
+            let e = rejected(&with(kind, extra));
+            assert!(e.reason.contains("an upgrade also a node of a broker cluster, \"broker-2\", with no compat or failpoint"), "{kind}: {e}");
+        }
     }
 
     #[test]

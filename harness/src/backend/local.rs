@@ -515,7 +515,13 @@ impl LocalBackend {
     }
 
     async fn rabbitmqctl_on(server: &Server, args: &[&str]) -> Result<String, BackendError> {
-        let ctl = rabbitmq_script()?.with_file_name("rabbitmqctl");
+        Self::rabbitmq_cli_on(server, "rabbitmqctl", args, Self::CTL_BOUND).await
+    }
+
+    /// A RabbitMQ CLI tool (`rabbitmqctl`, `rabbitmq-upgrade`) against `server`'s node,
+    /// bounded by `bound` and killed when dropped; its stdout.
+    async fn rabbitmq_cli_on(server: &Server, tool: &str, args: &[&str], bound: Duration) -> Result<String, BackendError> {
+        let ctl = rabbitmq_script()?.with_file_name(tool);
         let run = tokio::process::Command::new(&ctl)
             .args(["-n", &server.var("RABBITMQ_NODENAME").unwrap_or_default()])
             .args(args)
@@ -524,15 +530,15 @@ impl LocalBackend {
             .kill_on_drop(true)
             .output();
         // Bounded: a paused or wedged node must not hang the run (the child dies on drop).
-        let out = tokio::time::timeout(Self::CTL_BOUND, run)
+        let out = tokio::time::timeout(bound, run)
             .await
-            .map_err(|_| BackendError::failed(format!("rabbitmqctl {}", args.join(" ")), format!("no answer within {:?}", Self::CTL_BOUND)))?
+            .map_err(|_| BackendError::failed(format!("{tool} {}", args.join(" ")), format!("no answer within {bound:?}")))?
             .map_err(|e| BackendError::failed(format!("running {}", ctl.display()), e))?;
         if out.status.success() {
             Ok(String::from_utf8_lossy(&out.stdout).into_owned())
         } else {
             Err(BackendError::failed(
-                format!("rabbitmqctl {}", args.join(" ")),
+                format!("{tool} {}", args.join(" ")),
                 String::from_utf8_lossy(&out.stderr).trim().to_owned(),
             ))
         }
@@ -871,6 +877,40 @@ impl LocalBackend {
         s.spawn()?;
         let limit = if t.broker_node().is_some() { Duration::from_secs(60) } else { Duration::from_secs(30) };
         self.wait_ready(t, limit).await
+    }
+
+    /// Issue 25: broker node `node` taken out as an operator's graceful rolling restart
+    /// does it: `rabbitmq-upgrade drain` (maintenance mode: the quorum queues it leads hand
+    /// their leadership to the other members, its client connections are closed and its
+    /// listeners stopped; bounded, 120 s), then SIGTERM and a wait of at most 60 s for the
+    /// node to shut down by itself. Its exit status, or None when it had to be SIGKILLed
+    /// (no graceful stop). Started again with [`LocalBackend::restart`], then
+    /// [`LocalBackend::revive_broker_node`].
+    pub async fn drain_and_stop_broker_node(&mut self, node: usize) -> Result<Option<std::process::ExitStatus>, BackendError> {
+        let server = self.broker_node_ref(node)?;
+        Self::rabbitmq_cli_on(server, "rabbitmq-upgrade", &["drain"], Duration::from_secs(120)).await?;
+        let s = self.server(Target::BrokerNode(node as u8))?;
+        s.signal(Signal::SIGTERM)?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = s.exited() {
+                // The rest of its group (the CLI helpers) goes with it.
+                s.kill().await?;
+                return Ok(Some(status));
+            }
+            if Instant::now() > deadline {
+                s.kill().await?;
+                return Ok(None);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// `rabbitmq-upgrade revive` on broker node `node`, restarted after
+    /// [`LocalBackend::drain_and_stop_broker_node`]: out of maintenance mode (a no-op where
+    /// the restart already brought it out).
+    pub async fn revive_broker_node(&self, node: usize) -> Result<(), BackendError> {
+        Self::rabbitmq_cli_on(self.broker_node_ref(node)?, "rabbitmq-upgrade", &["revive"], Self::CTL_BOUND).await.map(drop)
     }
 
     /// SIGSTOP / SIGCONT the server's process group; on a stop, the evidence: the kernel

@@ -331,6 +331,29 @@ impl Backend {
         }
     }
 
+    /// A graceful restart of a broker cluster's node (issue 25, the local backend's): drained
+    /// (`rabbitmq-upgrade drain`), stopped by SIGTERM, started on its data, revived. Its
+    /// exit status from the stop; None when it did not stop by itself within 60 s (killed).
+    pub async fn drain_and_stop(&mut self, target: Target) -> Result<Option<std::process::ExitStatus>, BackendError> {
+        match (self, target.broker_node()) {
+            (Backend::Local(b), Some(n)) if b.broker_nodes() > 1 => b.drain_and_stop_broker_node(n).await,
+            (b, _) => Err(BackendError::Unsupported {
+                backend: b.kind().name(),
+                fault: "upgrade",
+                target,
+                why: "only a node of a broker cluster on the local backend is drained and restarted here",
+            }),
+        }
+    }
+
+    /// The node of [`Backend::drain_and_stop`] out of maintenance mode once restarted.
+    pub async fn revive(&mut self, target: Target) -> Result<(), BackendError> {
+        match (self, target.broker_node()) {
+            (Backend::Local(b), Some(n)) => b.revive_broker_node(n).await,
+            (b, _) => Err(BackendError::Unsupported { backend: b.kind().name(), fault: "upgrade", target, why: "no cluster here" }),
+        }
+    }
+
     /// Start a killed target again on its old data and wait until it serves.
     pub async fn restart(&mut self, target: Target) -> Result<(), BackendError> {
         match self {

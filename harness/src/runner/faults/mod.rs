@@ -521,6 +521,7 @@ fn not_supported(f: &Fault) -> anyhow::Error {
 pub(crate) fn label(f: &Fault) -> String {
     match (&f.toxic, f.kind) {
         (_, FaultKind::Crash) => format!("{} at {}", f.target, f.failpoint.as_deref().unwrap_or("?")),
+        (_, FaultKind::Upgrade) if f.target.starts_with("broker-") => format!("{} (drained, restarted)", f.target),
         (_, FaultKind::Upgrade | FaultKind::Downgrade) => {
             let to = f.compat.as_deref().filter(|c| !c.is_empty()).map(|c| c.join(",")).unwrap_or_else(|| "current".into());
             format!("{} to {to}", f.target)
@@ -563,8 +564,8 @@ mod tests {
     /// Issue 24: a backend states what it can do, and a scenario it cannot run is refused
     /// before the run starts, naming each fault and why. Every shipped scenario runs on
     /// `local` (a partition between broker nodes only as root) and `containers`; `external`
-    /// refuses exactly those that kill or pause a server or cut a broker node off from its
-    /// peers.
+    /// refuses exactly those that kill or pause a server, cut a broker node off from its
+    /// peers or restart one.
     #[test]
     fn each_backend_refuses_exactly_the_shipped_faults_it_cannot_do() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios");
@@ -582,7 +583,7 @@ mod tests {
             }
             let on_server = faults.iter().any(|(k, t)| {
                 (matches!(k, FaultKind::Kill | FaultKind::Pause) && matches!(t, FaultTarget::Broker | FaultTarget::BrokerNode(_) | FaultTarget::Database))
-                    || (*k == FaultKind::Partition && matches!(t, FaultTarget::BrokerNode(_)))
+                    || (matches!(k, FaultKind::Partition | FaultKind::Upgrade) && matches!(t, FaultTarget::BrokerNode(_)))
             });
             match refuse_unsupported(&s, BackendKind::External) {
                 Ok(()) => assert!(!on_server, "{}: external must refuse a server fault", s.name),

@@ -1,5 +1,12 @@
 //! `upgrade` and `downgrade`: one step of a rollout. The replica drains and exits on
 //! SIGTERM, then starts again with the other compat modes. Not held, nothing to heal.
+//!
+//! `upgrade` of a broker cluster's node (`broker-N`, issue 25: the graceful rolling restart
+//! operators do, on the same RabbitMQ version): the node is drained (`rabbitmq-upgrade
+//! drain`: the quorum queues it leads hand their leadership over, its clients are
+//! disconnected), stopped by SIGTERM, started on its data and revived. Evidence: it shut
+//! down by itself, and no queue it led is still led by it after the drain (as a peer lists
+//! them); a node that had to be killed, or kept a leadership, leaves none.
 
 use std::time::Duration;
 
@@ -20,11 +27,20 @@ impl Room for Rollout {
     type Applied = ();
     const HOLDS: bool = false;
 
-    fn supported(_: BackendKind, _: &FaultTarget) -> Result<(), &'static str> {
-        Ok(())
+    fn supported(backend: BackendKind, target: &FaultTarget) -> Result<(), &'static str> {
+        // A cluster runs on the local backend only (refused elsewhere before anything
+        // starts); external's servers are shared and never restarted.
+        match target {
+            FaultTarget::BrokerNode(_) => super::kill::server_supported(backend, target),
+            _ => Ok(()),
+        }
     }
 
     async fn apply(cx: &Cx, f: &Fault, target: &FaultTarget) -> anyhow::Result<()> {
+        if let FaultTarget::BrokerNode(n) = target {
+            let _one_at_a_time = ROLLOUT.lock().await;
+            return restart_broker_node(cx, *n).await;
+        }
         let FaultTarget::Replica(name) = target else { return Err(not_supported(f)) };
         // One replica at a time, as a rollout goes: an upgrade whose time comes while
         // another is still restarting waits for it.
@@ -53,4 +69,39 @@ impl Room for Rollout {
     async fn heal(_: &Cx, _: &Fault, _: &FaultTarget, (): ()) -> anyhow::Result<()> {
         Ok(())
     }
+}
+
+/// A graceful restart of broker node `n` (module doc). The backend is held throughout, so
+/// no other broker fault overlaps it.
+async fn restart_broker_node(cx: &Cx, n: u8) -> anyhow::Result<()> {
+    let t = crate::backend::Target::BrokerNode(n);
+    let node = usize::from(n);
+    let mut backend = cx.backend.lock().await;
+    let (before, names) = backend.queue_placement(node, false).await?.ok_or_else(|| anyhow::anyhow!("{t}: no broker cluster here"))?;
+    let me = names.get(node - 1).cloned().unwrap_or_default();
+    let led: Vec<String> = before.iter().filter(|q| q.leader == me).map(|q| q.name.clone()).collect();
+    let status = backend.drain_and_stop(t).await?;
+    // Where its leaders went, as a peer lists them now that it is down (bounded; a peer
+    // that does not answer leaves the handover unshown).
+    let peer = (1..=names.len()).find(|&k| k != node).unwrap_or(1);
+    let now = match tokio::time::timeout(Duration::from_secs(15), backend.queue_placement(peer, false)).await {
+        Ok(Ok(Some((now, _)))) => Some(now),
+        _ => None,
+    };
+    backend.restart(t).await?;
+    backend.revive(t).await?;
+    drop(backend);
+    let handed = now.as_ref().map(|now| {
+        let kept = led.iter().any(|l| now.iter().any(|q| &q.name == l && (q.leader == me || q.leader.is_empty())));
+        (!kept, super::leaders_now(&led, now, &me))
+    });
+    cx.evidence(match (status, handed) {
+        (Some(st), Some((true, to))) if st.success() => Some(format!(
+            "{t} drained and shut down by itself ({}); leaders handed over: {}; started again and revived",
+            describe(st),
+            if to.is_empty() { "it led none".to_owned() } else { to.join(", ") }
+        )),
+        _ => None,
+    });
+    Ok(())
 }
