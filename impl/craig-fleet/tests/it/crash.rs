@@ -34,11 +34,13 @@ async fn crash_and_heal(label: &str, point: &str) -> (Vec<String>, Vec<String>, 
     let fleet = Fleet::new(label, &[Service::Cases]).await;
     fleet.declare_queue(QUEUE, EVENT).await;
     let ids = stage(&fleet, 50).await;
-    // A 2 s lease needs timeouts that fit in it (2 × 500 ms confirm + 1 s connect).
+    // A 6 s lease needs timeouts that fit in it (2 × 2 s confirm + 2 s connect). Not
+    // shorter: a confirm that misses a 500 ms timeout on a loaded broker releases its row,
+    // which is then published a third time and the counts below no longer say "a crash".
     let lease = [
-        ("CRAIG_OUTBOX_CLAIM_LEASE_SECS", "2"),
-        ("CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS", "500"),
-        ("CRAIG_AMQP_CONNECT_TIMEOUT_MS", "1000"),
+        ("CRAIG_OUTBOX_CLAIM_LEASE_SECS", "6"),
+        ("CRAIG_PUBLISH_CONFIRM_TIMEOUT_MS", "2000"),
+        ("CRAIG_AMQP_CONNECT_TIMEOUT_MS", "2000"),
     ];
 
     let failpoint = format!("{point}=return(abort)");

@@ -55,9 +55,14 @@ async fn deliver_twice(label: &str, compat: &[&str]) -> (i64, String) {
         .unwrap();
     // The node's outbox refuses its rule.evaluated rows on its own poll: wait for that
     // refusal to be counted (on a loaded machine it can come after the marker's effect).
+    // With the inbox, wait too for the marker's processed count: the inbox stamps and counts
+    // after the handler's row commits, so the row alone can be seen a moment before.
     let scrape = || async { reqwest::get(format!("{}/metrics", node.base)).await.unwrap().text().await.unwrap() };
-    eventually(Duration::from_secs(20), "rule.evaluated refused as unroutable", || async {
-        series(&scrape().await, "outbox_publish_errors_total{kind=\"unroutable\"}").is_some_and(|n| n >= 1.0)
+    let inbox = compat.is_empty();
+    eventually(Duration::from_secs(20), "rule.evaluated refused as unroutable (and the marker counted processed)", || async {
+        let m = scrape().await;
+        series(&m, "outbox_publish_errors_total{kind=\"unroutable\"}").is_some_and(|n| n >= 1.0)
+            && (!inbox || series(&m, "inbox_processed_total").is_some_and(|n| n >= 2.0))
     })
     .await;
     let metrics = scrape().await;
@@ -136,8 +141,20 @@ async fn referrals_flow_from_http_to_rule_evaluations() {
         .unwrap();
     assert_eq!(evaluated, ids, "exactly the written referrals were evaluated");
     assert_eq!(count(&cases_db, "SELECT count(*) FROM referrals").await, 20);
-    assert_eq!(count(&cases_db, "SELECT count(*) FROM event_outbox WHERE published_at IS NOT NULL").await, 20);
-    let metrics = reqwest::get(format!("{}/metrics", cases.base)).await.unwrap().text().await.unwrap();
+    // cases stamps a row after the broker's confirm, which can come after the consumer
+    // already handled the message: wait for the stamps (and their counters) too.
+    eventually(Duration::from_secs(10), "cases outbox drained", || {
+        let cases_db = cases_db.clone();
+        async move { count(&cases_db, "SELECT count(*) FROM event_outbox WHERE published_at IS NOT NULL").await == 20 }
+    })
+    .await;
+    let metrics_of = |base: String| async move { reqwest::get(format!("{base}/metrics")).await.unwrap().text().await.unwrap() };
+    eventually(Duration::from_secs(10), "cases counted 20 published", || {
+        let m = metrics_of(cases.base.clone());
+        async move { series(&m.await, "outbox_published_total") == Some(20.0) }
+    })
+    .await;
+    let metrics = metrics_of(cases.base.clone()).await;
     assert_eq!(series(&metrics, "outbox_published_total"), Some(20.0), "{metrics}");
     assert_eq!(series(&metrics, "outbox_publish_lag_seconds_count"), Some(20.0), "{metrics}");
     // rules stages rule.evaluated for each, in the same transaction as the row.
@@ -225,7 +242,12 @@ async fn events_published_before_their_consumer_queue_exists_wait_for_it() {
         async move { count(&pool, "SELECT count(*) FROM rule_evaluations").await == 5 }
     })
     .await;
-    assert_eq!(count(&cases_db, "SELECT count(*) FROM event_outbox WHERE published_at IS NULL").await, 0);
+    // Stamped after the confirm, which can come after the consumer handled the message.
+    eventually(Duration::from_secs(10), "cases outbox drained", || {
+        let pool = cases_db.clone();
+        async move { count(&pool, "SELECT count(*) FROM event_outbox WHERE published_at IS NULL").await == 0 }
+    })
+    .await;
     assert_eq!(rules.stop().await.code(), Some(0));
     assert_eq!(cases.stop().await.code(), Some(0));
     fleet.finish().await;

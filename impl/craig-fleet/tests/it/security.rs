@@ -765,8 +765,12 @@ async fn the_node_and_the_command_redrive_the_capture_queue() {
         async move { count(&pool, "SELECT count(*) FROM dead_letter_audit").await == 1 }
     })
     .await;
-    let metrics = reqwest::get(format!("{}/metrics", node.base)).await.unwrap().text().await.unwrap();
-    assert!(metrics.lines().any(|l| l == "dlq_outcomes_total{outcome=\"redriven\"} 1"), "{metrics}");
+    // Counted after the capture delivery's ack, a moment after the row commits.
+    eventually(Duration::from_secs(10), "the redrive counted", || async {
+        let metrics = reqwest::get(format!("{}/metrics", node.base)).await.unwrap().text().await.unwrap();
+        metrics.lines().any(|l| l == "dlq_outcomes_total{outcome=\"redriven\"} 1")
+    })
+    .await;
     assert_eq!(node.stop().await.code(), Some(0));
 
     let second = envelope("case.referral_created");

@@ -381,11 +381,23 @@ async fn requeued_deliveries_past_a_reject_publish_limit_are_kept_but_a_late_lim
     // The consumer dies: its 5 deliveries come back to a queue already at its limit.
     drop(consumer);
     let _ = consumer_conn.close(200, "crash".into()).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
     let (conn, ch) = env.channel().await;
-    let ready = craig_mq::topology::queue_depth(&ch, QUEUE).await.unwrap();
-    let dead = craig_mq::topology::queue_depth(&ch, craig_mq::topology::DLQ_QUEUE).await.unwrap();
-    assert_eq!((ready, dead), (7, 0), "requeued deliveries are kept past the limit");
+    // The broker requeues and applies policies on its own time: poll (bounded), then judge.
+    let settled = |queue: &'static str, want: (u32, u32)| {
+        let ch = ch.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                let ready = craig_mq::topology::queue_depth(&ch, queue).await.unwrap();
+                let dead = craig_mq::topology::queue_depth(&ch, craig_mq::topology::DLQ_QUEUE).await.unwrap();
+                if (ready, dead) == want || tokio::time::Instant::now() > deadline {
+                    return (ready, dead);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert_eq!(settled(QUEUE, (7, 0)).await, (7, 0), "requeued deliveries are kept past the limit");
 
     // A FIRST limit lands on a backlog of 5 (a queue with no limit yet, so overflow is still
     // the default drop-head when max-length takes effect): the head goes to craig.dlx.
@@ -396,10 +408,7 @@ async fn requeued_deliveries_past_a_reject_publish_limit_are_kept_but_a_late_lim
         publisher.publish(&envelope()).await.unwrap();
     }
     env.sandbox.set_policy("late", "^craig-backlog\\.events$", &policy).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let ready = craig_mq::topology::queue_depth(&ch, "craig-backlog.events").await.unwrap();
-    let dead = craig_mq::topology::queue_depth(&ch, craig_mq::topology::DLQ_QUEUE).await.unwrap();
-    assert_eq!((ready, dead), (2, 3), "a first limit applied over a backlog dead-letters the excess");
+    assert_eq!(settled("craig-backlog.events", (2, 3)).await, (2, 3), "a first limit applied over a backlog dead-letters the excess");
     let _ = conn.close(200, "bye".into()).await;
     publisher.close().await;
     env.finish().await;
