@@ -377,3 +377,21 @@ pub async fn on_any_event(
         Err(craig_mq::InboxError::Db(e)) | Err(craig_mq::InboxError::Handler { source: e, .. }) => Err(classify(e)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 21.2's last resort: a dead letter whose body is no envelope and whose headers
+    /// name no routing key takes the one event type its consumer queue is bound to; a queue
+    /// bound by a wildcard (security's `#`) names none. (A mutation test found nothing held
+    /// the first half: with the guard always false, every such row lost its #1156 key.)
+    #[test]
+    fn an_unreadable_dead_letter_takes_its_queues_one_binding_and_never_a_wildcard() {
+        let from = |queue: &str| event_type_of(&DeadLetterDelivery::read(b"{garbage", &format!("dlq.{queue}"), None));
+        assert_eq!(from("craig-rules.events").as_deref(), Some("case.referral_created"));
+        assert_eq!(from("craig-financial.events").as_deref(), Some("placement.activated"));
+        assert_eq!(from("craig-security.events"), None);
+        assert_eq!(from("craig-nobody.events"), None);
+    }
+}
