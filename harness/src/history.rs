@@ -245,7 +245,13 @@ pub enum Event {
     /// end (issue 25): the consumer recorded this envelope, in its own commit before its
     /// handler ran (§D2), so the broker delivered it. `no_loss` tells a confirmed event the
     /// broker never delivered from one a consumer took and lost by these.
-    Inboxed { envelope: Uuid, service: String },
+    Inboxed {
+        envelope: Uuid,
+        service: String,
+        /// Its `processed_at` is set: the consumer's handler succeeded and the inbox stamped it.
+        #[serde(default)]
+        processed: bool,
+    },
     /// A DELETE of an `event_inbox` row, recorded by a harness trigger with the row's age
     /// then, and the inbox window the service runs with.
     InboxPruned { envelope: Uuid, service: String, age_ms: u64, window_ms: u64 },

@@ -320,10 +320,10 @@ fn process_gone(pid: i32) -> bool {
     pid as u32 != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
 
-/// `docker ARGS` through the CLI, bounded (30 s); its stdout, or why it failed.
 /// How often [`ContainersBackend::pause`] asks for a freeze the runtime gave up on.
 const FREEZE_TRIES: u32 = 5;
 
+/// `docker ARGS` through the CLI, bounded (30 s); its stdout, or why it failed.
 async fn docker(args: &[&str]) -> Result<String, String> {
     let o = docker_output(args).await?;
     if o.status.success() {

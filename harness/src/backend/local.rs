@@ -194,6 +194,17 @@ fn non_ephemeral(lo: u32, hi: u32) -> (u32, u32) {
 mod port_tests {
     use super::*;
 
+    /// A peer's `cluster_status` after `rabbitmq-upgrade drain` of node c (RabbitMQ 3.10,
+    /// as captured here): only c is reported under maintenance.
+    #[test]
+    fn a_drained_node_is_read_from_a_peers_cluster_status() {
+        let out = "\x1b[1mMaintenance status\x1b[0m\n\nNode: a@localhost, status: not under maintenance\n\
+                   Node: c@localhost, status: \x1b[35mmarked for maintenance\x1b[0m\n\n\x1b[1mAlarms\x1b[0m\n";
+        assert!(reports_maintenance(out, "c@localhost"));
+        assert!(!reports_maintenance(out, "a@localhost"));
+        assert!(!reports_maintenance(out, "b@localhost"));
+    }
+
     #[test]
     fn a_taken_port_is_recognised_in_either_servers_words() {
         assert!(port_taken("LOG:  could not bind IPv4 address \"127.0.0.1\": Address already in use"));
@@ -879,16 +890,27 @@ impl LocalBackend {
         self.wait_ready(t, limit).await
     }
 
-    /// Issue 25: broker node `node` taken out as an operator's graceful rolling restart
-    /// does it: `rabbitmq-upgrade drain` (maintenance mode: the quorum queues it leads hand
-    /// their leadership to the other members, its client connections are closed and its
-    /// listeners stopped; bounded, 120 s), then SIGTERM and a wait of at most 60 s for the
-    /// node to shut down by itself. Its exit status, or None when it had to be SIGKILLed
-    /// (no graceful stop). Started again with [`LocalBackend::restart`], then
-    /// [`LocalBackend::revive_broker_node`].
-    pub async fn drain_and_stop_broker_node(&mut self, node: usize) -> Result<Option<std::process::ExitStatus>, BackendError> {
-        let server = self.broker_node_ref(node)?;
-        Self::rabbitmq_cli_on(server, "rabbitmq-upgrade", &["drain"], Duration::from_secs(120)).await?;
+    /// Issue 25: broker node `node` drained, as an operator's graceful rolling restart does
+    /// it: `rabbitmq-upgrade drain` (maintenance mode: the quorum queues it leads hand their
+    /// leadership to the other members, its client connections are closed and its listeners
+    /// stopped; bounded, 120 s). It keeps running: [`LocalBackend::stop_broker_node`] next.
+    pub async fn drain_broker_node(&self, node: usize) -> Result<(), BackendError> {
+        Self::rabbitmq_cli_on(self.broker_node_ref(node)?, "rabbitmq-upgrade", &["drain"], Duration::from_secs(120)).await.map(drop)
+    }
+
+    /// Whether node `ask` reports broker node `node` under maintenance (`rabbitmqctl
+    /// cluster_status`, "Maintenance status": "marked for maintenance"): a peer's word that a
+    /// drain took effect.
+    pub async fn under_maintenance(&self, ask: usize, node: usize) -> Result<bool, BackendError> {
+        let name = self.broker_node_names().get(node - 1).cloned().ok_or_else(|| no_node(node, self.broker_nodes()))?;
+        let out = self.rabbitmqctl_node(ask, &["cluster_status"]).await?;
+        Ok(reports_maintenance(&out, &name))
+    }
+
+    /// SIGTERM to broker node `node` and a wait of at most 60 s for it to shut down by
+    /// itself. Its exit status, or None when it had to be SIGKILLed (no graceful stop).
+    /// Started again with [`LocalBackend::restart`], then [`LocalBackend::revive_broker_node`].
+    pub async fn stop_broker_node(&mut self, node: usize) -> Result<Option<std::process::ExitStatus>, BackendError> {
         let s = self.server(Target::BrokerNode(node as u8))?;
         s.signal(Signal::SIGTERM)?;
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -907,8 +929,8 @@ impl LocalBackend {
     }
 
     /// `rabbitmq-upgrade revive` on broker node `node`, restarted after
-    /// [`LocalBackend::drain_and_stop_broker_node`]: out of maintenance mode (a no-op where
-    /// the restart already brought it out).
+    /// [`LocalBackend::drain_broker_node`]: out of maintenance mode (a no-op where the
+    /// restart already brought it out).
     pub async fn revive_broker_node(&self, node: usize) -> Result<(), BackendError> {
         Self::rabbitmq_cli_on(self.broker_node_ref(node)?, "rabbitmq-upgrade", &["revive"], Self::CTL_BOUND).await.map(drop)
     }
@@ -964,6 +986,15 @@ pub struct QueuePlacement {
     /// A quorum queue's leader (empty for classic).
     pub leader: String,
     pub messages: u64,
+}
+
+/// Whether `rabbitmqctl cluster_status` output reports node `name` under maintenance.
+/// RabbitMQ 3.10 says "Node: <name>, status: marked for maintenance" (coloured) for a drained
+/// node and "not under maintenance" for the others.
+fn reports_maintenance(cluster_status: &str, name: &str) -> bool {
+    cluster_status.lines().any(|l| {
+        l.contains(&format!("Node: {name}, status:")) && (l.contains("marked for maintenance") || (l.contains("under maintenance") && !l.contains("not under")))
+    })
 }
 
 fn no_node(node: usize, nodes: usize) -> BackendError {

@@ -331,12 +331,11 @@ impl Backend {
         }
     }
 
-    /// A graceful restart of a broker cluster's node (issue 25, the local backend's): drained
-    /// (`rabbitmq-upgrade drain`), stopped by SIGTERM, started on its data, revived. Its
-    /// exit status from the stop; None when it did not stop by itself within 60 s (killed).
-    pub async fn drain_and_stop(&mut self, target: Target) -> Result<Option<std::process::ExitStatus>, BackendError> {
+    /// A broker cluster's node drained (issue 25, the local backend's): `rabbitmq-upgrade
+    /// drain`, the first step of a graceful restart; [`Backend::stop_gracefully`] next.
+    pub async fn drain(&mut self, target: Target) -> Result<(), BackendError> {
         match (self, target.broker_node()) {
-            (Backend::Local(b), Some(n)) if b.broker_nodes() > 1 => b.drain_and_stop_broker_node(n).await,
+            (Backend::Local(b), Some(n)) if b.broker_nodes() > 1 => b.drain_broker_node(n).await,
             (b, _) => Err(BackendError::Unsupported {
                 backend: b.kind().name(),
                 fault: "upgrade",
@@ -346,7 +345,24 @@ impl Backend {
         }
     }
 
-    /// The node of [`Backend::drain_and_stop`] out of maintenance mode once restarted.
+    /// Whether broker node `ask` reports the target node under maintenance (drained).
+    pub async fn under_maintenance(&self, ask: usize, target: Target) -> Result<bool, BackendError> {
+        match (self, target.broker_node()) {
+            (Backend::Local(b), Some(n)) => b.under_maintenance(ask, n).await,
+            (b, _) => Err(BackendError::Unsupported { backend: b.kind().name(), fault: "upgrade", target, why: "no cluster here" }),
+        }
+    }
+
+    /// The drained node stopped by SIGTERM: its exit status; None when it did not stop by
+    /// itself within 60 s (killed).
+    pub async fn stop_gracefully(&mut self, target: Target) -> Result<Option<std::process::ExitStatus>, BackendError> {
+        match (self, target.broker_node()) {
+            (Backend::Local(b), Some(n)) => b.stop_broker_node(n).await,
+            (b, _) => Err(BackendError::Unsupported { backend: b.kind().name(), fault: "upgrade", target, why: "no cluster here" }),
+        }
+    }
+
+    /// The node of [`Backend::drain`] out of maintenance mode once restarted.
     pub async fn revive(&mut self, target: Target) -> Result<(), BackendError> {
         match (self, target.broker_node()) {
             (Backend::Local(b), Some(n)) => b.revive_broker_node(n).await,

@@ -1,4 +1,4 @@
-//! `no_loss`, ADR-022 §D1/§D3 at-least-once: every acknowledged write's event produces its effect, every published dead letter reaches `craig.dlx`. Excused: nothing; blame needs the system's own word (who stamped, who rejected). Where a confirmed event was lost is named from the database (issue 25): `lost_at:consumer` when a consumer's inbox recorded it, `lost_at:broker` when the current behaviour stamped it (after a confirm) and no consumer recorded it; counted per consumer queue (`confirmed`, `confirmed_never_delivered`).
+//! `no_loss`, ADR-022 §D1/§D3 at-least-once: every acknowledged write's event produces its effect, every published dead letter reaches `craig.dlx`. Excused: nothing; blame needs the system's own word (who stamped, who rejected). Where a confirmed event was lost is named from the database (issue 25): `lost_at:consumer` when a consumer's inbox recorded it processed, `lost_at:broker` when the current behaviour stamped it (after a confirm), no consumer recorded it and a broker node lost its data after the stamp; counted per consumer queue (`confirmed`, `confirmed_never_delivered`: the outbox's record of confirms, not the broker's).
 
 use super::*;
 
@@ -72,13 +72,24 @@ pub fn no_loss(h: &History) -> Verdict {
     // The inbox row is the consumer's first commit for a delivery, so an envelope with none
     // was never delivered to a consumer that kept it.
     let mut inboxed: HashSet<Uuid> = HashSet::new();
+    // ... of those, the rows the consumer stamped processed (its handler returned success).
+    let mut processed: HashSet<Uuid> = HashSet::new();
     let mut tapped: HashSet<Uuid> = HashSet::new();
     let mut queue_of: HashMap<Uuid, String> = HashMap::new();
     let mut inboxless: HashSet<String> = HashSet::new();
     for e in h.iter() {
         match &e.event {
-            Event::Inboxed { envelope, .. } | Event::InboxPruned { envelope, .. } => {
+            Event::Inboxed { envelope, processed: p, .. } => {
                 inboxed.insert(*envelope);
+                if *p {
+                    processed.insert(*envelope);
+                }
+            }
+            // A retention delete prunes processed rows only (#965/#1129; a pending one
+            // would be the retention checker's violation).
+            Event::InboxPruned { envelope, .. } => {
+                inboxed.insert(*envelope);
+                processed.insert(*envelope);
             }
             Event::DeadLettered { envelope: Some(env), .. } => {
                 tapped.insert(*env);
@@ -109,6 +120,8 @@ pub fn no_loss(h: &History) -> Verdict {
         let envs = envelopes.get(referral).map(Vec::as_slice).unwrap_or(&[]);
         let queued = cases_envelopes.get(referral).map(Vec::as_slice).unwrap_or(&[]);
         let seen = queued.iter().any(|e| inboxed.contains(e));
+        let handled = queued.iter().any(|e| processed.contains(e));
+        let dead_lettered = queued.iter().any(|e| tapped.contains(e));
         // Confirmed: cases' row published in the outbox, and the stamp of it that stood ran
         // the current behaviour, which stamps only after the broker's confirm (a pre-1128
         // stamp had none).
@@ -117,7 +130,7 @@ pub fn no_loss(h: &History) -> Verdict {
         if *outcome == Outcome::Ok && confirmed {
             let q = per_queue.entry(queue_of.get(referral).cloned().unwrap_or_else(|| "unknown queue".to_owned())).or_default();
             q.0 += 1;
-            q.1 += u64::from(!seen && !delivered);
+            q.1 += u64::from(!seen && !delivered && !dead_lettered);
         }
         match outcome {
             Outcome::Ok => {
@@ -142,21 +155,27 @@ pub fn no_loss(h: &History) -> Verdict {
                             for (_, node, queue_type) in &after {
                                 tags.extend([format!("fault:kill {node}"), format!("queue:{queue_type}")]);
                             }
-                            // Where it was lost (issue 25), by the consumers' inboxes: taken by
-                            // a consumer and lost after; or, stamped by the current behaviour
-                            // (which stamps only after a confirm) and neither recorded by a
-                            // consumer nor seen dead-lettered by the harness's tap, confirmed
-                            // by the broker and never delivered. A compat stamp may have had
-                            // no confirm behind it: no place is named then.
-                            let place = if seen {
+                            // Where it was lost (issue 25), by the consumers' inboxes: handled
+                            // by a consumer (its inbox row stamped processed) and lost after;
+                            // or confirmed (cases' row, stamped by the current behaviour, which
+                            // stamps only after a confirm), recorded by no consumer, not seen
+                            // dead-lettered by the harness's tap, AND a broker node lost its
+                            // data after the stamp (the broker's own loss, recorded by the
+                            // harness): lost at the broker. Anything else names no place: a
+                            // compat stamp may have had no confirm behind it, an unstamped
+                            // inbox row went back to the broker, and without a recorded data
+                            // loss "never delivered" could be a consumer's doing.
+                            let place = if handled {
                                 tags.push("lost_at:consumer".to_owned());
-                                "; a consumer's inbox recorded it, so it was lost after delivery"
-                            } else if c.is_empty()
-                                && !queued.iter().any(|e| tapped.contains(e))
+                                "; a consumer's inbox recorded it processed, so it was lost after delivery"
+                            } else if confirmed
+                                && !seen
+                                && !dead_lettered
+                                && !after.is_empty()
                                 && queue_of.get(referral).is_some_and(|q| !inboxless.contains(q))
                             {
                                 tags.push("lost_at:broker".to_owned());
-                                "; no consumer's inbox recorded it: confirmed by the broker and never delivered"
+                                "; no consumer's inbox recorded it: confirmed by the broker and lost with its data"
                             } else {
                                 ""
                             };

@@ -571,21 +571,25 @@ fn no_loss_blames_a_confirmed_event_lost_with_a_broker_nodes_disk_on_the_node_an
     assert!(!v.culprits.contains_key("fault:kill broker-1"), "{:?}", v.culprits);
 }
 
-/// Issue 25: where a confirmed event was lost, by the consumers' own inbox rows. Stamped
-/// published by the current behaviour (which stamps only after a confirm) and recorded by
-/// no consumer: `lost_at:broker`, and counted per consumer queue. Recorded by a consumer:
-/// `lost_at:consumer`. Stamped by pre-1128 (no confirm behind the stamp), seen dead-lettered
-/// by the tap, consumed by a replica without the inbox (pre-d2), or with no committed row
-/// to name its queue: no place is named.
+/// Issue 25: where a confirmed event was lost, by the consumers' own inbox rows. Confirmed
+/// (cases' row stamped published by the current behaviour, which stamps only after a
+/// confirm), recorded by no consumer, and a broker node lost its data after the stamp:
+/// `lost_at:broker`, and counted per consumer queue. Recorded processed by a consumer:
+/// `lost_at:consumer`. No place is named for a stamp by pre-1128 (no confirm behind it), a
+/// dead letter the tap saw, a consumer without the inbox (pre-d2), no committed row to name
+/// its queue, an inbox row never stamped processed (the delivery went back to the broker),
+/// or no data loss recorded (never delivered could then be a consumer's doing).
 #[test]
 fn no_loss_names_where_a_confirmed_event_was_lost_by_the_consumers_inboxes() {
-    #[derive(Clone, Copy, PartialEq)]
+    #[derive(Clone, Copy, PartialEq, Debug)]
     enum Then {
-        NothingSeen,
-        Inboxed,
+        DataLost,
+        Handled,
+        InboxedUnprocessed,
         Tapped,
         PreD2Consumer,
         NotCommitted,
+        NoDataLoss,
     }
     let run = |stamp_compat: &[&str], then: Then| {
         let mut h = History::default();
@@ -600,10 +604,14 @@ fn no_loss_names_where_a_confirmed_event_was_lost_by_the_consumers_inboxes() {
                 h.push(90, Event::Committed { aggregate: id(n), table: "referrals".into() });
             }
         }
-        h.push(300, Event::Inboxed { envelope: id(11), service: "rules".into() });
+        h.push(300, Event::Inboxed { envelope: id(11), service: "rules".into(), processed: true });
         effect(&mut h, 310, 11, 1);
+        if then != Then::NoDataLoss {
+            h.push(1_500, Event::BrokerDataLost { node: "broker-1".into(), queue_type: "classic".into(), queues: vec![("craig-rules.events".into(), 5)] });
+        }
         match then {
-            Then::Inboxed => h.push(400, Event::Inboxed { envelope: id(12), service: "rules".into() }),
+            Then::Handled => h.push(400, Event::Inboxed { envelope: id(12), service: "rules".into(), processed: true }),
+            Then::InboxedUnprocessed => h.push(400, Event::Inboxed { envelope: id(12), service: "rules".into(), processed: false }),
             Then::Tapped => h.push(
                 400,
                 Event::DeadLettered { key: "k".into(), token: None, envelope: Some(id(12)), queue: Some("craig-rules.events".into()), event_type: None },
@@ -613,22 +621,35 @@ fn no_loss_names_where_a_confirmed_event_was_lost_by_the_consumers_inboxes() {
         h.sort();
         no_loss(&h)
     };
-    let v = run(&[], Then::NothingSeen);
+    let v = run(&[], Then::DataLost);
     assert_eq!((v.validity, v.violations), (Validity::Invalid, 1));
     assert_eq!(v.culprits.get("lost_at:broker"), Some(&1), "{:?}", v.culprits);
-    assert!(v.witnesses[0].contains("no consumer's inbox recorded it: confirmed by the broker and never delivered"), "{:?}", v.witnesses);
+    assert!(v.witnesses[0].contains("no consumer's inbox recorded it: confirmed by the broker and lost with its data"), "{:?}", v.witnesses);
     assert_eq!((v.counts["confirmed craig-rules.events"], v.counts["confirmed_never_delivered craig-rules.events"]), (2, 1), "{:?}", v.counts);
-    let v = run(&[], Then::Inboxed);
+    let v = run(&[], Then::Handled);
     assert_eq!(v.culprits.get("lost_at:consumer"), Some(&1), "{:?}", v.culprits);
     assert!(!v.culprits.contains_key("lost_at:broker"), "{:?}", v.culprits);
     assert_eq!(v.counts["confirmed_never_delivered craig-rules.events"], 0, "{:?}", v.counts);
-    for (compat, then) in [(&["pre-1128"][..], Then::NothingSeen), (&[][..], Then::Tapped), (&[][..], Then::PreD2Consumer), (&[][..], Then::NotCommitted)] {
+    for (compat, then) in [
+        (&["pre-1128"][..], Then::DataLost),
+        (&[][..], Then::InboxedUnprocessed),
+        (&[][..], Then::Tapped),
+        (&[][..], Then::PreD2Consumer),
+        (&[][..], Then::NotCommitted),
+        (&[][..], Then::NoDataLoss),
+    ] {
         let v = run(compat, then);
         assert_eq!(v.violations, 1);
-        assert!(!v.culprits.keys().any(|k| k.starts_with("lost_at:")), "{compat:?}: {:?}", v.culprits);
+        assert!(!v.culprits.keys().any(|k| k.starts_with("lost_at:")), "{compat:?} {then:?}: {:?}", v.culprits);
     }
+    // Never delivered, as the outbox and the inboxes say, still counts without a data loss.
+    let v = run(&[], Then::NoDataLoss);
+    assert_eq!(v.counts["confirmed_never_delivered craig-rules.events"], 1, "{:?}", v.counts);
+    // A dead letter the tap saw was delivered (and refused): not counted never delivered.
+    let v = run(&[], Then::Tapped);
+    assert_eq!(v.counts["confirmed_never_delivered craig-rules.events"], 0, "{:?}", v.counts);
     // A pre-1128 stamp had no confirm behind it: nothing counted as confirmed.
-    let v = run(&["pre-1128"], Then::NothingSeen);
+    let v = run(&["pre-1128"], Then::DataLost);
     assert!(!v.counts.keys().any(|k| k.starts_with("confirmed")), "{:?}", v.counts);
 }
 

@@ -137,14 +137,15 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>, exports
         }
         if let Some((table, aggregate, at)) = effect_source(svc) {
             // What the consumer recorded in its §D2 inbox (issue 25: delivered by the broker).
-            let inboxed: Vec<(Uuid, i64)> = bounded(
+            let inboxed: Vec<(Uuid, i64, bool)> = bounded(
                 COLLECT,
                 "reading the inbox",
-                sqlx::query_as("SELECT envelope_id, (EXTRACT(EPOCH FROM received_at) * 1000)::int8 FROM event_inbox").fetch_all(pool),
+                sqlx::query_as("SELECT envelope_id, (EXTRACT(EPOCH FROM received_at) * 1000)::int8, processed_at IS NOT NULL FROM event_inbox")
+                    .fetch_all(pool),
             )
             .await?;
-            for (envelope, at) in inboxed {
-                log.push_at(log.rel_db(at), Event::Inboxed { envelope, service: svc.clone() });
+            for (envelope, at, processed) in inboxed {
+                log.push_at(log.rel_db(at), Event::Inboxed { envelope, service: svc.clone(), processed });
             }
             let rows: Vec<(Uuid, Option<Uuid>, i64, Option<String>)> = bounded(
                 COLLECT,

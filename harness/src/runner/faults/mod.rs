@@ -376,7 +376,6 @@ async fn run<R: Room>(cx: &Cx, f: &Fault, target: &FaultTarget) -> anyhow::Resul
     Ok(())
 }
 
-/// How long fault `f` is held in force (`duration_ms`, or `restart_after_ms` for a kill).
 /// Where the quorum queues a broker node led (`led`) have their leaders in a listing `now`
 /// (issue 25), as `queue → node`, or `still it` where node `me` still leads: the evidence a
 /// kill and a partition of a cluster node give. A queue the listing lacks is left out.
@@ -389,6 +388,7 @@ pub(super) fn leaders_now(led: &[impl AsRef<str>], now: &[crate::backend::local:
         .collect()
 }
 
+/// How long fault `f` is held in force (`duration_ms`, or `restart_after_ms` for a kill).
 fn hold(f: &Fault) -> Duration {
     Duration::from_millis(f.duration_ms.or(f.restart_after_ms).unwrap_or(0))
 }
