@@ -369,16 +369,18 @@ async fn slicer_cuts_data_into_small_pieces_intact() {
     for when in BOTH {
         let payload: Vec<u8> = (0..2000u32).map(|i| (i % 251) as u8).collect();
         let rig = new_rig().await;
-        let t = Toxic::new(Stream::Upstream, ToxicKind::Slicer { average_size: 10, size_variation: 5, delay: 2000 });
+        let t = Toxic::new(Stream::Upstream, ToxicKind::Slicer { average_size: 10, size_variation: 5, delay: 10_000 });
         let (mut c, s) = connect_with(&rig, t, when).await;
         c.write_all(&payload).await.unwrap();
         wait_for(|| s.received().len() == payload.len()).await;
         assert_eq!(s.received(), payload);
-        // At most 15 bytes a piece: at least 134 pieces; reads may coalesce a few.
+        // At most 15 bytes a piece: at least 134 pieces; reads may coalesce a few. 10 ms
+        // apart, so a reader that lags (a loaded CI machine: 2 ms apart gave 29 reads once)
+        // still sees them apart.
         assert!(*s.reads.lock().unwrap() >= 40, "{when:?}: {} reads", s.reads.lock().unwrap());
 
         let rig = new_rig().await;
-        let t = Toxic::new(Stream::Downstream, ToxicKind::Slicer { average_size: 10, size_variation: 5, delay: 2000 });
+        let t = Toxic::new(Stream::Downstream, ToxicKind::Slicer { average_size: 10, size_variation: 5, delay: 10_000 });
         let (mut c, s) = connect_with(&rig, t, when).await;
         s.send(&payload).await.unwrap();
         let mut got = Vec::new();

@@ -246,6 +246,22 @@ mod tests {
         assert!(matches!(EventEnvelope::from_value(serde_json::to_value(&env).unwrap()), Err(EnvelopeError::TooLarge { .. })));
     }
 
+    /// The limit is the broker's 16 MiB, not less (a mutation test found nothing held the
+    /// bound from below: `16 * 1024 + 1024` bytes refused every envelope over 17 KiB and
+    /// every test passed): a payload of exactly 16 MiB serialized is accepted, one byte
+    /// more is refused.
+    #[test]
+    fn an_envelope_up_to_the_broker_message_limit_is_accepted() {
+        assert_eq!(MAX_ENVELOPE_BYTES, 16 * 1024 * 1024);
+        let mut env = sample();
+        // `{"b":"…"}` is 8 bytes around the string.
+        env.payload = json!({ "b": "x".repeat(MAX_ENVELOPE_BYTES - 8) });
+        assert_eq!(serde_json::to_vec(&env.payload).unwrap().len(), MAX_ENVELOPE_BYTES);
+        assert!(env.validate().is_ok());
+        env.payload = json!({ "b": "x".repeat(MAX_ENVELOPE_BYTES - 7) });
+        assert!(matches!(env.validate(), Err(EnvelopeError::TooLarge { len }) if len == MAX_ENVELOPE_BYTES + 1));
+    }
+
     #[test]
     fn rejects_non_json_bytes() {
         assert!(matches!(EventEnvelope::from_slice(b"\xff\x00not json"), Err(EnvelopeError::Malformed(_))));

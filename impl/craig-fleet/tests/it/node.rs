@@ -115,6 +115,11 @@ async fn referrals_flow_from_http_to_rule_evaluations() {
     assert_eq!(wrong_aud.status(), 403);
     let bad_body = http.post(&url).header("idempotency-key", uuid::Uuid::now_v7().to_string()).bearer_auth(&good).json(&json!({"subject": ""})).send().await.unwrap();
     assert_eq!(bad_body.status(), 400);
+    // The subject's bound, 1..=1024 bytes, held at its edge (a mutation test found the upper
+    // bound held by nothing): 1025 bytes is the client's error, and nothing is written.
+    let long = http.post(&url).header("idempotency-key", uuid::Uuid::now_v7().to_string()).bearer_auth(&good).json(&json!({"subject": "x".repeat(1025)})).send().await.unwrap();
+    assert_eq!(long.status(), 400);
+    assert!(long.text().await.unwrap().contains("subject must be 1..=1024 bytes"));
 
     let mut ids = Vec::new();
     for i in 0..20 {
