@@ -56,13 +56,15 @@ pub fn no_loss(h: &History) -> Verdict {
             _ => None,
         })
         .collect();
-    let data_lost: Vec<(u64, &str, &str)> = h
+    // (when, node, queue type, the consumer queues it held ready messages of)
+    let data_lost: Vec<(u64, &str, &str, Vec<&str>)> = h
         .iter()
         .filter_map(|e| match &e.event {
             Event::BrokerDataLost { node, queue_type, queues } => {
                 let held: u64 = queues.iter().filter(|(q, _)| consumer_queues.contains(q)).map(|(_, m)| *m).sum();
                 let explained = stamped_lost.iter().filter(|t| **t <= e.t_ms).count() as u64;
-                (held > 0 && explained <= held).then_some((e.t_ms, node.as_str(), queue_type.as_str()))
+                let on: Vec<&str> = queues.iter().filter(|(q, m)| consumer_queues.contains(q) && *m > 0).map(|(q, _)| q.as_str()).collect();
+                (held > 0 && explained <= held).then_some((e.t_ms, node.as_str(), queue_type.as_str(), on))
             }
             _ => None,
         })
@@ -85,11 +87,10 @@ pub fn no_loss(h: &History) -> Verdict {
                     processed.insert(*envelope);
                 }
             }
-            // A retention delete prunes processed rows only (#965/#1129; a pending one
-            // would be the retention checker's violation).
+            // A retention delete: the row existed (delivered); whether it was stamped is
+            // not recorded, so it is never taken as handled.
             Event::InboxPruned { envelope, .. } => {
                 inboxed.insert(*envelope);
-                processed.insert(*envelope);
             }
             Event::DeadLettered { envelope: Some(env), .. } => {
                 tapped.insert(*env);
@@ -151,8 +152,13 @@ pub fn no_loss(h: &History) -> Verdict {
                             let mut tags = vec!["kind:lost".to_owned()];
                             tags.extend(culprit_tags(r, Some(c)));
                             tags.extend(faults_on(&windows, r, *t));
-                            let after: Vec<&(u64, &str, &str)> = data_lost.iter().filter(|(at, ..)| at >= t).collect();
-                            for (_, node, queue_type) in &after {
+                            // A node that lost its data after the stamp, holding ready
+                            // messages of this event's own consumer queue (where the
+                            // committed row names it; else any consumer queue it held).
+                            let own = queue_of.get(referral).map(String::as_str);
+                            let after: Vec<&(u64, &str, &str, Vec<&str>)> =
+                                data_lost.iter().filter(|(at, .., on)| at >= t && own.is_none_or(|q| on.contains(&q))).collect();
+                            for (_, node, queue_type, _) in &after {
                                 tags.extend([format!("fault:kill {node}"), format!("queue:{queue_type}")]);
                             }
                             // Where it was lost (issue 25), by the consumers' inboxes: handled
@@ -181,7 +187,7 @@ pub fn no_loss(h: &History) -> Verdict {
                             };
                             v.blame(tags);
                             let who: Vec<String> = stamped.iter().map(|(t, r, c)| format!("{} @{t}ms", running(r, Some(c)))).collect();
-                            let lost_on: Vec<String> = after.iter().map(|(at, node, qt)| format!("; then {node} lost its data @{at}ms ({qt} queues)")).collect();
+                            let lost_on: Vec<String> = after.iter().map(|(at, node, qt, _)| format!("; then {node} lost its data @{at}ms ({qt} queues)")).collect();
                             format!("its event was stamped published by {}{}{place}", who.join(", "), lost_on.concat())
                         }
                         // Stamped, but no replica said so: no attribution evidence.

@@ -590,6 +590,7 @@ fn no_loss_names_where_a_confirmed_event_was_lost_by_the_consumers_inboxes() {
         PreD2Consumer,
         NotCommitted,
         NoDataLoss,
+        OtherQueueLost,
     }
     let run = |stamp_compat: &[&str], then: Then| {
         let mut h = History::default();
@@ -607,7 +608,9 @@ fn no_loss_names_where_a_confirmed_event_was_lost_by_the_consumers_inboxes() {
         h.push(300, Event::Inboxed { envelope: id(11), service: "rules".into(), processed: true });
         effect(&mut h, 310, 11, 1);
         if then != Then::NoDataLoss {
-            h.push(1_500, Event::BrokerDataLost { node: "broker-1".into(), queue_type: "classic".into(), queues: vec![("craig-rules.events".into(), 5)] });
+            // The node held rules' queue (or, for OtherQueueLost, only financial's).
+            let q = if then == Then::OtherQueueLost { "craig-financial.events" } else { "craig-rules.events" };
+            h.push(1_500, Event::BrokerDataLost { node: "broker-1".into(), queue_type: "classic".into(), queues: vec![(q.into(), 5)] });
         }
         match then {
             Then::Handled => h.push(400, Event::Inboxed { envelope: id(12), service: "rules".into(), processed: true }),
@@ -637,11 +640,15 @@ fn no_loss_names_where_a_confirmed_event_was_lost_by_the_consumers_inboxes() {
         (&[][..], Then::PreD2Consumer),
         (&[][..], Then::NotCommitted),
         (&[][..], Then::NoDataLoss),
+        (&[][..], Then::OtherQueueLost),
     ] {
         let v = run(compat, then);
         assert_eq!(v.violations, 1);
         assert!(!v.culprits.keys().any(|k| k.starts_with("lost_at:")), "{compat:?} {then:?}: {:?}", v.culprits);
     }
+    // A node that held only another consumer's queue is not this loss's place or cause.
+    let v = run(&[], Then::OtherQueueLost);
+    assert!(!v.culprits.contains_key("fault:kill broker-1"), "{:?}", v.culprits);
     // Never delivered, as the outbox and the inboxes say, still counts without a data loss.
     let v = run(&[], Then::NoDataLoss);
     assert_eq!(v.counts["confirmed_never_delivered craig-rules.events"], 1, "{:?}", v.counts);

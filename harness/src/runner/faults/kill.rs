@@ -46,6 +46,8 @@ impl Room for Kill {
                 Some(n) => backend.queue_placement(n, f.wipe).await?,
                 None => None,
             };
+            // A data loss happens at the kill: what is stamped after it never reached the data.
+            let killed_at = cx.log.now();
             let died = backend.kill(t).await?;
             let Some((before, names)) = before.filter(|_| died.is_some()) else {
                 cx.evidence(died);
@@ -83,7 +85,7 @@ impl Room for Kill {
                 let wiped = backend.wipe(t)?;
                 let held: Vec<String> = only_there.iter().map(|(q, m)| format!("{q} ({m} ready)")).collect();
                 cx.evidence(died.map(|d| format!("{d}{moved}; {wiped}; held only there: {}", if held.is_empty() { "no queue".into() } else { held.join(", ") })));
-                cx.log.push(Event::BrokerDataLost { node: t.to_string(), queue_type: cx.queue_type.as_str().into(), queues: only_there });
+                cx.log.push_at(killed_at, Event::BrokerDataLost { node: t.to_string(), queue_type: cx.queue_type.as_str().into(), queues: only_there });
                 return Ok(true);
             }
             cx.evidence(died.map(|d| format!("{d}{moved}")));

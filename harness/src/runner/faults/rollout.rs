@@ -4,9 +4,10 @@
 //! `upgrade` of a broker cluster's node (`broker-N`, issue 25: the graceful rolling restart
 //! operators do, on the same RabbitMQ version): the node is drained (`rabbitmq-upgrade
 //! drain`: the quorum queues it leads hand their leadership over, its clients are
-//! disconnected), stopped by SIGTERM, started on its data and revived. Evidence: it shut
-//! down by itself, and no queue it led is still led by it after the drain (as a peer lists
-//! them); a node that had to be killed, or kept a leadership, leaves none.
+//! disconnected), stopped by SIGTERM, started on its data and revived. Evidence, taken after
+//! the drain and before the stop: a peer reports it marked for maintenance and lists every
+//! queue it led with another leader; then it shut down by itself (exit 0). Anything less
+//! leaves none.
 
 use std::time::Duration;
 
