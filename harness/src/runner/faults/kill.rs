@@ -57,7 +57,7 @@ impl Room for Kill {
             let name = &names[n - 1];
             // The leaders it held must move to the survivors: the broker's own word that
             // the fault reached the queues (without it the run is inconclusive).
-            let led: Vec<&str> = before.iter().filter(|q| &q.leader == name).map(|q| q.name.as_str()).collect();
+            let led = super::led_by(&before, name);
             let survivor = (1..=names.len()).find(|&k| k != n).expect("a cluster has another node");
             let mut moved = String::new();
             if !led.is_empty() {

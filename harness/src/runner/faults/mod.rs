@@ -376,6 +376,12 @@ async fn run<R: Room>(cx: &Cx, f: &Fault, target: &FaultTarget) -> anyhow::Resul
     Ok(())
 }
 
+/// The queues node `me` leads in a listing (issue 25): what its kill, partition or drain
+/// must move.
+pub(super) fn led_by(listing: &[crate::backend::local::QueuePlacement], me: &str) -> Vec<String> {
+    listing.iter().filter(|q| q.leader == me).map(|q| q.name.clone()).collect()
+}
+
 /// Where the quorum queues a broker node led (`led`) have their leaders in a listing `now`
 /// (issue 25), as `queue → node`, or `still it` where node `me` still leads: the evidence a
 /// kill and a partition of a cluster node give. A queue the listing lacks is left out.

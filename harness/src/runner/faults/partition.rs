@@ -73,7 +73,7 @@ impl Room for Partition {
             let n = usize::from(*n);
             let (before, names) = backend.queue_placement(n, false).await?.unwrap_or_default();
             let said = backend.cut_node(t).await?;
-            let led = names.get(n - 1).map(|me| before.iter().filter(|q| &q.leader == me).map(|q| q.name.clone()).collect()).unwrap_or_default();
+            let led = names.get(n - 1).map(|me| super::led_by(&before, me)).unwrap_or_default();
             return Ok(Cut::Node { target: t, said, led, names });
         }
         if backend.kind() == BackendKind::Containers {

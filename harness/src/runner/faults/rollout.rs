@@ -82,14 +82,15 @@ async fn restart_broker_node(cx: &Cx, n: u8) -> anyhow::Result<()> {
     let mut backend = cx.backend.lock().await;
     let (before, names) = backend.queue_placement(node, false).await?.ok_or_else(|| anyhow::anyhow!("{t}: no broker cluster here"))?;
     let me = names.get(node - 1).cloned().unwrap_or_default();
-    let led: Vec<String> = before.iter().filter(|q| q.leader == me).map(|q| q.name.clone()).collect();
+    let led = super::led_by(&before, &me);
+    // The peer that witnesses the drain (a one-node broker never gets here).
+    let peer = (1..=names.len()).find(|&k| k != node).unwrap_or(1);
     let steps = async {
         backend.drain(t).await?;
         // The drain's effect, while the node still runs (after its stop, Raft would move the
         // leaders anyway): a peer reports it under maintenance, and every queue it led is
         // led by another member, as that peer lists them. Bounded; a peer that does not
         // answer leaves the drain unshown.
-        let peer = (1..=names.len()).find(|&k| k != node).unwrap_or(1);
         let drained = matches!(
             tokio::time::timeout(Duration::from_secs(15), backend.under_maintenance(peer, t)).await,
             Ok(Ok(true))
@@ -121,8 +122,7 @@ async fn restart_broker_node(cx: &Cx, n: u8) -> anyhow::Result<()> {
     });
     cx.evidence(match (status, handed) {
         (Some(st), Some((true, to))) if st.success() => Some(format!(
-            "{t} drained (under maintenance, as node {} reports it); leaders handed over before its stop: {}; shut down by itself ({}), started again and revived",
-            (1..=names.len()).find(|&k| k != node).unwrap_or(1),
+            "{t} drained (under maintenance, as node {peer} reports it); leaders handed over before its stop: {}; shut down by itself ({}), started again and revived",
             if to.is_empty() { "it led none".to_owned() } else { to.join(", ") },
             describe(st),
         )),
