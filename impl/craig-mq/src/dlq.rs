@@ -1042,6 +1042,44 @@ mod tests {
         assert_eq!(OccurrenceToken::parse("xdeath:\u{7f}"), Err(TokenError::NotGraphic(7)));
     }
 
+    /// Issue 22.10, shard 3/50's survivor `replace > with >= in OccurrenceToken::parse`: a
+    /// token of exactly [`TOKEN_MAX_BYTES`] bytes is a token; one byte more is not.
+    #[test]
+    fn a_token_of_exactly_the_limit_is_accepted_and_one_byte_more_refused() {
+        let id = Uuid::now_v7();
+        let fixed = format!("xdeath:{id}::rejected:1:1700000000").len();
+        let queue = "q".repeat(TOKEN_MAX_BYTES - fixed);
+        let at_limit = format!("xdeath:{id}:{queue}:rejected:1:1700000000");
+        assert_eq!(at_limit.len(), TOKEN_MAX_BYTES);
+        assert_eq!(OccurrenceToken::parse(&at_limit).map(|t| t.as_str().len()), Ok(TOKEN_MAX_BYTES));
+        let over = format!("xdeath:{id}:{queue}q:rejected:1:1700000000");
+        assert_eq!(OccurrenceToken::parse(&over), Err(TokenError::TooLong(TOKEN_MAX_BYTES + 1)));
+    }
+
+    /// Issue 22.10, shard 3/50's survivor `replace first_routing_key -> Option<String> with
+    /// None`: a dead letter whose body is no envelope takes its #1156 threshold key from the
+    /// routing key its OLDEST x-death entry was published with through `craig.events`;
+    /// through another exchange, or with a key that is no event type, it has none.
+    #[test]
+    fn an_unreadable_dead_letter_is_keyed_by_the_routing_key_it_was_first_published_with() {
+        let first_publish = |exchange: &str, key: &str| {
+            let AMQPValue::FieldTable(mut t) = death(b"craig-financial.events", "expired", AMQPValue::LongLongInt(1), AMQPValue::Timestamp(1)) else {
+                unreachable!("death is a table")
+            };
+            t.insert(ShortString::from("exchange"), AMQPValue::LongString(exchange.into()));
+            t.insert(ShortString::from("routing-keys"), AMQPValue::FieldArray(vec![AMQPValue::LongString(key.into())].into()));
+            AMQPValue::FieldTable(t)
+        };
+        let read = |oldest: AMQPValue| {
+            let latest = death(Q.as_bytes(), "rejected", AMQPValue::LongLongInt(1), AMQPValue::Timestamp(1_700_000_000));
+            DeadLetterDelivery::read(b"{not json", RK, Some(&headers(vec![latest, oldest])))
+        };
+        let d = read(first_publish("craig.events", "case.referral_created"));
+        assert_eq!((d.envelope.is_none(), d.event_type()), (true, Some("case.referral_created")));
+        assert_eq!(read(first_publish("amq.direct", "case.referral_created")).event_type(), None);
+        assert_eq!(read(first_publish("craig.events", "not an event type!")).event_type(), None);
+    }
+
     #[test]
     fn a_broker_dead_letter_is_tokened_from_its_latest_death() {
         let e = env();

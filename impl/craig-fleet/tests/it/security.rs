@@ -411,7 +411,8 @@ async fn a_delivery_that_parks_forever_is_captured_and_the_rest_recorded() {
     }
     let _ = conn.close(200, "bye".into()).await;
 
-    let retry = DlqRetryConfig::new(1, Duration::from_millis(5), Duration::from_millis(20)).unwrap().with_max_parks(3).unwrap();
+    // Two attempts a delivery (retried in place before a park), three parks, then the capture.
+    let retry = DlqRetryConfig::new(2, Duration::from_millis(5), Duration::from_millis(20)).unwrap().with_max_parks(3).unwrap();
     let cfg = DlqConsumerConfig {
         amqp_url: fleet.sandbox.amqp_url().to_owned(),
         prefetch: 1,
@@ -422,15 +423,17 @@ async fn a_delivery_that_parks_forever_is_captured_and_the_rest_recorded() {
         queue_type: fleet.sandbox.queue_type(),
     };
     let recorded = Arc::new(Mutex::new(Vec::new()));
-    let (seen, stuck_id) = (recorded.clone(), stuck.id);
+    let stuck_runs = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let (seen, stuck_id, runs) = (recorded.clone(), stuck.id, stuck_runs.clone());
     let shutdown = tokio_util::sync::CancellationToken::new();
     let task = tokio::spawn(subscribe_dlq(
         cfg,
         move |d: DeadLetterDelivery| {
-            let seen = seen.clone();
+            let (seen, runs) = (seen.clone(), runs.clone());
             async move {
                 let id = d.envelope.as_ref().map(|e| e.id);
                 if id == Some(stuck_id) {
+                    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     // The database answers and keeps refusing this row (issue 21.1: only such
                     // a failure counts toward max_parks, never an unreachable database).
                     return Err(DlqError::TransientRetry(std::io::Error::other("statement timeout on this row")));
@@ -460,6 +463,10 @@ async fn a_delivery_that_parks_forever_is_captured_and_the_rest_recorded() {
         other => panic!("no capture reason: {other:?}"),
     };
     assert!(reason.starts_with("parked 3 times"), "{reason}");
+    // Issue 22.10 (shard 3/50's survivor `replace < with <= in dispatch_dlq`, shard 2/50's
+    // undecided `replace < with >` there): each of its four deliveries (three parks, then the
+    // capture) ran the handler max_attempts (2) times, never once more nor once less.
+    assert_eq!(stuck_runs.load(std::sync::atomic::Ordering::SeqCst), 8, "handler runs for the stuck delivery");
     let _ = conn.close(200, "bye".into()).await;
     shutdown.cancel();
     task.await.unwrap();
