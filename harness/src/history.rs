@@ -28,7 +28,15 @@ pub enum Event {
     /// A domain write attempted through a replica: `referral` is the id of the aggregate the
     /// harness chose (a referral, or a placement for `kind = "placements"`), which its
     /// effect carries back.
-    Write { referral: Uuid, replica: String, outcome: Outcome, status: Option<u16> },
+    Write {
+        referral: Uuid,
+        replica: String,
+        outcome: Outcome,
+        status: Option<u16>,
+        /// When the answer came (run ms; the event's own time is when the request went out).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        answered_ms: Option<u64>,
+    },
     /// An aggregate cases' database holds committed at the end (a `referrals` row, an active
     /// `placements` row; issue 22.2), read by the harness whatever the client heard.
     Committed { aggregate: Uuid, table: String },
@@ -147,6 +155,18 @@ pub enum Event {
         queue_type: String,
         #[serde(default)]
         queues: Vec<(String, u64)>,
+    },
+    /// The database's standby streaming (issue 26), as the primary reported it before the
+    /// load began: `mode` `sync` or `async` (its `pg_stat_replication.sync_state`).
+    Replication { mode: String, state: String },
+    /// The database failed over (issue 26), at the old primary's kill: the standby was
+    /// promoted having applied every commit up to `replayed_until_ms` (run time, converted
+    /// from the commit timestamp of the last transaction it replayed; None: none since it
+    /// started) and nothing after. `mode` is the replication's (`sync`, `async`).
+    Failover {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        replayed_until_ms: Option<u64>,
+        mode: String,
     },
     /// A replica process died (crash point, kill). `consumer` is true for consuming services.
     Crash { replica: String, consumer: bool, how: String },
@@ -508,7 +528,7 @@ mod tests {
     fn jsonl_round_trip_is_flat_and_typed() {
         let mut h = History::default();
         h.push(0, Event::Seed { seed: 7, scenario: "s".into() });
-        h.push(5, Event::Write { referral: Uuid::nil(), replica: "cases-1".into(), outcome: Outcome::Unknown, status: None });
+        h.push(5, Event::Write { referral: Uuid::nil(), replica: "cases-1".into(), outcome: Outcome::Unknown, status: None, answered_ms: None });
         let text = h.to_jsonl();
         assert!(text.lines().nth(1).unwrap().starts_with(r#"{"t_ms":5,"type":"write","#), "{text}");
         assert_eq!(History::from_jsonl(&text).unwrap(), h);

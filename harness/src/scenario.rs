@@ -175,7 +175,26 @@ pub struct Scenario {
     /// replica i's starting at node ((i - 1) mod N) + 1.
     #[serde(skip)]
     pub broker_nodes: u8,
+    /// The database's streaming standby (`[fleet] database = { standby = true, sync = true }`,
+    /// issue 26; local backend): None without one. Its replication connection is the fault
+    /// proxy's link `standby->database`, a target for `toxic` and `down`; `failover` kills the
+    /// primary and promotes it.
+    #[serde(skip)]
+    pub standby: Option<StandbySpec>,
 }
+
+/// A standby of the database server (issue 26).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StandbySpec {
+    /// Synchronous (`synchronous_commit = remote_apply`, the standby named in
+    /// `synchronous_standby_names`): a commit returns once the standby applied it.
+    /// Asynchronous: a commit returns at once, and a failover forgets what the standby
+    /// had not applied yet.
+    pub sync: bool,
+}
+
+/// The standby's replication link, a fault target (issue 26).
+pub const REPLICATION_LINK: &str = "standby->database";
 
 fn default_bound() -> u64 {
     60_000
@@ -199,6 +218,12 @@ pub struct FleetEntry {
     /// the fleet by [`parse`] into [`Scenario::broker_nodes`].
     #[serde(default)]
     pub nodes: Option<u8>,
+    /// `[fleet] database = { standby = true, sync = true|false }` only (issue 26), taken out
+    /// of the fleet by [`parse`] into [`Scenario::standby`].
+    #[serde(default)]
+    pub standby: Option<bool>,
+    #[serde(default)]
+    pub sync: Option<bool>,
 }
 
 #[derive(Debug, Clone)]
@@ -585,6 +610,10 @@ pub enum FaultKind {
     /// back) for `duration_ms`. Targets `database`.
     #[serde(rename = "refuse_staging")]
     RefuseStaging,
+    /// Issue 26: the database primary SIGKILLed, its standby promoted and the database
+    /// address moved to it (`[fleet] database = { standby = true, ... }`). Once; targets
+    /// `database`; nothing heals (the old primary stays gone).
+    Failover,
 }
 
 impl FaultKind {
@@ -603,6 +632,7 @@ impl FaultKind {
             FaultKind::Terminate => "terminate",
             FaultKind::Mutant => "mutant",
             FaultKind::RefuseStaging => "refuse_staging",
+            FaultKind::Failover => "failover",
         }
     }
 }
@@ -718,14 +748,14 @@ impl TryFrom<toml::Value> for Expectation {
     type Error = String;
     fn try_from(v: toml::Value) -> Result<Self, String> {
         const SHAPE: &str =
-            "expected \"hold\", \"violate\" or { violate = \"<cause>\" | [\"<cause>\", ...] } with causes compat:<mode>, replica:<name>, fault:<kind> <target>, kind:<violation kind>, queue:<classic|quorum>, lost_at:<broker|consumer>";
+            "expected \"hold\", \"violate\" or { violate = \"<cause>\" | [\"<cause>\", ...] } with causes compat:<mode>, replica:<name>, fault:<kind> <target>, kind:<violation kind>, queue:<classic|quorum>, lost_at:<broker|consumer>, replication:<sync|async>";
         let cause_ok = |c: &str| {
             c.strip_prefix("compat:").is_some_and(|m| m.parse::<craig_fleet::Compat>().is_ok())
                 || c.strip_prefix("replica:").is_some_and(|r| !r.is_empty())
                 || c.strip_prefix("fault:").is_some_and(|f| f.split_once(' ').is_some_and(|(k, t)| !k.is_empty() && !t.is_empty()))
                 || c.strip_prefix("kind:").is_some_and(|k| crate::checkers::VIOLATION_KINDS.contains(&k))
                 || c.strip_prefix("queue:").is_some_and(|q| q.parse::<craig_mq::topology::QueueType>().is_ok())
-                || matches!(c, "lost_at:broker" | "lost_at:consumer")
+                || matches!(c, "lost_at:broker" | "lost_at:consumer" | "replication:sync" | "replication:async")
         };
         match v {
             toml::Value::String(w) => match w.as_str() {
@@ -833,6 +863,7 @@ impl Scenario {
         match t {
             "broker" => Some(FaultTarget::Broker),
             "database" => Some(FaultTarget::Database),
+            REPLICATION_LINK if self.standby.is_some() => Some(FaultTarget::Link { replica: "standby".into(), to: crate::backend::Target::Database }),
             _ if node(t).is_some() => node(t).map(FaultTarget::BrokerNode),
             _ => match t.split_once("->") {
                 Some((r, to)) if names.iter().any(|n| n == r) => {
@@ -969,6 +1000,26 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         match b.nodes {
             Some(n @ 1..=5) => s.broker_nodes = n,
             other => return Err(err(Some(broker.span()), format!("broker nodes must be 1..=5, not {}", other.map_or("missing".into(), |n| n.to_string())))),
+        }
+    }
+    s.standby = None;
+    if let Some(db) = s.fleet.remove("database") {
+        let d = db.get_ref();
+        if d.count() != 1 || !d.compat.is_empty() || d.start_after_ms.is_some() || matches!(d.replicas, Replicas::Each(_)) || d.nodes.is_some() {
+            return Err(err(Some(db.span()), "database takes only standby and sync (database = { standby = true, sync = true })".into()));
+        }
+        match (d.standby, d.sync) {
+            (Some(true), Some(sync)) => s.standby = Some(StandbySpec { sync }),
+            (Some(true), None) => {
+                return Err(err(Some(db.span()), "a standby is synchronous or not: say which (sync = true: a commit waits for the standby; sync = false: it does not)".into()))
+            }
+            (Some(false) | None, Some(_)) => return Err(err(Some(db.span()), "sync belongs to a standby (database = { standby = true, sync = ... })".into())),
+            (Some(false) | None, None) => {}
+        }
+    }
+    for (svc, entry) in &s.fleet {
+        if entry.get_ref().standby.is_some() || entry.get_ref().sync.is_some() {
+            return Err(err(Some(entry.span()), format!("{svc}: standby and sync are the database's (database = {{ standby = true, sync = true }})")));
         }
     }
     for (svc, entry) in &s.fleet {
@@ -1141,6 +1192,18 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
                 }
             }
             (FaultKind::RefuseStaging, _) => return Err(err(span, "refuse_staging targets \"database\"".into())),
+            (FaultKind::Failover, FaultTarget::Database) => {
+                if s.standby.is_none() {
+                    return Err(err(span, "a failover promotes the database's standby: [fleet] database = { standby = true, sync = true|false }".into()));
+                }
+                if fault.duration_ms.is_some() || fault.restart_after_ms.is_some() {
+                    return Err(err(span, "a failover has no duration: the old primary stays gone".into()));
+                }
+                if s.faults.iter().filter(|g| g.get_ref().kind == FaultKind::Failover).count() > 1 {
+                    return Err(err(span, "one failover per scenario (there is one standby)".into()));
+                }
+            }
+            (FaultKind::Failover, _) => return Err(err(span, "a failover targets \"database\"".into())),
             (FaultKind::Upgrade | FaultKind::Downgrade, FaultTarget::Replica(_)) => {
                 let modes = fault.compat.clone().unwrap_or_default();
                 if fault.kind == FaultKind::Downgrade && modes.is_empty() {
@@ -1653,6 +1716,34 @@ effect_once = { violate = "compat:pre-d2" }
         }
         let e = rejected(&GOOD.replace("cases = { replicas = 2 }", "cases = { replicas = 2, nodes = 3 }"));
         assert!(e.reason.contains("cases: nodes is the broker's"), "{e}");
+    }
+
+    /// Issue 26: `[fleet] database = { standby = true, sync = ... }` is the database's, out
+    /// of the fleet; with it the replication link is a target and a failover is allowed, once
+    /// and without a duration; without it, a failover is refused with what to write.
+    #[test]
+    fn a_database_standby_is_the_fleets_database_entry_and_a_failover_needs_it() {
+        let with = |db: &str, faults: &str| GOOD.replace("[fleet]\n", &format!("[fleet]\n{db}\n")).replace("[expect]", &format!("{faults}[expect]"));
+        let failover = "[[faults]]\nkind = \"failover\"\ntarget = \"database\"\nat = { after_ms = 100 }\n\n";
+        let s = parse_str(&with("database = { standby = true, sync = false }", failover)).unwrap();
+        assert_eq!((s.standby, s.fleet.contains_key("database")), (Some(StandbySpec { sync: false }), false));
+        assert_eq!(s.parse_target(REPLICATION_LINK), Some(FaultTarget::Link { replica: "standby".into(), to: crate::backend::Target::Database }));
+        assert_eq!(parse_str(GOOD).unwrap().parse_target(REPLICATION_LINK), None, "no standby, no replication link");
+        for (db, faults, says) in [
+            ("database = { standby = true }", "", "a standby is synchronous or not: say which"),
+            ("database = { sync = true }", "", "sync belongs to a standby"),
+            ("database = { replicas = 2, standby = true, sync = true }", "", "database takes only standby and sync"),
+            ("", failover, "a failover promotes the database's standby: [fleet] database = { standby = true, sync = true|false }"),
+        ] {
+            let e = rejected(&with(db, faults));
+            assert!(e.reason.contains(says), "{db} {faults}: {e}");
+        }
+        let twice = format!("{failover}{failover}");
+        assert!(rejected(&with("database = { standby = true, sync = true }", &twice)).reason.contains("one failover per scenario"));
+        let held = failover.replace("at = { after_ms = 100 }", "at = { after_ms = 100 }\nduration_ms = 500");
+        assert!(rejected(&with("database = { standby = true, sync = true }", &held)).reason.contains("a failover has no duration"));
+        let e = rejected(&GOOD.replace("cases = { replicas = 2 }", "cases = { replicas = 2, standby = true }"));
+        assert!(e.reason.contains("cases: standby and sync are the database's"), "{e}");
     }
 
     /// Issue 25: on a cluster a partition cuts one node off from its peers (`broker-N`); a

@@ -385,6 +385,99 @@ pub struct LocalBackend {
     cuts: Vec<(usize, Vec<String>)>,
     services: Vec<String>,
     stopped: bool,
+    /// A streaming standby of the database server and the address every client reaches
+    /// the primary by (issue 26, `[fleet] database = { standby = true }`): None without one.
+    standby: Option<Standby>,
+    /// A primary a failover replaced: gone, kept for its Drop and its port lease.
+    retired: Vec<Server>,
+}
+
+/// The database's streaming standby (issue 26) and the run's database address.
+struct Standby {
+    server: Server,
+    port: u16,
+    /// Where the standby's replication connection goes: a port the fault proxy's
+    /// `standby->database` link listens on (the harness creates the link), so the link can
+    /// be slowed or cut like any replica's.
+    replication: PortLease,
+    /// The one address every client of the run's database uses (the virtual IP or DNS
+    /// name an operator's failover moves), forwarding to the primary of the moment.
+    vip: Vip,
+    sync: bool,
+    promoted: bool,
+}
+
+/// What [`LocalBackend::failover`] did and saw (issue 26): its evidence.
+#[derive(Debug, Clone)]
+pub struct Failover {
+    /// The old primary's process group, killed.
+    pub killed_pid: i32,
+    /// The standby's timeline before and the promoted server's after.
+    pub timeline_before: i64,
+    pub timeline_after: i64,
+    /// The commit time (the database's clock, epoch ms) of the last transaction the standby
+    /// had applied when it was promoted: every commit after it is gone. None when it had
+    /// applied none since it started.
+    pub replayed_until_db_ms: Option<i64>,
+    /// Whether the primary waited for the standby (`synchronous_commit = remote_apply`).
+    pub sync: bool,
+    /// The promoted server's address, where the database address now leads.
+    pub now_at: String,
+}
+
+/// A TCP forwarder with a movable upstream: the run's database address (issue 26). Each
+/// accepted connection goes to the upstream of the moment; a connection to a server that
+/// died ends with it, and the client reconnects to whatever the address leads to then.
+struct Vip {
+    port: u16,
+    upstream: std::sync::Arc<std::sync::Mutex<String>>,
+    task: tokio::task::JoinHandle<()>,
+    _lease: PortLease,
+}
+
+impl Drop for Vip {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Vip {
+    async fn start(upstream: String) -> Result<Self, BackendError> {
+        let lease = lease_port()?;
+        let port = lease.port();
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.map_err(|e| BackendError::failed(format!("binding the database address 127.0.0.1:{port}"), e))?;
+        let to = std::sync::Arc::new(std::sync::Mutex::new(upstream));
+        let current = to.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let mut client = match listener.accept().await {
+                    Ok((c, _)) => c,
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
+                };
+                let upstream = current.lock().unwrap().clone();
+                tokio::spawn(async move {
+                    if let Ok(mut server) = tokio::net::TcpStream::connect(&upstream).await {
+                        let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+            }
+        });
+        Ok(Vip { port, upstream: to, task, _lease: lease })
+    }
+}
+
+/// A connection to the server on `port` (admin database), bounded.
+async fn admin_conn(port: u16) -> Result<sqlx::PgConnection, BackendError> {
+    let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+    match tokio::time::timeout(LocalBackend::PROBE_BOUND, sqlx::PgConnection::connect(&url)).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err(BackendError::failed(format!("connecting to PostgreSQL on {port}"), e)),
+        Err(_) => Err(BackendError::failed(format!("connecting to PostgreSQL on {port}"), "no answer within 3 s")),
+    }
 }
 
 impl LocalBackend {
@@ -455,6 +548,8 @@ impl LocalBackend {
                 root: root.clone(),
                 services: services.iter().map(|s| s.to_string()).collect(),
                 stopped: false,
+                standby: None,
+                retired: Vec::new(),
             });
             b.pg.spawn()?;
             b.wait_ready(Target::Database, Duration::from_secs(30)).await?;
@@ -805,8 +900,10 @@ impl LocalBackend {
     }
 
     pub fn endpoints(&self) -> Endpoints {
-        let (db, mq) = (format!("127.0.0.1:{}", self.pg_port), format!("127.0.0.1:{}", self.rmq_port));
-        let mut ep = Endpoints::loopback(&self.services, self.pg_port, self.rmq_port, db, mq);
+        // With a standby (issue 26), every client reaches the primary by the database address.
+        let db_port = self.standby.as_ref().map_or(self.pg_port, |s| s.vip.port);
+        let (db, mq) = (format!("127.0.0.1:{db_port}"), format!("127.0.0.1:{}", self.rmq_port));
+        let mut ep = Endpoints::loopback(&self.services, db_port, self.rmq_port, db, mq);
         ep.broker_nodes.extend(self.peers.iter().map(|(_, p)| format!("127.0.0.1:{p}")));
         ep
     }
@@ -944,12 +1041,200 @@ impl LocalBackend {
         Ok(crate::process::wait_stopped(pid).await.then(|| format!("pid {pid} (and its process group) stopped")))
     }
 
+    /// Issue 26: a streaming standby of the database server, made from a base backup of
+    /// the primary (`pg_basebackup` with a replication slot, as the `postgres` user), and the
+    /// database address every client uses from now on ([`LocalBackend::endpoints`]). The
+    /// standby's replication connection goes to the port [`LocalBackend::replication_link`]
+    /// names, where the harness puts a fault-proxy link to the primary; it streams once
+    /// that link exists ([`LocalBackend::start_replication`]). Before any client connects.
+    pub async fn add_standby(&mut self, sync: bool) -> Result<(), BackendError> {
+        if self.standby.is_some() {
+            return Ok(());
+        }
+        let bindir = pg_bindir()?;
+        let dir = self.root.join("pg-standby");
+        std::fs::create_dir_all(&dir).map_err(|e| BackendError::failed("creating the standby's directory", e))?;
+        let run_as = postgres_user()?;
+        if let Some((uid, gid)) = run_as {
+            nix::unistd::chown(&dir, Some(uid), Some(gid)).map_err(|e| BackendError::failed("chown the standby's directory", e))?;
+        }
+        let data = dir.join("data");
+        let from = self.pg_port;
+        let backup = {
+            let (bindir, data, dir) = (bindir.clone(), data.clone(), dir.clone());
+            tokio::task::spawn_blocking(move || base_backup(&bindir, run_as, from, &dir, &data)).await
+        };
+        match backup {
+            Ok(r) => r?,
+            Err(e) => return Err(BackendError::failed("running pg_basebackup", e)),
+        }
+        let replication = lease_port()?;
+        // The base backup's own primary_conninfo points at the primary itself: the standby's
+        // goes through the replication link instead.
+        let auto = data.join("postgresql.auto.conf");
+        let text = std::fs::read_to_string(&auto).map_err(|e| BackendError::failed(format!("reading {}", auto.display()), e))?;
+        let mut kept: Vec<&str> = text.lines().filter(|l| !l.trim_start().starts_with("primary_conninfo") && !l.trim_start().starts_with("primary_slot_name")).collect();
+        let conninfo = format!("primary_conninfo = 'host=127.0.0.1 port={} user=postgres application_name={STANDBY_NAME}'", replication.port());
+        let slot = format!("primary_slot_name = '{STANDBY_NAME}'");
+        kept.extend([conninfo.as_str(), slot.as_str()]);
+        std::fs::write(&auto, kept.join("\n") + "\n").map_err(|e| BackendError::failed(format!("writing {}", auto.display()), e))?;
+        let lease = lease_port()?;
+        let port = lease.port();
+        let mut server = Server {
+            name: "PostgreSQL standby",
+            program: bindir.join("postgres"),
+            args: [
+                "-D", data.to_str().unwrap_or_default(), "-p", &port.to_string(), "-k", dir.to_str().unwrap_or_default(),
+                "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=300",
+                "-c", "shared_buffers=64MB", "-c", "wal_retrieve_retry_interval=100ms",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+            env: vec![],
+            cwd: dir.clone(),
+            run_as,
+            log: self.root.join("pg-standby.log"),
+            child: None,
+            _ports: vec![lease],
+        };
+        server.spawn()?;
+        // A hot standby answers once it is consistent (the backup's own WAL takes it there).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(c) = admin_conn(port).await {
+                let _ = c.close().await;
+                break;
+            }
+            if let Some(status) = server.exited() {
+                return Err(BackendError::failed("starting the standby", format!("it exited with {status}; last log lines:\n{}", log_tail(&server.log))));
+            }
+            if Instant::now() > deadline {
+                return Err(BackendError::failed("starting the standby", format!("not ready after 30 s; last log lines:\n{}", log_tail(&server.log))));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let vip = Vip::start(format!("127.0.0.1:{}", self.pg_port)).await?;
+        self.standby = Some(Standby { server, port, replication, vip, sync, promoted: false });
+        Ok(())
+    }
+
+    /// The standby's replication link (issue 26): `(listen, upstream)`, where the fault
+    /// proxy's `standby->database` link must listen and what it forwards to (the primary).
+    pub fn replication_link(&self) -> Option<(String, String)> {
+        self.standby.as_ref().filter(|s| !s.promoted).map(|s| (format!("127.0.0.1:{}", s.replication.port()), format!("127.0.0.1:{}", self.pg_port)))
+    }
+
+    /// Issue 26: once the replication link exists, the primary waits for the standby on
+    /// every commit where the standby is synchronous (`synchronous_standby_names`, and
+    /// `synchronous_commit = remote_apply`: a commit returns once the standby has applied
+    /// it), and this waits (30 s at most) until the primary reports the standby streaming,
+    /// caught up, in the mode asked for. The primary's own word: `state, sync_state` of its
+    /// `pg_stat_replication` row.
+    pub async fn start_replication(&self) -> Result<String, BackendError> {
+        let sb = self.standby.as_ref().ok_or_else(|| BackendError::failed("starting replication", "the database has no standby"))?;
+        let mut c = admin_conn(self.pg_port).await?;
+        let sql = |q: &str| sqlx::query(sqlx::AssertSqlSafe(q.to_owned()));
+        if sb.sync {
+            for q in [
+                format!("ALTER SYSTEM SET synchronous_standby_names = '{STANDBY_NAME}'"),
+                "ALTER SYSTEM SET synchronous_commit = 'remote_apply'".to_owned(),
+                "SELECT pg_reload_conf()".to_owned(),
+            ] {
+                sql(&q).execute(&mut c).await.map_err(|e| BackendError::failed(format!("configuring replication ({q})"), e))?;
+            }
+        }
+        let want = if sb.sync { "sync" } else { "async" };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut last = "no pg_stat_replication row for the standby".to_owned();
+        loop {
+            let row: Option<(String, String, i64)> = sqlx::query_as(
+                "SELECT state, sync_state, COALESCE((pg_current_wal_lsn() - replay_lsn)::int8, 1) FROM pg_stat_replication WHERE application_name = $1",
+            )
+            .bind(STANDBY_NAME)
+            .fetch_optional(&mut c)
+            .await
+            .map_err(|e| BackendError::failed("reading pg_stat_replication", e))?;
+            if let Some((state, sync_state, behind)) = row {
+                if state == "streaming" && sync_state == want && behind <= 0 {
+                    let _ = c.close().await;
+                    return Ok(format!("standby {state}, sync_state {sync_state}, caught up (the primary's pg_stat_replication)"));
+                }
+                last = format!("state {state}, sync_state {sync_state}, {behind} bytes behind");
+            }
+            if Instant::now() > deadline {
+                return Err(BackendError::failed("starting replication", format!("the standby is not streaming {want} and caught up after 30 s: {last}; last log lines:\n{}", log_tail(&sb.server.log))));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Issue 26, a failover as an operator's tooling does it: the primary SIGKILLed, the
+    /// standby promoted (`pg_promote`) once it has applied all it received, and the database
+    /// address moved to it. The evidence is the servers' own: the old primary's process
+    /// group gone, the standby's timeline before and the promoted server's after (it must
+    /// have moved on), `pg_is_in_recovery()` false. Once: a second failover has no standby.
+    pub async fn failover(&mut self) -> Result<Failover, BackendError> {
+        let Some(sb) = self.standby.as_mut().filter(|s| !s.promoted) else {
+            return Err(BackendError::failed("failing over", "the database has no standby (left)"));
+        };
+        let killed_pid = self.pg.kill().await?.ok_or_else(|| BackendError::failed("failing over", "the primary was not running"))?;
+        let mut c = admin_conn(sb.port).await?;
+        let fail = |what: &'static str| move |e: sqlx::Error| BackendError::failed(format!("failing over: {what}"), e);
+        // All it received, applied (bounded: 10 s), then what it had.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let caught_up: Option<bool> = sqlx::query_scalar("SELECT pg_last_wal_receive_lsn() IS NULL OR pg_last_wal_replay_lsn() >= pg_last_wal_receive_lsn()")
+                .fetch_one(&mut c)
+                .await
+                .map_err(fail("reading the standby's replay"))?;
+            if caught_up.unwrap_or(true) || Instant::now() > deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let (timeline_before, replayed_until_db_ms): (i64, Option<i64>) = sqlx::query_as(
+            "SELECT (SELECT timeline_id FROM pg_control_checkpoint())::int8, (EXTRACT(EPOCH FROM pg_last_xact_replay_timestamp()) * 1000)::int8",
+        )
+        .fetch_one(&mut c)
+        .await
+        .map_err(fail("reading the standby's timeline"))?;
+        let promoted: bool = sqlx::query_scalar("SELECT pg_promote(true, 60)").fetch_one(&mut c).await.map_err(fail("pg_promote"))?;
+        let (in_recovery, timeline_after): (bool, i64) =
+            sqlx::query_as("SELECT pg_is_in_recovery(), ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int8")
+                .fetch_one(&mut c)
+                .await
+                .map_err(fail("reading the promoted server's timeline"))?;
+        let _ = c.close().await;
+        if !promoted || in_recovery || timeline_after <= timeline_before {
+            return Err(BackendError::failed(
+                "failing over",
+                format!("the standby was not promoted (pg_promote {promoted}, in recovery {in_recovery}, timeline {timeline_before} → {timeline_after})"),
+            ));
+        }
+        let now_at = format!("127.0.0.1:{}", sb.port);
+        *sb.vip.upstream.lock().unwrap() = now_at.clone();
+        sb.promoted = true;
+        // The standby is the primary now: every later database fault and admin query is its.
+        std::mem::swap(&mut self.pg, &mut sb.server);
+        self.pg_port = sb.port;
+        let old = std::mem::replace(
+            &mut sb.server,
+            Server { name: "PostgreSQL (replaced)", program: PathBuf::new(), args: vec![], env: vec![], cwd: self.root.clone(), run_as: None, log: self.root.join("pg.log"), child: None, _ports: vec![] },
+        );
+        self.retired.push(old);
+        Ok(Failover { killed_pid, timeline_before, timeline_after, replayed_until_db_ms, sync: sb.sync, now_at })
+    }
+
     pub async fn stop(mut self) -> Result<(), BackendError> {
         self.stopped = true;
         for (_, rule) in std::mem::take(&mut self.cuts) {
             let _ = iptables("-D", &rule).await;
         }
-        let a = self.pg.kill().await.map(drop);
+        let mut a = self.pg.kill().await.map(drop);
+        if let Some(sb) = self.standby.as_mut() {
+            a = a.and(sb.server.kill().await.map(drop));
+        }
         let mut b = self.rmq.kill().await.map(drop);
         for (peer, _) in &mut self.peers {
             b = b.and(peer.kill().await.map(drop));
@@ -966,6 +1251,9 @@ impl Drop for LocalBackend {
         }
         if !self.stopped {
             self.pg.kill_now();
+            if let Some(sb) = self.standby.as_mut() {
+                sb.server.kill_now();
+            }
             self.rmq.kill_now();
             for (peer, _) in &mut self.peers {
                 peer.kill_now();
@@ -1133,6 +1421,40 @@ fn discard(template: &Path, dir: &Path) {
     if std::fs::rename(template, &aside).is_ok() {
         let _ = std::fs::remove_dir_all(&aside);
     }
+}
+
+/// The standby's name (issue 26): its `application_name`, its replication slot, and what
+/// `synchronous_standby_names` lists when it is synchronous.
+const STANDBY_NAME: &str = "standby";
+
+/// Who PostgreSQL runs as: the `postgres` user when the harness is root (initdb refuses root).
+fn postgres_user() -> Result<Option<(Uid, Gid)>, BackendError> {
+    if !Uid::effective().is_root() {
+        return Ok(None);
+    }
+    let user = nix::unistd::User::from_name("postgres")
+        .ok()
+        .flatten()
+        .ok_or_else(|| BackendError::Unavailable { backend: "local", why: "no postgres user".into() })?;
+    Ok(Some((user.uid, user.gid)))
+}
+
+/// `pg_basebackup` of the server on `port` into `data` (issue 26): WAL streamed with it,
+/// a replication slot created (the primary keeps the WAL the standby has yet to receive),
+/// the standby's configuration written (`-R`), an immediate checkpoint.
+fn base_backup(bindir: &Path, run_as: Option<(Uid, Gid)>, port: u16, cwd: &Path, data: &Path) -> Result<(), BackendError> {
+    let mut c = Command::new(bindir.join("pg_basebackup"));
+    c.args(["-h", "127.0.0.1", "-p", &port.to_string(), "-U", "postgres", "-D", data.to_str().unwrap_or_default()])
+        .args(["-X", "stream", "-C", "-S", STANDBY_NAME, "-R", "--no-sync", "--checkpoint=fast"])
+        .current_dir(cwd);
+    if let Some((uid, gid)) = run_as {
+        c.uid(uid.as_raw()).gid(gid.as_raw());
+    }
+    let out = c.output().map_err(|e| BackendError::failed("running pg_basebackup", e))?;
+    if !out.status.success() {
+        return Err(BackendError::failed("pg_basebackup", String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(())
 }
 
 fn pg_server(root: &Path) -> Result<(Server, u16), BackendError> {

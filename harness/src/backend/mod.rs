@@ -273,6 +273,44 @@ impl Backend {
         }
     }
 
+    /// Issue 26: a streaming standby of the database server, and one database address for
+    /// every client (the local backend's; the others refuse).
+    pub async fn add_standby(&mut self, sync: bool) -> Result<(), BackendError> {
+        match self {
+            Backend::Local(b) => b.add_standby(sync).await,
+            b => Err(BackendError::Unavailable { backend: b.kind().name(), why: "a database standby runs on the local backend only, so far (issue 26)".into() }),
+        }
+    }
+
+    /// Where the standby's replication link must listen and what it forwards to.
+    pub fn replication_link(&self) -> Option<(String, String)> {
+        match self {
+            Backend::Local(b) => b.replication_link(),
+            _ => None,
+        }
+    }
+
+    /// The standby streaming in its mode, caught up: the primary's word for it.
+    pub async fn start_replication(&self) -> Result<String, BackendError> {
+        match self {
+            Backend::Local(b) => b.start_replication().await,
+            b => Err(BackendError::Unavailable { backend: b.kind().name(), why: "no database standby".into() }),
+        }
+    }
+
+    /// Issue 26: the primary killed, the standby promoted, the database address moved.
+    pub async fn failover(&mut self) -> Result<local::Failover, BackendError> {
+        match self {
+            Backend::Local(b) => b.failover().await,
+            b => Err(BackendError::Unsupported {
+                backend: b.kind().name(),
+                fault: "failover",
+                target: Target::Database,
+                why: "a database standby runs on the local backend only, so far",
+            }),
+        }
+    }
+
     /// Disk loss of a killed broker node (issue 25: a cluster on the local backend); the
     /// evidence, what was removed.
     pub fn wipe(&mut self, target: Target) -> Result<String, BackendError> {

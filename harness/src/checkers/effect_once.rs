@@ -47,7 +47,7 @@ pub(super) fn handler_concurrency(h: &History, replica: Option<&str>, t: u64) ->
 }
 
 /// What can open the #1180 window of an execution on replica R: R crashing, the database
-/// killed or paused, or R's own database link cut — while the stamp was due.
+/// killed, paused or failed over, or R's own database link cut — while the stamp was due.
 #[derive(Debug)]
 pub(super) enum Opener {
     Crash { replica: String },
@@ -94,7 +94,8 @@ pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
                 let toxic_type = target.split_once(" (").and_then(|(_, t)| t.split_whitespace().next()).unwrap_or("");
                 let breaks = kind == "down" || matches!(toxic_type, "timeout" | "reset_peer" | "limit_data");
                 let opener = match (kind.as_str(), link) {
-                    ("kill" | "pause" | "partition", "database") => Opener::Database,
+                    // A failover (issue 26) kills the primary: the stamp can be lost with it.
+                    ("kill" | "pause" | "partition" | "failover", "database") => Opener::Database,
                     ("down" | "toxic", l) if breaks => match l.strip_suffix("->database") {
                         Some(r) => Opener::Link { replica: r.to_owned() },
                         None => continue,

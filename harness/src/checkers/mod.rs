@@ -103,6 +103,39 @@ fn each_culprit(by: &[(u64, &str, &[String])], windows: Option<&[(String, u64, u
     who.join(", ")
 }
 
+/// How far apart the run's clock and the database's (converted) may read one moment.
+const FAILOVER_CLOCK_SLACK_MS: u64 = 10;
+
+/// Issue 26: the database failovers that can have forgotten a commit made between `from`
+/// (when its write was first sent, run ms) and `to` (when the client heard it committed; None
+/// where no answer bounds it): a failover whose old primary was killed at or after `from`,
+/// and whose standby had not applied everything up to `to` (the commit time of the last
+/// transaction it replayed, the promoted server's own word, is before `to`). Anything else
+/// was on the standby, or went to the new primary: a failover is no excuse for it. Each
+/// gives `fault:failover database` and `replication:<its mode>`, with a witness's words.
+fn failover_forgot(h: &History, from: u64, to: Option<u64>) -> (Vec<String>, String) {
+    let mut tags = Vec::new();
+    let mut said = String::new();
+    for e in h.iter() {
+        let Event::Failover { replayed_until_ms, mode } = &e.event else { continue };
+        // The answer's time and the commit's are read on two clocks of one machine (the
+        // run's monotonic one, the database's wall clock converted): a few ms of slack.
+        let behind = match (replayed_until_ms, to) {
+            (Some(r), Some(to)) => to + FAILOVER_CLOCK_SLACK_MS > *r,
+            _ => true,
+        };
+        if e.t_ms >= from && behind {
+            tags.extend(["fault:failover database".to_owned(), format!("replication:{mode}")]);
+            said = format!(
+                "; the database failed over @{}ms ({mode} replication), its standby having applied commits up to {}",
+                e.t_ms,
+                replayed_until_ms.map_or("none".to_owned(), |r| format!("@{r}ms"))
+            );
+        }
+    }
+    (tags, said)
+}
+
 /// "cases-1 (compat pre-1128)" for witness texts.
 fn running(replica: &str, compat: Option<&[String]>) -> String {
     match compat {
@@ -266,7 +299,7 @@ pub(super) fn fault_replica(tag: &str) -> Option<&str> {
 /// twin is red for its documented cause and not for any violation of the same checker.
 pub const VIOLATION_KINDS: &[&str] =
     &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed", "double_post", "conflicting_events", "terminal_flip", "pruned_pending", "replay_past_window",
-      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status", "captured", "pruned_dedup", "never_answered", "unmatched_side_effect", "unexpected_dead_letter", "unstaged", "phantom", "refused_committed"];
+      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status", "captured", "pruned_dedup", "never_answered", "unmatched_side_effect", "unexpected_dead_letter", "unstaged", "phantom", "refused_committed", "lost_acknowledged", "phantom_event"];
 
 /// Which faults can cause a dead-letter violation of a kind, by the fault tag.
 #[derive(Clone, Copy)]

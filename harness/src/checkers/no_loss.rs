@@ -1,4 +1,4 @@
-//! `no_loss`, ADR-022 §D1/§D3 at-least-once: every acknowledged write's event produces its effect, every published dead letter reaches `craig.dlx`. Excused: nothing; blame needs the system's own word (who stamped, who rejected). Where a confirmed event was lost is named from the database (issue 25): `lost_at:consumer` when a consumer's inbox recorded it processed, `lost_at:broker` when the current behaviour stamped it (after a confirm), no consumer recorded it and a broker node lost its data after the stamp; counted per consumer queue (`confirmed`, `confirmed_never_delivered`: the outbox's record of confirms, not the broker's).
+//! `no_loss`, ADR-022 §D1/§D3 at-least-once: every acknowledged write's event produces its effect, every published dead letter reaches `craig.dlx`. An acknowledged write cases' database no longer holds is `kind:lost_acknowledged` (issue 26), with the failover that can have forgotten it (`fault:failover database`, `replication:<mode>`) where one did. Excused: nothing; blame needs the system's own word (who stamped, who rejected). Where a confirmed event was lost is named from the database (issue 25): `lost_at:consumer` when a consumer's inbox recorded it processed, `lost_at:broker` when the current behaviour stamped it (after a confirm), no consumer recorded it and a broker node lost its data after the stamp; counted per consumer queue (`confirmed`, `confirmed_never_delivered`: the outbox's record of confirms, not the broker's).
 
 use super::*;
 
@@ -112,10 +112,21 @@ pub fn no_loss(h: &History) -> Verdict {
     // Per consumer queue: acknowledged writes whose event the broker confirmed (published in
     // the outbox, stamped by the current behaviour), and of those, the ones no consumer's
     // inbox ever recorded and that took no effect.
+    // Issue 26: what cases' database holds committed at the end (read by the harness), and
+    // when each aggregate's write was first sent.
+    let committed_now: HashSet<Uuid> =
+        h.iter().filter_map(|e| if let Event::Committed { aggregate, .. } = &e.event { Some(*aggregate) } else { None }).collect();
+    let read = h.iter().any(|e| matches!(e.event, Event::CommittedRead));
+    let mut first_sent: HashMap<Uuid, u64> = HashMap::new();
+    for e in h.iter() {
+        if let Event::Write { referral, .. } = &e.event {
+            first_sent.entry(*referral).or_insert(e.t_ms);
+        }
+    }
     let mut per_queue: BTreeMap<String, (u64, u64)> = BTreeMap::new();
     let (mut attempted, mut acknowledged, mut ok, mut lost, mut recovered, mut unknown, mut failed) = (0, 0, 0, 0, 0, 0, 0);
     for entry in h.iter() {
-        let Event::Write { referral, outcome, replica, .. } = &entry.event else { continue };
+        let Event::Write { referral, outcome, replica, answered_ms, .. } = &entry.event else { continue };
         attempted += 1;
         let delivered = fx.by_referral.contains_key(referral);
         let envs = envelopes.get(referral).map(Vec::as_slice).unwrap_or(&[]);
@@ -136,7 +147,31 @@ pub fn no_loss(h: &History) -> Verdict {
         match outcome {
             Outcome::Ok => {
                 acknowledged += 1;
-                if delivered {
+                if read && !committed_now.contains(referral) {
+                    // Issue 26: the client heard it committed, and cases' database does not
+                    // hold it: acknowledged and gone (whether or not its event took effect
+                    // first). A failover that can have forgotten it (its standby behind the
+                    // answer) is named with its replication mode.
+                    lost += 1;
+                    let compat = h.compat_at(replica, entry.t_ms);
+                    let mut tags = vec!["kind:lost_acknowledged".to_owned()];
+                    tags.extend(culprit_tags(replica, compat));
+                    // A failover is named only where it can have forgotten the write (below),
+                    // never for being in force near it.
+                    tags.extend(faults_on(&windows, replica, entry.t_ms).into_iter().filter(|t| !t.starts_with("fault:failover ")));
+                    let from = first_sent.get(referral).copied().unwrap_or(entry.t_ms);
+                    let (failover, said) = failover_forgot(h, from, *answered_ms);
+                    tags.extend(failover);
+                    v.blame(tags);
+                    v.witness(format!(
+                        "referral {referral} acknowledged by {} @{}ms{} is not in cases' database: acknowledged and gone{}{said}; {}",
+                        running(replica, compat),
+                        entry.t_ms,
+                        answered_ms.map(|a| format!(" (answered @{a}ms)")).unwrap_or_default(),
+                        if delivered { " (its event took effect)" } else { "" },
+                        h.fault_near(entry.t_ms)
+                    ));
+                } else if delivered {
                     ok += 1;
                 } else {
                     lost += 1;
@@ -237,6 +272,20 @@ pub fn no_loss(h: &History) -> Verdict {
         ("dead_letters_lost", dead_lost),
     ] {
         v.count(k, n);
+    }
+    // Issue 26: how long the database was out for writers across a failover: from the old
+    // primary's kill to the first answer that acknowledged a write sent after it.
+    for kill in h.iter().filter(|e| matches!(e.event, Event::Failover { .. })).map(|e| e.t_ms) {
+        let first = h
+            .iter()
+            .filter_map(|e| match &e.event {
+                Event::Write { outcome: Outcome::Ok, answered_ms: Some(a), .. } if e.t_ms >= kill => Some(*a),
+                _ => None,
+            })
+            .min();
+        if let Some(a) = first {
+            v.count("failover_to_first_acknowledged_write_ms", a.saturating_sub(kill) as usize);
+        }
     }
     for (queue, (confirmed, never_seen)) in per_queue {
         v.count(&format!("confirmed {queue}"), confirmed as usize);

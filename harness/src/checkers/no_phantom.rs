@@ -1,4 +1,4 @@
-//! `no_phantom`, ADR-022 No effect without a committed write: an effect of a failed, rolled-back or never-attempted write, or of an aggregate cases' database does not hold (issue 22.2), is a phantom, as is a committed aggregate whose write was refused. Excused: nothing. Blame: the replica that took the write, its behaviour and the faults on it then.
+//! `no_phantom`, ADR-022 No effect without a committed write: an effect of a failed, rolled-back or never-attempted write, or of an aggregate cases' database does not hold (issue 22.2), is a phantom, as is a committed aggregate whose write was refused; after a database failover that can have forgotten its commit, `kind:phantom_event` with `fault:failover database` and `replication:<mode>` (issue 26). Excused: nothing. Blame: the replica that took the write, its behaviour and the faults on it then.
 
 use super::*;
 
@@ -17,10 +17,20 @@ pub fn no_phantom(h: &History) -> Verdict {
     let mut must_not: HashMap<Uuid, &'static str> = HashMap::new();
     // Every write attempt of an aggregate: (t, replica), the last one taking the blame.
     let mut tries: HashMap<Uuid, (u64, &str)> = HashMap::new();
+    // When each aggregate's write was first sent (issue 26: a failover after it can have
+    // forgotten its commit).
+    let mut first_sent: HashMap<Uuid, u64> = HashMap::new();
+    // ... and when a client heard it committed (its commit came before that).
+    let mut acknowledged: HashMap<Uuid, u64> = HashMap::new();
     for entry in h.iter() {
         match &entry.event {
-            Event::Write { referral, outcome, replica, .. } => {
+            Event::Write { referral, outcome, replica, answered_ms, .. } => {
                 tries.insert(*referral, (entry.t_ms, replica.as_str()));
+                first_sent.entry(*referral).or_insert(entry.t_ms);
+                if let (Outcome::Ok, Some(a)) = (outcome, answered_ms) {
+                    let at = acknowledged.entry(*referral).or_insert(*a);
+                    *at = (*at).min(*a);
+                }
                 if *outcome == Outcome::Failed {
                     must_not.insert(*referral, "failed");
                 } else {
@@ -33,13 +43,15 @@ pub fn no_phantom(h: &History) -> Verdict {
             _ => {}
         }
     }
-    let blame = |v: &mut Verdict, kind: &str, aggregate: &Uuid| -> String {
+    let blame = |v: &mut Verdict, kind: &str, aggregate: &Uuid, more: Vec<String>| -> String {
         let mut tags = vec![format!("kind:{kind}")];
+        tags.extend(more);
         match tries.get(aggregate) {
             Some(&(t, replica)) => {
                 let compat = h.compat_at(replica, t);
                 tags.extend(culprit_tags(replica, compat));
-                tags.extend(faults_on(&windows, replica, t));
+                // A failover is named only where it can have forgotten the commit (issue 26).
+                tags.extend(faults_on(&windows, replica, t).into_iter().filter(|t| !t.starts_with("fault:failover ")));
                 v.blame(tags);
                 format!("its write went to {} @{t}ms; {}", running(replica, compat), h.fault_near(t))
             }
@@ -61,22 +73,35 @@ pub fn no_phantom(h: &History) -> Verdict {
     refused.sort();
     for (referral, why) in refused {
         unexpected += 1;
-        let by = blame(&mut v, "refused_committed", referral);
+        let by = blame(&mut v, "refused_committed", referral, vec![]);
         v.witness(format!("aggregate {referral} is committed in cases' database but its write was {why}: {by}"));
     }
     let mut referrals: Vec<(&Uuid, &u64)> = fx.by_referral.iter().collect();
     referrals.sort();
     for (referral, t) in referrals {
+        let gone = read && !committed.contains(referral);
         let why = match must_not.get(referral) {
             Some(why) => Some(*why),
             None if !may_exist.contains(referral) => Some("never attempted"),
-            None if read && !committed.contains(referral) => Some("never committed (cases' database has no such aggregate)"),
+            None if gone => Some("never committed (cases' database has no such aggregate)"),
             None => None,
         };
         if let Some(why) = why {
             unexpected += 1;
-            let by = blame(&mut v, "phantom", referral);
-            v.witness(format!("referral {referral} took effect @{t}ms but was {why}: {by}"));
+            // Issue 26: an effect of a write that may have committed, whose aggregate the
+            // database no longer holds, after a failover that can have forgotten the commit
+            // (the write was sent before the old primary's kill, and where a client heard it
+            // committed, the standby had not applied up to that answer): delivered, its
+            // domain row gone.
+            let (failover, said) = match first_sent.get(referral) {
+                Some(&from) if gone && may_exist.contains(referral) && !must_not.contains_key(referral) => {
+                    super::failover_forgot(h, from, acknowledged.get(referral).copied())
+                }
+                _ => (vec![], String::new()),
+            };
+            let kind = if failover.is_empty() { "phantom" } else { "phantom_event" };
+            let by = blame(&mut v, kind, referral, failover);
+            v.witness(format!("referral {referral} took effect @{t}ms but was {why}: {by}{said}"));
         }
     }
     v.count("effects", fx.total);

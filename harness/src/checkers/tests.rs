@@ -8,7 +8,7 @@ fn id(n: u128) -> Uuid {
 }
 
 fn write(h: &mut History, t: u64, n: u128, outcome: Outcome) {
-    h.push(t, Event::Write { referral: id(n), replica: "cases-1".into(), outcome, status: None });
+    h.push(t, Event::Write { referral: id(n), replica: "cases-1".into(), outcome, status: None, answered_ms: None });
 }
 
 fn effect(h: &mut History, t: u64, env: u128, referral: u128) {
@@ -749,7 +749,7 @@ fn a_current_replicas_failed_dedup_is_its_own() {
     let mut h = History::default();
     started(&mut h, 0, "rules-1", &["pre-d2"]);
     started(&mut h, 0, "rules-2", &[]);
-    h.push(50, Event::Write { referral: id(1), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+    h.push(50, Event::Write { referral: id(1), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201), answered_ms: None });
     h.push(90, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::after_publish_before_stamp".into(), phase: Phase::Start });
     h.push(150, Event::Fault { kind: "crash".into(), target: "cases-1 restarted".into(), phase: Phase::End });
     h.push(300, Event::Stamped { envelope: id(1), replica: "cases-1".into(), compat: vec![] });
@@ -803,7 +803,7 @@ fn a_duplicate_is_blamed_on_the_producer_crash_that_republished_it_even_when_the
     started(&mut h, 0, "cases-1", &[]);
     h.push(50, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::x".into(), phase: Phase::Start });
     h.push(60, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::x".into(), phase: Phase::End });
-    h.push(100, Event::Write { referral: id(1), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+    h.push(100, Event::Write { referral: id(1), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201), answered_ms: None });
     h.push(700, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::after_publish_before_stamp".into(), phase: Phase::Start });
     h.push(720, Event::Fault { kind: "kill".into(), target: "security-1".into(), phase: Phase::Start });
     h.push(1000, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::after_publish_before_stamp".into(), phase: Phase::End });
@@ -823,7 +823,7 @@ fn a_duplicate_is_blamed_on_the_producer_crash_that_republished_it_even_when_the
     let mut h = History::default();
     started(&mut h, 0, "rules-1", &["pre-d2"]);
     started(&mut h, 0, "cases-1", &[]);
-    h.push(100, Event::Write { referral: id(1), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+    h.push(100, Event::Write { referral: id(1), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201), answered_ms: None });
     h.push(700, Event::Fault { kind: "crash".into(), target: "cases-1 at outbox::after_claim".into(), phase: Phase::Start });
     h.push(1000, Event::Fault { kind: "crash".into(), target: "cases-1 restarted".into(), phase: Phase::End });
     h.push(1340, Event::Effect { envelope: id(101), referral: Some(id(1)), service: "rules".into(), replica: Some("rules-1".into()) });
@@ -889,7 +889,7 @@ fn a_committed_aggregate_the_client_never_heard_of_still_needs_its_effect() {
         write(&mut h, 1, 1, Outcome::Ok);
         staged(&mut h, 11, 1);
         effect(&mut h, 20, 11, 1);
-        h.push(30, Event::Write { referral: id(2), replica: "cases-1".into(), outcome: Outcome::Unknown, status: Some(503) });
+        h.push(30, Event::Write { referral: id(2), replica: "cases-1".into(), outcome: Outcome::Unknown, status: Some(503), answered_ms: None });
         h.push(30, Event::Committed { aggregate: id(1), table: "referrals".into() });
         h.push(30, Event::Committed { aggregate: id(2), table: "referrals".into() });
         h.push(90, Event::Fault { kind: "mutant".into(), target: "cases-1".into(), phase: Phase::End });
@@ -957,8 +957,8 @@ fn no_phantom_blames_the_replica_that_took_the_write_and_its_faults() {
     started(&mut h, 0, "cases-1", &[]);
     h.push(5, Event::Fault { kind: "mutant".into(), target: "cases-1".into(), phase: Phase::Start });
     h.push(100, Event::Fault { kind: "refuse_staging".into(), target: "database".into(), phase: Phase::Start });
-    h.push(150, Event::Write { referral: id(2), replica: "cases-1".into(), outcome: Outcome::Unknown, status: Some(503) });
-    h.push(150, Event::Write { referral: id(4), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+    h.push(150, Event::Write { referral: id(2), replica: "cases-1".into(), outcome: Outcome::Unknown, status: Some(503), answered_ms: None });
+    h.push(150, Event::Write { referral: id(4), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201), answered_ms: None });
     h.push(900, Event::Fault { kind: "refuse_staging".into(), target: "database".into(), phase: Phase::End });
     h.push(1000, Event::Committed { aggregate: id(4), table: "referrals".into() });
     h.push(1000, Event::CommittedRead);
@@ -1001,7 +1001,7 @@ fn no_phantom_judges_an_empty_read_of_the_committed_aggregates() {
 fn only_cases_own_outbox_row_stages_a_committed_aggregate() {
     let mut h = History::default();
     started(&mut h, 0, "cases-1", &[]);
-    h.push(30, Event::Write { referral: id(2), replica: "cases-1".into(), outcome: Outcome::Unknown, status: Some(503) });
+    h.push(30, Event::Write { referral: id(2), replica: "cases-1".into(), outcome: Outcome::Unknown, status: Some(503), answered_ms: None });
     h.push(31, Event::Committed { aggregate: id(2), table: "placements".into() });
     h.push(32, Event::Staged { envelope: id(12), referral: Some(id(2)), service: "financial".into(), published: true, attempts: 1, last_error: None });
     h.sort();
@@ -1996,4 +1996,58 @@ fn every_checker_on_an_empty_run_has_nothing_to_check() {
     for v in check_all(&History::default()) {
         assert!(v.nothing_to_check(), "{}: {:?}", v.name, v.error);
     }
+}
+
+/// Issue 26: after a database failover, an acknowledged write the promoted server does not
+/// hold is `kind:lost_acknowledged` (no_loss), and an effect of it `kind:phantom_event`
+/// (no_phantom), each blamed on the failover and the replication mode — but only where the
+/// standby had not applied up to the client's answer, and only for a write sent before the
+/// old primary's kill. Anything else the new primary lacks is a loss the failover does not
+/// excuse.
+#[test]
+fn a_failover_is_blamed_only_for_what_its_standby_had_not_applied() {
+    // Referral 1 answered @100, before the standby's last applied commit (@500); 2 answered
+    // @700, after it; 3 sent @1200, after the kill (@1000), so it went to the new primary.
+    let base = |gone: &[u128]| {
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", &[]);
+        for (t, n, a) in [(90, 1, 100), (690, 2, 700), (1200, 3, 1210)] {
+            h.push(t, Event::Write { referral: id(n), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201), answered_ms: Some(a) });
+            staged(&mut h, 10 + n, n);
+            effect(&mut h, 1500, 10 + n, n);
+            if !gone.contains(&n) {
+                h.push(2000, Event::Committed { aggregate: id(n), table: "referrals".into() });
+            }
+        }
+        window(&mut h, (1000, 1100), "failover", "database");
+        h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: "async".into() });
+        h.push(2000, Event::CommittedRead);
+        h.sort();
+        h
+    };
+    assert_eq!((no_loss(&base(&[])).validity, no_phantom(&base(&[])).validity), (Validity::Valid, Validity::Valid));
+    // Referral 2 is gone, its event took effect: both kinds, on the failover and its mode.
+    let h = base(&[2]);
+    let (v, p) = (no_loss(&h), no_phantom(&h));
+    assert_eq!((v.validity, v.violations, p.validity, p.violations), (Validity::Invalid, 1, Validity::Invalid, 1), "{v:?} {p:?}");
+    for cause in ["kind:lost_acknowledged", "fault:failover database", "replication:async"] {
+        assert!(v.all_point_at(cause), "{cause}: {:?}", v.culprits);
+    }
+    for cause in ["kind:phantom_event", "fault:failover database", "replication:async"] {
+        assert!(p.all_point_at(cause), "{cause}: {:?}", p.culprits);
+    }
+    assert!(v.witnesses[0].contains("acknowledged and gone (its event took effect); the database failed over @1000ms (async replication)"), "{:?}", v.witnesses);
+    // Referral 1 gone: the standby had applied past its answer, so the failover cannot have
+    // forgotten it; referral 3 gone: sent after the kill. Neither is the failover's.
+    for n in [1, 3] {
+        let h = base(&[n]);
+        let (v, p) = (no_loss(&h), no_phantom(&h));
+        assert!(v.all_point_at("kind:lost_acknowledged") && !v.culprits.contains_key("fault:failover database"), "{n}: {:?}", v.culprits);
+        assert!(p.all_point_at("kind:phantom") && !p.culprits.contains_key("replication:async"), "{n}: {:?}", p.culprits);
+    }
+    // Without a failover at all, an acknowledged write that is gone is still named.
+    let mut h = base(&[2]);
+    h.entries.retain(|e| !matches!(e.event, Event::Failover { .. }));
+    let v = no_loss(&h);
+    assert!(v.all_point_at("kind:lost_acknowledged") && !v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
 }

@@ -452,6 +452,10 @@ async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: 
     if s.broker_nodes > 1 && chosen.kind != BackendKind::Local {
         anyhow::bail!("backend {} runs a one-node broker; this scenario asks for {} broker nodes (CHAOS_BACKEND=local runs a cluster)", chosen.kind, s.broker_nodes);
     }
+    // A database standby (issue 26) too.
+    if s.standby.is_some() && chosen.kind != BackendKind::Local {
+        anyhow::bail!("backend {} runs one database server; this scenario asks for a standby (CHAOS_BACKEND=local runs one)", chosen.kind);
+    }
     // Two links a replica, each a published port of the Toxiproxy container.
     let replicas: u32 = s.fleet.values().map(|e| e.get_ref().count()).sum();
     if chosen.kind == BackendKind::Containers && replicas * 2 > u32::from(crate::backend::containers::PROXY_SLOTS) {
@@ -500,9 +504,19 @@ async fn drive(
     backend: Arc<Mutex<Backend>>,
     metrics: &mut BTreeMap<String, BTreeMap<String, f64>>,
 ) -> anyhow::Result<()> {
+    // A standby (issue 26) before anything connects: every client then reaches the database
+    // by the address a failover moves.
+    if let Some(standby) = s.standby {
+        let began = std::time::Instant::now();
+        bounded(Duration::from_secs(60), "starting the database's standby", async { backend.lock().await.add_standby(standby.sync).await.map_err(anyhow::Error::from) })
+            .await?;
+        if opts.progress {
+            eprintln!("  database standby: base backup taken and started in {:.1} s", began.elapsed().as_secs_f64());
+        }
+    }
     let ep = backend.lock().await.endpoints();
     let deployed = deploy(s, opts, seed, log, &ep, &backend).await?;
-    let fleet = start(s, opts, seed, &ep, &backend, &deployed).await?;
+    let fleet = start(s, opts, seed, log, &ep, &backend, &deployed).await?;
     let writer = workload::Writer { s, log, replicas: &fleet.replicas, cases: &deployed.cases_pool, secret: &fleet.secret, exports: Default::default() };
     let mut load = load_and_faults(s, opts, seed, log, &ep, &backend, &deployed, &fleet, &writer).await?;
     heal(s, seed, log, &fleet, &writer, &mut load).await?;
@@ -595,10 +609,12 @@ impl Drop for Fleet {
 /// Start: the fault proxy, a link through it for each replica's database and broker
 /// connections, and every replica that starts with the run (its crash points, mutants and
 /// markers armed).
+#[allow(clippy::too_many_arguments)]
 async fn start(
     s: &Scenario,
     opts: &RunOptions,
     seed: u64,
+    log: &Log,
     ep: &crate::backend::Endpoints,
     backend: &Arc<Mutex<Backend>>,
     deployed: &Deployed,
@@ -632,6 +648,19 @@ async fn start(
         })
     };
     let through = |url: &str, at: &str| url.replacen(&crate::backend::external_authority(url), at, 1);
+    // Issue 26: the standby's replication connection through the fault proxy (the link
+    // `standby->database`, a target for toxic and down), then the standby streaming in its
+    // mode, caught up, as the primary reports it.
+    let replication = backend.lock().await.replication_link();
+    if let Some((listen, upstream)) = replication {
+        toxi.create_proxy(crate::scenario::REPLICATION_LINK, &listen, &upstream).await?;
+        let state = bounded(Duration::from_secs(40), "starting replication to the standby", async {
+            backend.lock().await.start_replication().await.map_err(anyhow::Error::from)
+        })
+        .await?;
+        let mode = if s.standby.is_some_and(|sb| sb.sync) { "sync" } else { "async" };
+        log.push(Event::Replication { mode: mode.into(), state });
+    }
     let logs_dir = opts.report_dir.join("logs").join(&s.name);
     // Fresh logs: the collector and the failpoint markers read them whole, and a report
     // folder reused by an earlier run (ci/test's) must not lend its lines to this one.
@@ -932,7 +961,7 @@ mod tests {
         )
         .unwrap();
         let write = |h: &mut History, t, n: u128, outcome| {
-            h.push(t, Event::Write { referral: Uuid::from_u128(n), replica: "cases-1".into(), outcome, status: None })
+            h.push(t, Event::Write { referral: Uuid::from_u128(n), replica: "cases-1".into(), outcome, status: None, answered_ms: None })
         };
         let mut h = History::default();
         write(&mut h, 10, 1, Outcome::Ok);
@@ -1031,7 +1060,7 @@ mod tests {
         )
         .unwrap();
         let mut h = History::default();
-        h.push(1, Event::Write { referral: Uuid::from_u128(1), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+        h.push(1, Event::Write { referral: Uuid::from_u128(1), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201), answered_ms: None });
         h.push(2, Event::Effect { envelope: Uuid::from_u128(9), referral: Some(Uuid::from_u128(1)), service: "rules".into(), replica: None });
         let judged = judge(&s, &h);
         let names: Vec<(&str, bool)> = judged.iter().map(|i| (i.name.as_str(), i.listed)).collect();
@@ -1040,7 +1069,7 @@ mod tests {
         assert!(!names.iter().any(|(n, _)| *n == "sentinel_integrity"), "nothing to check: left out: {names:?}");
         assert!(judged.iter().all(InvariantResult::met), "{judged:?}");
         // The same run, but the acknowledged write never took effect: no_loss, unlisted, fails it.
-        h.push(3, Event::Write { referral: Uuid::from_u128(2), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+        h.push(3, Event::Write { referral: Uuid::from_u128(2), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201), answered_ms: None });
         let judged = judge(&s, &h);
         let lost = judged.iter().find(|i| i.name == "no_loss").unwrap();
         assert_eq!((lost.observed.as_deref(), lost.listed, lost.met()), (Some("violated"), false, false));

@@ -90,7 +90,7 @@ impl Staged {
         }
         for referral in &self.backdated {
             // Acknowledged long ago by a cases replica of this fleet.
-            log.push_at(0, Event::Write { referral: *referral, replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201) });
+            log.push_at(0, Event::Write { referral: *referral, replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201), answered_ms: None });
             log.push_at(0, Event::Backdated { referral: *referral });
         }
         for (event_type, n, service) in [
@@ -433,7 +433,10 @@ async fn http_writes(
                     }
                 }
             };
-            log.push_at(t, Event::Write { referral, replica: replica_name, outcome, status });
+            // When the client heard its answer (issue 26: a failover's excuse needs to know
+            // whether the commit can have come after what the standby applied).
+            let answered_ms = Some(log.now());
+            log.push_at(t, Event::Write { referral, replica: replica_name, outcome, status, answered_ms });
             let n = completed.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
             done.send_replace(n);
             drop(permit);
