@@ -33,7 +33,8 @@ pub enum Event {
         replica: String,
         outcome: Outcome,
         status: Option<u16>,
-        /// When the answer came (run ms; the event's own time is when the request went out).
+        /// When the request ended (run ms: its answer, or the refused connection or timeout
+        /// that ended it; the event's own time is when the request went out).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         answered_ms: Option<u64>,
     },

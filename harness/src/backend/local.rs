@@ -416,8 +416,8 @@ pub struct Failover {
     pub timeline_before: i64,
     pub timeline_after: i64,
     /// The commit time (the database's clock, epoch ms) of the last transaction the standby
-    /// had applied when it was promoted: every commit after it is gone. None when it had
-    /// applied none since it started.
+    /// applied before its recovery ended (read after the promotion, when it is final): every
+    /// commit after it is gone. None when it had applied none since it started.
     pub replayed_until_db_ms: Option<i64>,
     /// Whether the primary waited for the standby (`synchronous_commit = remote_apply`).
     pub sync: bool,
@@ -1170,7 +1170,7 @@ impl LocalBackend {
     }
 
     /// Issue 26, a failover as an operator's tooling does it: the primary SIGKILLed, the
-    /// standby promoted (`pg_promote`) once it has applied all it received, and the database
+    /// standby promoted (`pg_promote`, which applies all it received first), and the database
     /// address moved to it. The evidence is the servers' own: the old primary's process
     /// group gone, the standby's timeline before and the promoted server's after (it must
     /// have moved on), `pg_is_in_recovery()` false. Once: a second failover has no standby.
@@ -1179,38 +1179,28 @@ impl LocalBackend {
             return Err(BackendError::failed("failing over", "the database has no standby (left)"));
         };
         let killed_pid = self.pg.kill().await?.ok_or_else(|| BackendError::failed("failing over", "the primary was not running"))?;
-        let mut c = admin_conn(sb.port).await?;
-        let fail = |what: &'static str| move |e: sqlx::Error| BackendError::failed(format!("failing over: {what}"), e);
-        // All it received, applied (bounded: 10 s), then what it had.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let caught_up: Option<bool> = sqlx::query_scalar("SELECT pg_last_wal_receive_lsn() IS NULL OR pg_last_wal_replay_lsn() >= pg_last_wal_receive_lsn()")
-                .fetch_one(&mut c)
-                .await
-                .map_err(fail("reading the standby's replay"))?;
-            if caught_up.unwrap_or(true) || Instant::now() > deadline {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let (timeline_before, replayed_until_db_ms): (i64, Option<i64>) = sqlx::query_as(
-            "SELECT (SELECT timeline_id FROM pg_control_checkpoint())::int8, (EXTRACT(EPOCH FROM pg_last_xact_replay_timestamp()) * 1000)::int8",
+        // Past the kill, a failure says so: the primary is gone and the standby may not be promoted.
+        let after_kill = |e: BackendError| BackendError::failed(format!("failing over (the primary, pid {killed_pid}, was killed)"), e);
+        let mut c = admin_conn(sb.port).await.map_err(after_kill)?;
+        let fail = |what: &'static str| move |e: sqlx::Error| after_kill(BackendError::failed(what, e));
+        let timeline_before: i64 =
+            sqlx::query_scalar("SELECT timeline_id::int8 FROM pg_control_checkpoint()").fetch_one(&mut c).await.map_err(fail("reading the standby's timeline"))?;
+        // pg_promote replays everything the standby received before it ends recovery (and
+        // waits for that); what it had applied is read afterwards, when it is final.
+        let promoted: bool = sqlx::query_scalar("SELECT pg_promote(true, 60)").fetch_one(&mut c).await.map_err(fail("pg_promote"))?;
+        let (in_recovery, timeline_after, replayed_until_db_ms): (bool, i64, Option<i64>) = sqlx::query_as(
+            "SELECT pg_is_in_recovery(), ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int8, \
+                    (EXTRACT(EPOCH FROM pg_last_xact_replay_timestamp()) * 1000)::int8",
         )
         .fetch_one(&mut c)
         .await
-        .map_err(fail("reading the standby's timeline"))?;
-        let promoted: bool = sqlx::query_scalar("SELECT pg_promote(true, 60)").fetch_one(&mut c).await.map_err(fail("pg_promote"))?;
-        let (in_recovery, timeline_after): (bool, i64) =
-            sqlx::query_as("SELECT pg_is_in_recovery(), ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int8")
-                .fetch_one(&mut c)
-                .await
-                .map_err(fail("reading the promoted server's timeline"))?;
+        .map_err(fail("reading the promoted server's timeline"))?;
         let _ = c.close().await;
         if !promoted || in_recovery || timeline_after <= timeline_before {
-            return Err(BackendError::failed(
-                "failing over",
-                format!("the standby was not promoted (pg_promote {promoted}, in recovery {in_recovery}, timeline {timeline_before} → {timeline_after})"),
-            ));
+            return Err(after_kill(BackendError::failed(
+                "promoting the standby",
+                format!("not promoted (pg_promote {promoted}, in recovery {in_recovery}, timeline {timeline_before} → {timeline_after})"),
+            )));
         }
         let now_at = format!("127.0.0.1:{}", sb.port);
         *sb.vip.upstream.lock().unwrap() = now_at.clone();

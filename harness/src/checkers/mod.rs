@@ -107,17 +107,22 @@ fn each_culprit(by: &[(u64, &str, &[String])], windows: Option<&[(String, u64, u
 const FAILOVER_CLOCK_SLACK_MS: u64 = 10;
 
 /// Issue 26: the database failovers that can have forgotten a commit made between `from`
-/// (when its write was first sent, run ms) and `to` (when the client heard it committed; None
-/// where no answer bounds it): a failover whose old primary was killed at or after `from`,
-/// and whose standby had not applied everything up to `to` (the commit time of the last
-/// transaction it replayed, the promoted server's own word, is before `to`). Anything else
-/// was on the standby, or went to the new primary: a failover is no excuse for it. Each
-/// gives `fault:failover database` and `replication:<its mode>`, with a witness's words.
+/// (when its write was first sent, run ms) and `to` (the latest the commit can have been:
+/// when a client heard it committed, or its event was stamped or took effect; None where
+/// nothing bounds it): an asynchronous failover whose old primary was killed at or after
+/// `from`, and whose standby had not applied everything up to `to` (the commit time of the
+/// last transaction it replayed, the promoted server's own word, is before `to`). Anything
+/// else was on the standby, or went to the new primary; and a synchronous standby
+/// (`remote_apply`) had every commit anyone could see: a failover is no excuse for those.
+/// Each gives `fault:failover database` and `replication:async`, with a witness's words.
 fn failover_forgot(h: &History, from: u64, to: Option<u64>) -> (Vec<String>, String) {
     let mut tags = Vec::new();
     let mut said = String::new();
     for e in h.iter() {
         let Event::Failover { replayed_until_ms, mode } = &e.event else { continue };
+        if mode != "async" {
+            continue;
+        }
         // The answer's time and the commit's are read on two clocks of one machine (the
         // run's monotonic one, the database's wall clock converted): a few ms of slack.
         let behind = match (replayed_until_ms, to) {

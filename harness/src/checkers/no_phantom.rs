@@ -43,6 +43,25 @@ pub fn no_phantom(h: &History) -> Verdict {
             _ => {}
         }
     }
+    // When each aggregate's event (cases' row) was first stamped published: its commit came
+    // before (issue 26).
+    let mut cases_env: HashMap<Uuid, Uuid> = HashMap::new();
+    for e in h.iter() {
+        if let Event::Staged { envelope, referral: Some(r), service, .. } = &e.event {
+            if service == "cases" {
+                cases_env.insert(*envelope, *r);
+            }
+        }
+    }
+    let mut first_stamp: HashMap<Uuid, u64> = HashMap::new();
+    for e in h.iter() {
+        if let Event::Stamped { envelope, .. } = &e.event {
+            if let Some(r) = cases_env.get(envelope) {
+                let at = first_stamp.entry(*r).or_insert(e.t_ms);
+                *at = (*at).min(e.t_ms);
+            }
+        }
+    }
     let blame = |v: &mut Verdict, kind: &str, aggregate: &Uuid, more: Vec<String>| -> String {
         let mut tags = vec![format!("kind:{kind}")];
         tags.extend(more);
@@ -95,7 +114,9 @@ pub fn no_phantom(h: &History) -> Verdict {
             // domain row gone.
             let (failover, said) = match first_sent.get(referral) {
                 Some(&from) if gone && may_exist.contains(referral) && !must_not.contains_key(referral) => {
-                    super::failover_forgot(h, from, acknowledged.get(referral).copied())
+                    // The commit came before its answer, its event's stamp and its effect.
+                    let to = [acknowledged.get(referral).copied(), first_stamp.get(referral).copied(), Some(*t)].into_iter().flatten().min();
+                    super::failover_forgot(h, from, to)
                 }
                 _ => (vec![], String::new()),
             };

@@ -1998,11 +1998,12 @@ fn every_checker_on_an_empty_run_has_nothing_to_check() {
     }
 }
 
-/// Issue 26: after a database failover, an acknowledged write the promoted server does not
-/// hold is `kind:lost_acknowledged` (no_loss), and an effect of it `kind:phantom_event`
-/// (no_phantom), each blamed on the failover and the replication mode — but only where the
-/// standby had not applied up to the client's answer, and only for a write sent before the
-/// old primary's kill. Anything else the new primary lacks is a loss the failover does not
+/// Issue 26: after an asynchronous database failover, an acknowledged write the promoted
+/// server does not hold is `kind:lost_acknowledged` (no_loss), and an effect of it
+/// `kind:phantom_event` (no_phantom), each blamed on the failover and the replication mode —
+/// but only where the standby had not applied up to the client's answer (or, unanswered, its
+/// event's stamp), and only for a write sent before the old primary's kill; never after a
+/// synchronous one. Anything else the new primary lacks is a loss the failover does not
 /// excuse.
 #[test]
 fn a_failover_is_blamed_only_for_what_its_standby_had_not_applied() {
@@ -2044,6 +2045,29 @@ fn a_failover_is_blamed_only_for_what_its_standby_had_not_applied() {
         let (v, p) = (no_loss(&h), no_phantom(&h));
         assert!(v.all_point_at("kind:lost_acknowledged") && !v.culprits.contains_key("fault:failover database"), "{n}: {:?}", v.culprits);
         assert!(p.all_point_at("kind:phantom") && !p.culprits.contains_key("replication:async"), "{n}: {:?}", p.culprits);
+    }
+    // A synchronous standby had every commit anyone saw: the same loss is never the failover's.
+    let mut h = base(&[2]);
+    for e in h.entries.iter_mut() {
+        if let Event::Failover { mode, .. } = &mut e.event {
+            *mode = "sync".into();
+        }
+    }
+    let (v, p) = (no_loss(&h), no_phantom(&h));
+    assert!(v.all_point_at("kind:lost_acknowledged") && !v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
+    assert!(p.all_point_at("kind:phantom") && !p.culprits.contains_key("replication:sync"), "{:?}", p.culprits);
+    // A write no client heard answered: its commit came before its event's stamp, so a stamp
+    // before what the standby applied (@500) bounds it there (not the failover's); one after
+    // it does not.
+    for (stamp, excused) in [(400, false), (600, true)] {
+        let mut h = base(&[]);
+        h.push(60, Event::Write { referral: id(4), replica: "cases-1".into(), outcome: Outcome::Unknown, status: None, answered_ms: Some(5000) });
+        staged(&mut h, 14, 4);
+        stamped(&mut h, stamp, 14, "cases-1", &[]);
+        effect(&mut h, 1500, 14, 4);
+        h.sort();
+        let p = no_phantom(&h);
+        assert_eq!((p.violations, p.all_point_at("kind:phantom_event")), (1, excused), "stamp @{stamp}: {:?}", p.culprits);
     }
     // Without a failover at all, an acknowledged write that is gone is still named.
     let mut h = base(&[2]);
