@@ -748,14 +748,15 @@ impl TryFrom<toml::Value> for Expectation {
     type Error = String;
     fn try_from(v: toml::Value) -> Result<Self, String> {
         const SHAPE: &str =
-            "expected \"hold\", \"violate\" or { violate = \"<cause>\" | [\"<cause>\", ...] } with causes compat:<mode>, replica:<name>, fault:<kind> <target>, kind:<violation kind>, queue:<classic|quorum>, lost_at:<broker|consumer>, replication:<sync|async>";
+            "expected \"hold\", \"violate\" or { violate = \"<cause>\" | [\"<cause>\", ...] } with causes compat:<mode>, replica:<name>, fault:<kind> <target>, kind:<violation kind>, queue:<classic|quorum>, lost_at:<broker|consumer>, replication:async";
         let cause_ok = |c: &str| {
             c.strip_prefix("compat:").is_some_and(|m| m.parse::<craig_fleet::Compat>().is_ok())
                 || c.strip_prefix("replica:").is_some_and(|r| !r.is_empty())
                 || c.strip_prefix("fault:").is_some_and(|f| f.split_once(' ').is_some_and(|(k, t)| !k.is_empty() && !t.is_empty()))
                 || c.strip_prefix("kind:").is_some_and(|k| crate::checkers::VIOLATION_KINDS.contains(&k))
                 || c.strip_prefix("queue:").is_some_and(|q| q.parse::<craig_mq::topology::QueueType>().is_ok())
-                || matches!(c, "lost_at:broker" | "lost_at:consumer" | "replication:sync" | "replication:async")
+                // A synchronous failover excuses nothing (issue 26): replication:sync is never blamed.
+                || matches!(c, "lost_at:broker" | "lost_at:consumer" | "replication:async")
         };
         match v {
             toml::Value::String(w) => match w.as_str() {
@@ -1744,6 +1745,10 @@ effect_once = { violate = "compat:pre-d2" }
         assert!(rejected(&with("database = { standby = true, sync = true }", &held)).reason.contains("a failover has no duration"));
         let e = rejected(&GOOD.replace("cases = { replicas = 2 }", "cases = { replicas = 2, standby = true }"));
         assert!(e.reason.contains("cases: standby and sync are the database's"), "{e}");
+        // A synchronous failover excuses nothing, so no twin can be red for replication:sync.
+        let named = |cause: &str| with("database = { standby = true, sync = false }", failover).replace("no_loss = \"hold\"", &format!("no_loss = {{ violate = [\"{cause}\"] }}"));
+        assert!(parse_str(&named("replication:async")).is_ok());
+        assert!(rejected(&named("replication:sync")).reason.contains("unknown cause \"replication:sync\""));
     }
 
     /// Issue 25: on a cluster a partition cuts one node off from its peers (`broker-N`); a

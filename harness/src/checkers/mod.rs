@@ -103,6 +103,40 @@ fn each_culprit(by: &[(u64, &str, &[String])], windows: Option<&[(String, u64, u
     who.join(", ")
 }
 
+/// Issue 26: per aggregate, the latest its commit can have been by what the harness saw
+/// besides a client's answer: the first stamp of its event (a replica logs `outbox.stamped`
+/// only for a row that committed and was published) and its first effect. Its event is found
+/// by cases' outbox row, or by an effect naming it: a commit a failover lost leaves no outbox
+/// row, but the stamp and the effect of its published event stay on record.
+fn commit_seen_by(h: &History) -> HashMap<Uuid, u64> {
+    fn earliest(m: &mut HashMap<Uuid, u64>, r: Uuid, t: u64) {
+        let e = m.entry(r).or_insert(t);
+        *e = (*e).min(t);
+    }
+    let mut aggregate_of: HashMap<Uuid, Uuid> = HashMap::new();
+    let mut seen: HashMap<Uuid, u64> = HashMap::new();
+    for e in h.iter() {
+        match &e.event {
+            Event::Staged { envelope, referral: Some(r), service, .. } if service == "cases" => {
+                aggregate_of.insert(*envelope, *r);
+            }
+            Event::Effect { envelope, referral: Some(r), .. } => {
+                aggregate_of.entry(*envelope).or_insert(*r);
+                earliest(&mut seen, *r, e.t_ms);
+            }
+            _ => {}
+        }
+    }
+    for e in h.iter() {
+        if let Event::Stamped { envelope, .. } = &e.event {
+            if let Some(r) = aggregate_of.get(envelope) {
+                earliest(&mut seen, *r, e.t_ms);
+            }
+        }
+    }
+    seen
+}
+
 /// How far apart the run's clock and the database's (converted) may read one moment.
 const FAILOVER_CLOCK_SLACK_MS: u64 = 10;
 

@@ -1,4 +1,4 @@
-//! `no_loss`, ADR-022 §D1/§D3 at-least-once: every acknowledged write's event produces its effect, every published dead letter reaches `craig.dlx`. An acknowledged write cases' database no longer holds is `kind:lost_acknowledged` (issue 26), with the failover that can have forgotten it (`fault:failover database`, `replication:<mode>`) where one did. Excused: nothing; blame needs the system's own word (who stamped, who rejected). Where a confirmed event was lost is named from the database (issue 25): `lost_at:consumer` when a consumer's inbox recorded it processed, `lost_at:broker` when the current behaviour stamped it (after a confirm), no consumer recorded it and a broker node lost its data after the stamp; counted per consumer queue (`confirmed`, `confirmed_never_delivered`: the outbox's record of confirms, not the broker's).
+//! `no_loss`, ADR-022 §D1/§D3 at-least-once: every acknowledged write's event produces its effect, every published dead letter reaches `craig.dlx`. An acknowledged write cases' database no longer holds is `kind:lost_acknowledged` (issue 26), with the asynchronous failover that can have forgotten it (`fault:failover database`, `replication:async`) where one did. Excused: nothing; blame needs the system's own word (who stamped, who rejected). Where a confirmed event was lost is named from the database (issue 25): `lost_at:consumer` when a consumer's inbox recorded it processed, `lost_at:broker` when the current behaviour stamped it (after a confirm), no consumer recorded it and a broker node lost its data after the stamp; counted per consumer queue (`confirmed`, `confirmed_never_delivered`: the outbox's record of confirms, not the broker's).
 
 use super::*;
 
@@ -123,6 +123,7 @@ pub fn no_loss(h: &History) -> Verdict {
             first_sent.entry(*referral).or_insert(e.t_ms);
         }
     }
+    let commit_seen = commit_seen_by(h);
     let mut per_queue: BTreeMap<String, (u64, u64)> = BTreeMap::new();
     let (mut attempted, mut acknowledged, mut ok, mut lost, mut recovered, mut unknown, mut failed) = (0, 0, 0, 0, 0, 0, 0);
     for entry in h.iter() {
@@ -150,8 +151,8 @@ pub fn no_loss(h: &History) -> Verdict {
                 if read && !committed_now.contains(referral) {
                     // Issue 26: the client heard it committed, and cases' database does not
                     // hold it: acknowledged and gone (whether or not its event took effect
-                    // first). A failover that can have forgotten it (its standby behind the
-                    // answer) is named with its replication mode.
+                    // first). An asynchronous failover that can have forgotten it (its standby
+                    // behind the answer, the event's stamp and effect) is named.
                     lost += 1;
                     let compat = h.compat_at(replica, entry.t_ms);
                     let mut tags = vec!["kind:lost_acknowledged".to_owned()];
@@ -160,7 +161,9 @@ pub fn no_loss(h: &History) -> Verdict {
                     // never for being in force near it.
                     tags.extend(faults_on(&windows, replica, entry.t_ms).into_iter().filter(|t| !t.starts_with("fault:failover ")));
                     let from = first_sent.get(referral).copied().unwrap_or(entry.t_ms);
-                    let (failover, said) = failover_forgot(h, from, *answered_ms);
+                    // The commit came before the answer, its event's stamp and its effect.
+                    let to = [*answered_ms, commit_seen.get(referral).copied()].into_iter().flatten().min();
+                    let (failover, said) = failover_forgot(h, from, to);
                     tags.extend(failover);
                     v.blame(tags);
                     v.witness(format!(

@@ -1,4 +1,4 @@
-//! `no_phantom`, ADR-022 No effect without a committed write: an effect of a failed, rolled-back or never-attempted write, or of an aggregate cases' database does not hold (issue 22.2), is a phantom, as is a committed aggregate whose write was refused; after a database failover that can have forgotten its commit, `kind:phantom_event` with `fault:failover database` and `replication:<mode>` (issue 26). Excused: nothing. Blame: the replica that took the write, its behaviour and the faults on it then.
+//! `no_phantom`, ADR-022 No effect without a committed write: an effect of a failed, rolled-back or never-attempted write, or of an aggregate cases' database does not hold (issue 22.2), is a phantom, as is a committed aggregate whose write was refused; after an asynchronous database failover that can have forgotten its commit, `kind:phantom_event` with `fault:failover database` and `replication:async` (issue 26). Excused: nothing. Blame: the replica that took the write, its behaviour and the faults on it then.
 
 use super::*;
 
@@ -43,25 +43,8 @@ pub fn no_phantom(h: &History) -> Verdict {
             _ => {}
         }
     }
-    // When each aggregate's event (cases' row) was first stamped published: its commit came
-    // before (issue 26).
-    let mut cases_env: HashMap<Uuid, Uuid> = HashMap::new();
-    for e in h.iter() {
-        if let Event::Staged { envelope, referral: Some(r), service, .. } = &e.event {
-            if service == "cases" {
-                cases_env.insert(*envelope, *r);
-            }
-        }
-    }
-    let mut first_stamp: HashMap<Uuid, u64> = HashMap::new();
-    for e in h.iter() {
-        if let Event::Stamped { envelope, .. } = &e.event {
-            if let Some(r) = cases_env.get(envelope) {
-                let at = first_stamp.entry(*r).or_insert(e.t_ms);
-                *at = (*at).min(e.t_ms);
-            }
-        }
-    }
+    // The latest each aggregate's commit can have been, by its event's stamp and effect (issue 26).
+    let seen = super::commit_seen_by(h);
     let blame = |v: &mut Verdict, kind: &str, aggregate: &Uuid, more: Vec<String>| -> String {
         let mut tags = vec![format!("kind:{kind}")];
         tags.extend(more);
@@ -109,13 +92,13 @@ pub fn no_phantom(h: &History) -> Verdict {
             unexpected += 1;
             // Issue 26: an effect of a write that may have committed, whose aggregate the
             // database no longer holds, after a failover that can have forgotten the commit
-            // (the write was sent before the old primary's kill, and where a client heard it
-            // committed, the standby had not applied up to that answer): delivered, its
-            // domain row gone.
+            // (asynchronous; the write was sent before the old primary's kill, and the standby
+            // had not applied up to the latest its commit can have been: a client's answer,
+            // its event's first stamp, its effect): delivered, its domain row gone.
             let (failover, said) = match first_sent.get(referral) {
                 Some(&from) if gone && may_exist.contains(referral) && !must_not.contains_key(referral) => {
                     // The commit came before its answer, its event's stamp and its effect.
-                    let to = [acknowledged.get(referral).copied(), first_stamp.get(referral).copied(), Some(*t)].into_iter().flatten().min();
+                    let to = [acknowledged.get(referral).copied(), seen.get(referral).copied(), Some(*t)].into_iter().flatten().min();
                     super::failover_forgot(h, from, to)
                 }
                 _ => (vec![], String::new()),

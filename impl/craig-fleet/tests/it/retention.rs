@@ -146,8 +146,8 @@ async fn replay_is_refused_past_the_outbox_window_and_restages_inside_it() {
     assert_eq!(call(Some(admin.clone()), "from=yesterday&to=now".into()).await.unwrap().status(), 400);
     assert_eq!(call(Some(admin.clone()), format!("from={}&to={}", rfc(now), rfc(now - day))).await.unwrap().status(), 400, "inverted");
     // Issue 22.10 (shard 3/50's survivor `replace || with && in replay`): event_type is
-    // 1..=255 bytes without NUL, each bound on its own: 256 bytes or a NUL is a 400, before
-    // anything is read or re-staged; exactly 255 bytes is a filter like any other.
+    // 1..=255 bytes without NUL, each bound on its own: empty, 256 bytes or a NUL is a 400,
+    // before anything is read or re-staged; exactly 255 bytes is a filter like any other.
     for (et, status) in [(String::new(), 400), ("e".repeat(256), 400), ("case%00created".to_owned(), 400), ("e".repeat(255), 200)] {
         let q = format!("{}&event_type={et}&dry_run=true", window(now - day));
         assert_eq!(call(Some(admin.clone()), q).await.unwrap().status(), status, "event_type {et:.20} ({} bytes as sent)", et.len());
