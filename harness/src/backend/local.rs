@@ -1078,26 +1078,7 @@ impl LocalBackend {
         let slot = format!("primary_slot_name = '{STANDBY_NAME}'");
         kept.extend([conninfo.as_str(), slot.as_str()]);
         std::fs::write(&auto, kept.join("\n") + "\n").map_err(|e| BackendError::failed(format!("writing {}", auto.display()), e))?;
-        let lease = lease_port()?;
-        let port = lease.port();
-        let mut server = Server {
-            name: "PostgreSQL standby",
-            program: bindir.join("postgres"),
-            args: [
-                "-D", data.to_str().unwrap_or_default(), "-p", &port.to_string(), "-k", dir.to_str().unwrap_or_default(),
-                "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=300",
-                "-c", "shared_buffers=64MB", "-c", "wal_retrieve_retry_interval=100ms",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
-            env: vec![],
-            cwd: dir.clone(),
-            run_as,
-            log: self.root.join("pg-standby.log"),
-            child: None,
-            _ports: vec![lease],
-        };
+        let (mut server, port) = postgres_process("PostgreSQL standby", &bindir, run_as, &dir, &data, self.root.join("pg-standby.log"), &["wal_retrieve_retry_interval=100ms"])?;
         server.spawn()?;
         // A hot standby answers once it is consistent (the backup's own WAL takes it there).
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -1337,16 +1318,19 @@ fn reap_cuts() {
 /// `initdb` into `data`, as `run_as`.
 fn initdb(bindir: &Path, run_as: Option<(Uid, Gid)>, data: &Path) -> Result<(), BackendError> {
     let mut initdb = Command::new(bindir.join("initdb"));
-    initdb
-        .args(["-D", data.to_str().unwrap_or_default(), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
+    initdb.args(["-D", data.to_str().unwrap_or_default(), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"]);
+    run_pg_tool(initdb, run_as, "initdb")
+}
+
+/// Run a PostgreSQL tool to its end as `run_as`; its stderr is the error where it fails.
+fn run_pg_tool(mut cmd: Command, run_as: Option<(Uid, Gid)>, what: &str) -> Result<(), BackendError> {
+    cmd.stdout(Stdio::null()).stderr(Stdio::piped());
     if let Some((uid, gid)) = run_as {
-        initdb.uid(uid.as_raw()).gid(gid.as_raw());
+        cmd.uid(uid.as_raw()).gid(gid.as_raw());
     }
-    let out = initdb.output().map_err(|e| BackendError::failed("running initdb", e))?;
+    let out = cmd.output().map_err(|e| BackendError::failed(format!("running {what}"), e))?;
     if !out.status.success() {
-        return Err(BackendError::failed("initdb", String::from_utf8_lossy(&out.stderr)));
+        return Err(BackendError::failed(what.to_owned(), String::from_utf8_lossy(&out.stderr)));
     }
     Ok(())
 }
@@ -1437,49 +1421,50 @@ fn base_backup(bindir: &Path, run_as: Option<(Uid, Gid)>, port: u16, cwd: &Path,
     c.args(["-h", "127.0.0.1", "-p", &port.to_string(), "-U", "postgres", "-D", data.to_str().unwrap_or_default()])
         .args(["-X", "stream", "-C", "-S", STANDBY_NAME, "-R", "--no-sync", "--checkpoint=fast"])
         .current_dir(cwd);
-    if let Some((uid, gid)) = run_as {
-        c.uid(uid.as_raw()).gid(gid.as_raw());
-    }
-    let out = c.output().map_err(|e| BackendError::failed("running pg_basebackup", e))?;
-    if !out.status.success() {
-        return Err(BackendError::failed("pg_basebackup", String::from_utf8_lossy(&out.stderr)));
-    }
-    Ok(())
+    run_pg_tool(c, run_as, "pg_basebackup")
 }
 
 fn pg_server(root: &Path) -> Result<(Server, u16), BackendError> {
     let bindir = pg_bindir()?;
     let dir = root.join("pg");
     std::fs::create_dir_all(&dir).map_err(|e| BackendError::failed("creating pg dir", e))?;
-    let run_as = if Uid::effective().is_root() {
-        let user = nix::unistd::User::from_name("postgres")
-            .ok()
-            .flatten()
-            .ok_or_else(|| BackendError::Unavailable { backend: "local", why: "no postgres user".into() })?;
-        nix::unistd::chown(&dir, Some(user.uid), Some(user.gid)).map_err(|e| BackendError::failed("chown pg dir", e))?;
-        Some((user.uid, user.gid))
-    } else {
-        None
-    };
+    let run_as = postgres_user()?;
+    if let Some((uid, gid)) = run_as {
+        nix::unistd::chown(&dir, Some(uid), Some(gid)).map_err(|e| BackendError::failed("chown pg dir", e))?;
+    }
     let data = dir.join("data");
     cluster_from_template(&bindir, run_as, &dir, &data)?;
+    postgres_process("PostgreSQL", &bindir, run_as, &dir, &data, root.join("pg.log"), &[])
+}
+
+/// A PostgreSQL server on `data` (sockets in `dir`, as `run_as`), on a leased port of its
+/// own, not yet started: loopback only, `fsync=off` (module doc), plus `extra` settings.
+fn postgres_process(
+    name: &'static str,
+    bindir: &Path,
+    run_as: Option<(Uid, Gid)>,
+    dir: &Path,
+    data: &Path,
+    log: PathBuf,
+    extra: &[&str],
+) -> Result<(Server, u16), BackendError> {
     let lease = lease_port()?;
     let port = lease.port();
-    let server = Server {
-        name: "PostgreSQL",
-        program: bindir.join("postgres"),
-        args: [
-            "-D", data.to_str().unwrap_or_default(), "-p", &port.to_string(), "-k", dir.to_str().unwrap_or_default(),
-            "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=300",
-            "-c", "shared_buffers=64MB",
-        ]
+    let mut args: Vec<String> = ["-D", data.to_str().unwrap_or_default(), "-p", &port.to_string(), "-k", dir.to_str().unwrap_or_default()]
         .iter()
         .map(|s| s.to_string())
-        .collect(),
+        .collect();
+    for setting in ["listen_addresses=127.0.0.1", "fsync=off", "max_connections=300", "shared_buffers=64MB"].iter().chain(extra) {
+        args.extend(["-c".to_owned(), setting.to_string()]);
+    }
+    let server = Server {
+        name,
+        program: bindir.join("postgres"),
+        args,
         env: vec![],
-        cwd: dir.clone(),
+        cwd: dir.to_path_buf(),
         run_as,
-        log: root.join("pg.log"),
+        log,
         child: None,
         _ports: vec![lease],
     };
