@@ -721,7 +721,8 @@ pub enum Trigger {
     AfterWrites(u32),
     FailpointHit(u32),
     /// Once the target replica (or the link's replica) has stamped N outbox rows published: its
-    /// publisher is live (a fault meant for a connected publisher never races its start).
+    /// publisher is live (a fault meant for a connected publisher never races its start). A
+    /// fault on a server (or the standby's replication link): once the fleet has, together.
     AfterPublished(u32),
 }
 
@@ -1305,10 +1306,10 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
             return Err(err(span, "this fault needs duration_ms (when it heals)".into()));
         }
         if let Trigger::AfterPublished(n) = fault.at {
-            if n == 0 || !matches!(target, FaultTarget::Replica(_) | FaultTarget::Link { .. }) {
+            if n == 0 {
                 return Err(err(
                     key_in(f.span(), "at"),
-                    "after_published = N (N >= 1) times a fault on a replica or its link by that replica's published outbox rows".into(),
+                    "after_published = N (N >= 1) times a fault on a replica or its link by that replica's published outbox rows, on a server by the fleet's".into(),
                 ));
             }
         }

@@ -298,10 +298,16 @@ pub(super) fn mutants_only(fps: Option<String>) -> Option<String> {
 
 /// Poll replica log `path` (every 20 ms) until `reached` holds for its text; false once the
 /// first-phase writes (`total` of them) have been done for 5 s without it.
-async fn in_log(path: &std::path::Path, writes: &watch::Receiver<u32>, total: u32, mut reached: impl FnMut(&str) -> bool) -> bool {
+async fn in_log(path: &std::path::Path, writes: &watch::Receiver<u32>, total: u32, reached: impl FnMut(&str) -> bool) -> bool {
+    in_logs(std::slice::from_ref(&path.to_path_buf()), writes, total, reached).await
+}
+
+/// [`in_log`] over several logs, read as one text (each whole, one after another).
+async fn in_logs(paths: &[std::path::PathBuf], writes: &watch::Receiver<u32>, total: u32, mut reached: impl FnMut(&str) -> bool) -> bool {
     let mut done_since: Option<Instant> = None;
     loop {
-        if reached(&std::fs::read_to_string(path).unwrap_or_default()) {
+        let text: String = paths.iter().map(|p| std::fs::read_to_string(p).unwrap_or_default()).collect::<Vec<_>>().join("\n");
+        if reached(&text) {
             return true;
         }
         if *writes.borrow() >= total && done_since.get_or_insert_with(Instant::now).elapsed() > Duration::from_secs(5) {
@@ -461,20 +467,27 @@ async fn inject(
         Trigger::AfterPublished(n) => {
             // The publisher is live: the replica logged n rows stamped published (one
             // `outbox.stamped` line per row, on the #1128 path and the pre-1128 one alike), or
-            // give up once the workload is done.
-            let name = match &target {
-                FaultTarget::Replica(r) | FaultTarget::Link { replica: r, .. } => r.clone(),
-                _ => unreachable!("validated: after_published times a replica or its link"),
+            // give up once the workload is done. A fault on a server (the broker, the
+            // database) counts the whole fleet's rows: a server cut off before any publisher
+            // connected catches nothing in flight, whatever the machine's load.
+            let names: Vec<String> = match &target {
+                FaultTarget::Replica(r) | FaultTarget::Link { replica: r, .. } if replicas.contains_key(r) => vec![r.clone()],
+                // A server, a broker node, the standby's replication link.
+                _ => replicas.keys().cloned().collect(),
             };
-            let r = replicas.get(&name).expect("validated").clone();
-            let path = r.lock().await.log_path().to_path_buf();
+            let mut paths = Vec::new();
+            for name in &names {
+                let r = replicas.get(name).expect("validated").clone();
+                paths.push(r.lock().await.log_path().to_path_buf());
+            }
+            let whose = if names.len() == 1 { names[0].clone() } else { "the fleet".to_owned() };
             let mut published = 0;
-            let reached = in_log(&path, &writes, total_writes, |text| {
+            let reached = in_logs(&paths, &writes, total_writes, |text| {
                 published = text.lines().filter(|l| l.contains("event=\"outbox.stamped\"")).count();
                 published >= n as usize
             });
             if !reached.await {
-                log.finding(format!("{} {}: {name} published {published} rows, never {n}; not done", f.kind.name(), f.target));
+                log.finding(format!("{} {}: {whose} published {published} rows, never {n}; not done", f.kind.name(), f.target));
                 return Ok(());
             }
         }
