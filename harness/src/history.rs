@@ -214,6 +214,14 @@ pub enum Event {
         replica: Option<String>,
         status: u16,
     },
+    /// The partner's own record of what a new transmission was about (issue 26): the
+    /// placement and period its body's `payload` names, at its first receipt. A second
+    /// correlation for one placement period is a second payment of it at the partner,
+    /// whatever the sender's database still holds.
+    PartnerTransmission { correlation: Uuid, placement: Uuid, period: String },
+    /// The correlation id of every send job financial's database holds at the end (issue
+    /// 26): a transmission the partner got that is not among them is one the database forgot.
+    SendJobsHeld { correlations: Vec<Uuid> },
     /// The partner got a transmission and its sender never got the answer (it hung, or the
     /// sender timed out or died first): the sender's next POST of it is its retry.
     PartnerUnanswered { correlation: Uuid },

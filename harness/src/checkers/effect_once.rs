@@ -1,4 +1,4 @@
-//! `effect_once`, ADR-022 #1180 effect-once behind the inbox: a re-run is excused only inside the ADR's window (a consumer crash or its database fault between run and stamp, corroborated by `inbox.reprocessed`, at most the session's concurrency per crash); #1179 arbiter-backed consumers are excused nothing, and each payment has exactly one `payment.created` and one transmission.
+//! `effect_once`, ADR-022 #1180 effect-once behind the inbox: a re-run is excused only inside the ADR's window (a consumer crash or its database fault between run and stamp, corroborated by `inbox.reprocessed`, at most the session's concurrency per crash); #1179 arbiter-backed consumers are excused nothing, each payment has exactly one `payment.created` and one transmission, and the partner, by its own record, gets one transmission of a placement period (a second whose job financial's database forgot is `kind:forgotten_transmission`, issue 26).
 
 use super::*;
 
@@ -323,6 +323,52 @@ pub fn effect_once(h: &History) -> Verdict {
         }
     }
     v.count("ledger_mismatches", ledger_mismatches);
+    // Issue 26: the partner's own record. A placement period the partner got two
+    // transmissions of (two correlation ids: two payments of one per-diem) where financial's
+    // database no longer holds one of them: the database forgot a job it had sent, and the
+    // redelivery re-ran the payment (its inbox record forgotten with it). Where the database
+    // holds every one, the doubled payment or the extra job is in the ledger above.
+    let held: Option<HashSet<Uuid>> = h.iter().find_map(|e| match &e.event {
+        Event::SendJobsHeld { correlations } => Some(correlations.iter().copied().collect()),
+        _ => None,
+    });
+    let mut forgotten_transmissions = 0;
+    if let Some(held) = held {
+        let mut at_partner: BTreeMap<(Uuid, &str), Vec<(u64, Uuid)>> = BTreeMap::new();
+        for e in h.iter() {
+            if let Event::PartnerTransmission { correlation, placement, period } = &e.event {
+                let sent = at_partner.entry((*placement, period.as_str())).or_default();
+                if !sent.iter().any(|(_, c)| c == correlation) {
+                    sent.push((e.t_ms, *correlation));
+                }
+            }
+        }
+        for ((placement, period), sent) in &at_partner {
+            if sent.len() < 2 {
+                continue;
+            }
+            for (t, correlation) in sent.iter().filter(|(_, c)| !held.contains(c)) {
+                forgotten_transmissions += 1;
+                unattributed += 1;
+                // Its job committed before the partner got it: a failover can have lost it
+                // only if the standby had not applied up to that POST.
+                let (failover, said) = failover_forgot(h, 0, Some(*t));
+                let mut tags = vec!["kind:forgotten_transmission".to_owned()];
+                if failover.is_empty() {
+                    tags.extend(service_culprits(h, "financial"));
+                } else {
+                    tags.extend(failover);
+                }
+                v.blame(tags);
+                v.witness(format!(
+                    "placement {placement} period {period}: the partner got {} transmissions (correlations {}); {correlation}, received @{t}ms, is a send job financial's database no longer holds{said}",
+                    sent.len(),
+                    sent.iter().map(|(_, c)| c.to_string()).collect::<Vec<_>>().join(", ")
+                ));
+            }
+        }
+    }
+    v.count("forgotten_transmissions", forgotten_transmissions);
     v.count("envelopes", fx.by_envelope.len());
     v.count("effects", fx.total);
     v.count("duplicated", duplicated);

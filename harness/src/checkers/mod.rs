@@ -6,8 +6,8 @@
 //! | checker | violated when |
 //! |---|---|
 //! | `no_loss` | an acknowledged write's event never produced its effect |
-//! | `no_phantom` | an effect exists for a write that failed, was rolled back, or was never attempted |
-//! | `effect_once` | an envelope's effect ran twice and no consumer crash or consumer-database fault sits between the two runs (#1180 attribution); for an arbiter-backed consumer (#1179), any second effect; a payment without exactly one `payment.created` and one transmission |
+//! | `no_phantom` | an effect (a consumer's row, or a transmission the partner got) exists for a write that failed, was rolled back, or was never attempted, or of an aggregate cases' database does not hold |
+//! | `effect_once` | an envelope's effect ran twice and no consumer crash or consumer-database fault sits between the two runs (#1180 attribution); for an arbiter-backed consumer (#1179), any second effect; a payment without exactly one `payment.created` and one transmission; a placement period the partner got two transmissions of, one whose job financial's database no longer holds (issue 26) |
 //! | `liveness` | the outbox did not drain within the bound after faults healed, or a row stayed claimed past its lease |
 //! | `dlq_occurrence_once` | a dead letter that reached `craig.dlx` (occurrence by the harness's own derivation) has no audit row, or one occurrence has two, or deliveries are left in the capture queue; or an envelope both took effect and was dead-lettered |
 //! | `fencing` | the partner got two POSTs of one transmission while a send lease was live, a send job has both `exchange.sent` and `exchange.failed`, or a transaction left a terminal status other than `failed → pending` (#1185) |
@@ -338,7 +338,7 @@ pub(super) fn fault_replica(tag: &str) -> Option<&str> {
 /// twin is red for its documented cause and not for any violation of the same checker.
 pub const VIOLATION_KINDS: &[&str] =
     &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed", "double_post", "conflicting_events", "terminal_flip", "pruned_pending", "replay_past_window",
-      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status", "captured", "pruned_dedup", "never_answered", "unmatched_side_effect", "unexpected_dead_letter", "unstaged", "phantom", "refused_committed", "lost_acknowledged", "phantom_event"];
+      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status", "captured", "pruned_dedup", "never_answered", "unmatched_side_effect", "unexpected_dead_letter", "unstaged", "phantom", "refused_committed", "lost_acknowledged", "phantom_event", "forgotten_transmission"];
 
 /// Which faults can cause a dead-letter violation of a kind, by the fault tag.
 #[derive(Clone, Copy)]

@@ -1,4 +1,4 @@
-//! `no_phantom`, ADR-022 No effect without a committed write: an effect of a failed, rolled-back or never-attempted write, or of an aggregate cases' database does not hold (issue 22.2), is a phantom, as is a committed aggregate whose write was refused; after an asynchronous database failover that can have forgotten its commit, `kind:phantom_event` with `fault:failover database` and `replication:async` (issue 26). Excused: nothing. Blame: the replica that took the write, its behaviour and the faults on it then.
+//! `no_phantom`, ADR-022 No effect without a committed write: an effect (in a consumer's tables, or a transmission the partner got) of a failed, rolled-back or never-attempted write, or of an aggregate cases' database does not hold (issue 22.2), is a phantom, as is a committed aggregate whose write was refused; after an asynchronous database failover that can have forgotten its commit, `kind:phantom_event` with `fault:failover database` and `replication:async` (issue 26). Excused: nothing. Blame: the replica that took the write, its behaviour and the faults on it then.
 
 use super::*;
 
@@ -78,9 +78,17 @@ pub fn no_phantom(h: &History) -> Verdict {
         let by = blame(&mut v, "refused_committed", referral, vec![]);
         v.witness(format!("aggregate {referral} is committed in cases' database but its write was {why}: {by}"));
     }
-    let mut referrals: Vec<(&Uuid, &u64)> = fx.by_referral.iter().collect();
-    referrals.sort();
-    for (referral, t) in referrals {
+    // Issue 26: the partner's own record is an effect too. A transmission of a placement
+    // period (a payment of it, as the partner got it) needs that placement committed, whatever
+    // financial's database still holds of the payment.
+    let mut touched: BTreeMap<Uuid, u64> = fx.by_referral.iter().map(|(a, t)| (*a, *t)).collect();
+    for e in h.iter() {
+        if let Event::PartnerTransmission { placement, .. } = &e.event {
+            let t = touched.entry(*placement).or_insert(e.t_ms);
+            *t = (*t).min(e.t_ms);
+        }
+    }
+    for (referral, t) in &touched {
         let gone = read && !committed.contains(referral);
         let why = match must_not.get(referral) {
             Some(why) => Some(*why),
@@ -105,7 +113,7 @@ pub fn no_phantom(h: &History) -> Verdict {
             };
             let kind = if failover.is_empty() { "phantom" } else { "phantom_event" };
             let by = blame(&mut v, kind, referral, failover);
-            v.witness(format!("referral {referral} took effect @{t}ms but was {why}: {by}{said}"));
+            v.witness(format!("aggregate {referral} took effect @{t}ms but was {why}: {by}{said}"));
         }
     }
     v.count("effects", fx.total);
@@ -113,7 +121,7 @@ pub fn no_phantom(h: &History) -> Verdict {
     v.count("unexpected", unexpected);
     v.validity = if unexpected > 0 {
         Validity::Invalid
-    } else if must_not.is_empty() && fx.total == 0 {
+    } else if must_not.is_empty() && fx.total == 0 && touched.is_empty() {
         v.error = Some("nothing to check: no effects and no failed or rolled-back writes".into());
         Validity::Unknown
     } else {

@@ -1617,6 +1617,75 @@ fn effect_once_holds_each_payment_to_one_event_and_one_transmission() {
     assert_eq!(ledger(1, 1, 0).validity, Validity::Invalid, "a payment without its transmission");
 }
 
+/// Issue 26, the consumer side: the partner's own record holds a placement period to one
+/// transmission. Two correlations for one period, one of them a job financial's database no
+/// longer holds (an asynchronous failover forgot the payment, its job and its inbox record,
+/// and the republished activation paid again), is `kind:forgotten_transmission`, blamed on
+/// the failover and its mode only where the standby had not applied up to the first POST;
+/// never after a synchronous failover. Both held: the ledger judges it, not this.
+#[test]
+fn effect_once_counts_the_partners_transmissions_of_a_placement_period() {
+    let run = |first_at: u64, mode: &str, held: &[u128]| {
+        let mut h = History::default();
+        started(&mut h, 0, "financial-1", &[]);
+        h.push(10, Event::Effect { envelope: id(1), referral: None, service: "financial".into(), replica: Some("financial-1".into()) });
+        for (t, c) in [(first_at, 21), (2_000, 22)] {
+            h.push(t, Event::PartnerTransmission { correlation: id(c), placement: id(9), period: "2026-12-01".into() });
+            h.push(t, Event::PartnerPost { correlation: Some(id(c)), replica: Some("financial-1".into()), status: 200 });
+        }
+        // Another period, once: never a finding.
+        h.push(900, Event::PartnerTransmission { correlation: id(23), placement: id(8), period: "2026-12-01".into() });
+        window(&mut h, (1000, 1100), "failover", "database");
+        h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: mode.into() });
+        h.push(3000, Event::SendJobsHeld { correlations: held.iter().map(|n| id(*n)).collect() });
+        h.sort();
+        effect_once(&h)
+    };
+    assert_eq!(run(700, "async", &[21, 22, 23]).validity, Validity::Valid, "both held: the ledger's to judge");
+    let v = run(700, "async", &[22, 23]);
+    assert_eq!((v.validity, v.counts["forgotten_transmissions"]), (Validity::Invalid, 1), "{v:?}");
+    for cause in ["kind:forgotten_transmission", "fault:failover database", "replication:async"] {
+        assert!(v.all_point_at(cause), "{cause}: {:?}", v.culprits);
+    }
+    assert!(v.witnesses[0].contains("the partner got 2 transmissions") && v.witnesses[0].contains("@700ms"), "{:?}", v.witnesses);
+    // POSTed before what the standby applied: its job was applied too, so not the failover's.
+    let v = run(300, "async", &[22, 23]);
+    assert!(v.all_point_at("kind:forgotten_transmission") && !v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
+    assert!(v.all_point_at("replica:financial-1"), "{:?}", v.culprits);
+    // A synchronous failover forgets nothing anyone saw: never its blame.
+    let v = run(700, "sync", &[22, 23]);
+    assert!(v.all_point_at("kind:forgotten_transmission") && !v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
+}
+
+/// Issue 26: a transmission the partner got is an effect of its placement. A placement the
+/// promoted server does not hold, paid at the partner after an asynchronous failover forgot
+/// it (and, with it, the payment), is `kind:phantom_event` even though financial's tables
+/// show nothing; held where the placement is committed.
+#[test]
+fn no_phantom_counts_the_partners_transmissions_as_effects() {
+    let run = |committed: bool| {
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", &[]);
+        h.push(700, Event::Write { referral: id(9), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(200), answered_ms: Some(710) });
+        h.push(900, Event::PartnerTransmission { correlation: id(21), placement: id(9), period: "2026-12-01".into() });
+        window(&mut h, (1000, 1100), "failover", "database");
+        h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: "async".into() });
+        if committed {
+            h.push(2000, Event::Committed { aggregate: id(9), table: "placements".into() });
+        }
+        h.push(2000, Event::CommittedRead);
+        h.sort();
+        no_phantom(&h)
+    };
+    assert_eq!(run(true).validity, Validity::Valid);
+    let v = run(false);
+    assert_eq!((v.validity, v.violations), (Validity::Invalid, 1), "{v:?}");
+    for cause in ["kind:phantom_event", "fault:failover database", "replication:async"] {
+        assert!(v.all_point_at(cause), "{cause}: {:?}", v.culprits);
+    }
+    assert!(v.witnesses[0].contains("took effect @900ms"), "{:?}", v.witnesses);
+}
+
 /// Issue 22.6: no answer is not "held". A key answered only before the faults healed
 /// and kept at 409 after (a claim that never expires) never got its judged 200.
 #[test]

@@ -276,6 +276,13 @@ async fn collect_exchanges(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
     for (correlation, generation, at) in releases {
         log.push_at(log.rel_db(at), Event::SendReleased { correlation, generation });
     }
+    let correlations: Vec<Uuid> = bounded(
+        COLLECT,
+        "reading the send jobs' correlation ids",
+        sqlx::query_scalar("SELECT correlation_id FROM exchange_send_jobs ORDER BY correlation_id").fetch_all(pool),
+    )
+    .await?;
+    log.push(Event::SendJobsHeld { correlations });
     Ok(())
 }
 

@@ -76,9 +76,16 @@ impl Drop for Processing {
 }
 
 async fn transmission(State(p): State<Arc<Shared>>, headers: HeaderMap, body: axum::body::Bytes) -> StatusCode {
-    let correlation = serde_json::from_slice::<serde_json::Value>(&body)
-        .ok()
-        .and_then(|v| v.get("craig_correlation_id").and_then(|c| c.as_str()).and_then(|c| c.parse::<Uuid>().ok()));
+    let parsed = serde_json::from_slice::<serde_json::Value>(&body).ok();
+    let correlation =
+        parsed.as_ref().and_then(|v| v.get("craig_correlation_id").and_then(|c| c.as_str()).and_then(|c| c.parse::<Uuid>().ok()));
+    // What the transmission pays for, in the partner's own reading of the body.
+    let subject = parsed.as_ref().and_then(|v| {
+        let payload = v.get("payload")?;
+        let placement = payload.get("placement_id")?.as_str()?.parse::<Uuid>().ok()?;
+        let period = payload.get("period_start")?.as_str()?.to_owned();
+        Some((placement, period))
+    });
     let replica = headers.get("craig-replica").and_then(|v| v.to_str().ok()).map(str::to_owned);
     let Some(correlation) = correlation else {
         p.log.push(Event::PartnerPost { correlation: None, replica, status: 400 });
@@ -96,6 +103,9 @@ async fn transmission(State(p): State<Arc<Shared>>, headers: HeaderMap, body: ax
         Some(Seen::InProgress) => StatusCode::CONFLICT,
         Some(Seen::Accepted) => StatusCode::OK,
         None => {
+            if let Some((placement, period)) = subject {
+                p.log.push(Event::PartnerTransmission { correlation, placement, period });
+            }
             let (fail, hang) = {
                 let mut rng = p.rng.lock().unwrap();
                 (rng.random_bool(p.spec.fail_share), rng.random_bool(p.spec.hang_share))
