@@ -82,6 +82,10 @@ pub enum Event {
     /// financial's arbiter absorbed a replay of `envelope` (its `financial.payment_replay_absorbed`
     /// line, #1179): the stored payment's facts matched, nothing was written.
     PaymentAbsorbed { envelope: Uuid, replica: String },
+    /// financial committed a payment for `envelope` (its `financial.payment_created` line,
+    /// logged after the commit): the consumer's own word that the effect was committed,
+    /// which an asynchronous failover can then forget with its inbox record (issue 26).
+    PaymentCreated { envelope: Uuid, replica: String },
     /// A replica (re)started running `compat` (empty: current behaviour). Every start is
     /// recorded — first start, late start, restart after a crash or kill, upgrade — so the
     /// checkers know which behaviour ran an execution at its time.
@@ -168,6 +172,10 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         replayed_until_ms: Option<u64>,
         mode: String,
+        /// When the database address led to the promoted standby (None: not recorded).
+        /// From the kill to then nothing could commit anywhere.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        promoted_ms: Option<u64>,
     },
     /// A replica process died (crash point, kill). `consumer` is true for consuming services.
     Crash { replica: String, consumer: bool, how: String },

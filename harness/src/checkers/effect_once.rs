@@ -334,6 +334,9 @@ pub fn effect_once(h: &History) -> Verdict {
     });
     let mut forgotten_transmissions = 0;
     if let Some(held) = held {
+        // The send queue's transport cap: a job the database forgot was claimed before the
+        // failover (after it, there was no row to claim), and its POST ends within the cap.
+        let cap_ms = h.iter().find_map(|e| if let Event::SendQueue { cap_ms, .. } = e.event { Some(cap_ms) } else { None });
         let mut at_partner: BTreeMap<(Uuid, &str), Vec<(u64, Uuid)>> = BTreeMap::new();
         for e in h.iter() {
             if let Event::PartnerTransmission { correlation, placement, period } = &e.event {
@@ -351,8 +354,10 @@ pub fn effect_once(h: &History) -> Verdict {
                 forgotten_transmissions += 1;
                 unattributed += 1;
                 // Its job committed before the partner got it: a failover can have lost it
-                // only if the standby had not applied up to that POST.
-                let (failover, said) = failover_forgot(h, 0, Some(*t));
+                // only if the standby had not applied up to that POST, and only a failover
+                // at most the send cap before it (the job was claimed before the failover).
+                let from = t.saturating_sub(cap_ms.unwrap_or(SEND_CAP_MS) + FAILOVER_CLOCK_SLACK_MS);
+                let (failover, said) = failover_forgot(h, from, Some(*t));
                 let mut tags = vec!["kind:forgotten_transmission".to_owned()];
                 if failover.is_empty() {
                     tags.extend(service_culprits(h, "financial"));

@@ -1,4 +1,4 @@
-//! `fencing`, ADR-022 #1185 send-queue fencing: no transmission POSTed twice while a lease was live, no job with both outcomes, no terminal flip but `failed -> pending`. Excused: a fenced retry after a 500 and a re-send after the lease (at-least-once).
+//! `fencing`, ADR-022 #1185 send-queue fencing: no transmission POSTed twice while a lease was live, no job with both outcomes, no terminal flip but `failed -> pending`. Excused: a fenced retry after a 500, a re-send after the lease (at-least-once) and a re-send of a claim an async failover forgot (issue 26, corroborated by the generation issued again).
 
 use super::*;
 
@@ -21,7 +21,10 @@ pub const SEND_CAP_MS: u64 = craig_fleet::send_jobs::SEND_TIMEOUT_SECS * 1000;
 ///   [`SEND_CAP_MS`] after a POST the partner never answered), each POST held against the
 ///   last one not refused as a duplicate. A POST after one answered
 ///   500 is the sender's fenced retry, never a violation; a re-send after the lease expired
-///   is the ADR's at-least-once, never a violation;
+///   is the ADR's at-least-once, never a violation; so is a re-send of a claim an async
+///   failover forgot (issue 26: the failover between the two POSTs, its standby behind the
+///   first, and the same claim generation finalized by both senders, before the failover and
+///   after it; counted `resent_after_forgotten_claim`);
 /// - no send job with both `exchange.sent` and `exchange.failed`;
 /// - no transaction leaving a terminal status (`sent`, `failed`) other than
 ///   `failed → pending`.
@@ -40,7 +43,21 @@ pub fn fencing(h: &History) -> Verdict {
     // and the database's: the job went back from in_flight to pending then.
     let mut retried: HashMap<Uuid, Vec<(u64, &str, Option<i64>)>> = HashMap::new();
     let mut released_at: HashMap<Uuid, Vec<(u64, i64)>> = HashMap::new();
+    // Every finalize a sender logged with its claim generation, and every async failover
+    // (issue 26): a claim the promoted standby never applied is forgotten, and the next
+    // claim of the job is issued the same generation again.
+    let mut finalized: HashMap<Uuid, Vec<(u64, &str, i64)>> = HashMap::new();
+    let failovers: Vec<(u64, Option<u64>)> = h
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::Failover { replayed_until_ms, mode, .. } if mode == "async" => Some((e.t_ms, *replayed_until_ms)),
+            _ => None,
+        })
+        .collect();
     for e in h.iter() {
+        if let Event::SendFinalized { correlation, replica, applied: true, generation: Some(g), .. } = &e.event {
+            finalized.entry(*correlation).or_default().push((e.t_ms, replica.as_str(), *g));
+        }
         match &e.event {
             Event::PartnerUnanswered { correlation } => unanswered.entry(*correlation).or_default().push(e.t_ms),
             Event::SendFinalized { correlation, replica, result, applied: true, generation } if result == "failed" => {
@@ -80,7 +97,29 @@ pub fn fencing(h: &History) -> Verdict {
         .iter()
         .find_map(|e| if let Event::SendQueue { lease_ms, cap_ms } = e.event { Some((lease_ms, cap_ms)) } else { None })
         .unwrap_or((SEND_LEASE_MS, SEND_CAP_MS));
-    let (mut double, mut resent_after_lease) = (0, 0);
+    let (mut double, mut resent_after_lease, mut resent_after_forgotten_claim) = (0, 0, 0);
+    // Issue 26: the second POST re-sent a claim an async failover forgot. The failover came
+    // between the two POSTs, its standby had not applied up to the first (a claim precedes
+    // its POST), and financial corroborates it: the first sender finalized its claim before
+    // the failover, and the second sender finalized the same job under the same claim
+    // generation after its POST, which the database issues again only if it no longer
+    // holds the first claim. To the database the job was never claimed: an identical
+    // re-send (§ #1185 at-least-once, deduplicated by `craig_correlation_id`), not two
+    // workers inside one lease. With synchronous replication nothing is excused.
+    let forgotten_claim = |c: &Uuid, (t1, r1): (u64, Option<&str>), (t2, r2): (u64, Option<&str>)| {
+        let fs = finalized.get(c).map(Vec::as_slice).unwrap_or_default();
+        failovers.iter().any(|&(tf, replayed)| {
+            t1 < tf
+                && tf <= t2
+                && replayed.is_none_or(|r| t1 + FAILOVER_CLOCK_SLACK_MS > r)
+                && fs.iter().any(|&(ta, ra, ga)| {
+                    Some(ra) == r1
+                        && ta >= t1
+                        && ta < tf
+                        && fs.iter().any(|&(tb, rb, gb)| Some(rb) == r2 && tb >= t2 && gb == ga)
+                })
+        })
+    };
     for (correlation, ps) in &posts {
         // Each POST against the last one that was not itself refused as a duplicate.
         let mut last: Option<(u64, Option<&str>, u16)> = None;
@@ -119,6 +158,10 @@ pub fn fencing(h: &History) -> Verdict {
             if s2 != 409 {
                 since = t1;
                 last = Some((t2, r2, s2));
+            }
+            if live && forgotten_claim(correlation, (t1, r1), (t2, r2)) {
+                resent_after_forgotten_claim += 1;
+                continue;
             }
             if !live {
                 if s1 != 500 {
@@ -169,6 +212,7 @@ pub fn fencing(h: &History) -> Verdict {
     v.count("transmissions", posts.len());
     v.count("double_posts", double);
     v.count("resent_after_lease", resent_after_lease);
+    v.count("resent_after_forgotten_claim", resent_after_forgotten_claim);
     v.count("jobs_finalized", outcomes.len());
     v.count("conflicting_events", conflicting);
     v.count("terminal_flips", flips);

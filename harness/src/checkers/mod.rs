@@ -153,7 +153,7 @@ fn failover_forgot(h: &History, from: u64, to: Option<u64>) -> (Vec<String>, Str
     let mut tags = Vec::new();
     let mut said = String::new();
     for e in h.iter() {
-        let Event::Failover { replayed_until_ms, mode } = &e.event else { continue };
+        let Event::Failover { replayed_until_ms, mode, .. } = &e.event else { continue };
         if mode != "async" {
             continue;
         }

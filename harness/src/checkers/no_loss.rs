@@ -19,6 +19,8 @@ pub fn no_loss(h: &History) -> Verdict {
     // (a consumer's own later events naming it, rules' for instance, are not).
     let mut cases_envelopes: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
     let mut published: HashSet<Uuid> = HashSet::new();
+    // Issue 26: when a consumer said it committed an envelope's effect (its own log line).
+    let mut created: HashMap<Uuid, Vec<(u64, &str)>> = HashMap::new();
     let mut stamps: HashMap<Uuid, Vec<(u64, &str, &[String])>> = HashMap::new();
     for e in h.iter() {
         match &e.event {
@@ -35,6 +37,7 @@ pub fn no_loss(h: &History) -> Verdict {
             Event::Stamped { envelope, replica, compat } => {
                 stamps.entry(*envelope).or_default().push((e.t_ms, replica.as_str(), compat.as_slice()))
             }
+            Event::PaymentCreated { envelope, replica } => created.entry(*envelope).or_default().push((e.t_ms, replica.as_str())),
             _ => {}
         }
     }
@@ -182,7 +185,16 @@ pub fn no_loss(h: &History) -> Verdict {
                     // that never happened); with no stamp, the replica that acknowledged it.
                     let mut stamped: Vec<&(u64, &str, &[String])> = envs.iter().filter_map(|env| stamps.get(env)).flatten().collect();
                     stamped.sort_by_key(|(t, ..)| *t);
-                    let by = match stamped.last() {
+                    let by = if let Some((failover, said)) = forgotten_effect(h, queued, &created) {
+                        // A consumer's own word that it committed the effect, gone from its
+                        // database with its inbox record (no redelivery brings it back),
+                        // and an asynchronous failover that can have forgotten it.
+                        let mut tags = vec!["kind:lost".to_owned(), "lost_at:consumer".to_owned()];
+                        tags.extend(failover);
+                        v.blame(tags);
+                        format!("its effect was committed and is gone{said}")
+                    } else {
+                        match stamped.last() {
                         // The stamp that stood (the last): that replica vouched for a delivery
                         // that never happened, under the behaviour it ran and the faults on
                         // its own links or servers at the time.
@@ -241,6 +253,7 @@ pub fn no_loss(h: &History) -> Verdict {
                             v.blame(tags);
                             format!("its event was never stamped published ({} acknowledged it)", running(replica, compat))
                         }
+                        }
                     };
                     v.witness(format!(
                         "referral {referral} acknowledged by {replica} @{}ms never took effect: {by}; {}",
@@ -258,7 +271,7 @@ pub fn no_loss(h: &History) -> Verdict {
             Outcome::Failed => failed += 1,
         }
     }
-    let (committed, unacknowledged_lost) = committed_lost(h, &mut v, &fx.by_referral, &staged_by_cases, &windows);
+    let (committed, unacknowledged_lost) = committed_lost(h, &mut v, &fx.by_referral, (&staged_by_cases, &cases_envelopes), &windows, &created);
     lost += unacknowledged_lost;
     let (dead_staged, dead_lost) = dead_letters_lost(h, &mut v);
     for (k, n) in [
@@ -316,8 +329,9 @@ fn committed_lost(
     h: &History,
     v: &mut Verdict,
     delivered: &HashMap<Uuid, u64>,
-    staged_by_cases: &HashSet<Uuid>,
+    (staged_by_cases, cases_envelopes): (&HashSet<Uuid>, &HashMap<Uuid, Vec<Uuid>>),
     windows: &[(String, u64, u64)],
+    created: &HashMap<Uuid, Vec<(u64, &str)>>,
 ) -> (usize, usize) {
     let mut writes: HashMap<Uuid, Vec<(u64, &str, Outcome)>> = HashMap::new();
     for e in h.iter() {
@@ -338,11 +352,20 @@ fn committed_lost(
         let (t, replica, outcome) = tries[tries.len() - 1];
         let compat = h.compat_at(replica, t);
         let unstaged = !staged_by_cases.contains(aggregate);
-        let mut tags = vec![format!("kind:{}", if unstaged { "unstaged" } else { "lost" })];
-        tags.extend(culprit_tags(replica, compat));
-        tags.extend(faults_on(windows, replica, t));
-        v.blame(tags);
-        let why = if unstaged { "no event was ever staged for it (the domain row committed without its event, §D1)" } else { "its event never took effect" };
+        let forgotten = forgotten_effect(h, cases_envelopes.get(aggregate).map(Vec::as_slice).unwrap_or(&[]), created);
+        let why = if let Some((failover, said)) = forgotten {
+            // Issue 26: a consumer committed its effect and the database forgot it.
+            let mut tags = vec!["kind:lost".to_owned(), "lost_at:consumer".to_owned()];
+            tags.extend(failover);
+            v.blame(tags);
+            format!("its effect was committed and is gone{said}")
+        } else {
+            let mut tags = vec![format!("kind:{}", if unstaged { "unstaged" } else { "lost" })];
+            tags.extend(culprit_tags(replica, compat));
+            tags.extend(faults_on(windows, replica, t));
+            v.blame(tags);
+            if unstaged { "no event was ever staged for it (the domain row committed without its event, §D1)" } else { "its event never took effect" }.to_owned()
+        };
         v.witness(format!(
             "{table} row {aggregate} is committed though {} heard {outcome:?} @{t}ms: {why}; {}",
             running(replica, compat),
@@ -350,6 +373,37 @@ fn committed_lost(
         ));
     }
     (committed, lost)
+}
+
+/// Issue 26: an effect a consumer said it committed (`financial.payment_created`, logged
+/// after the commit) for one of `envelopes`, which its database no longer holds, while the
+/// broker had its ack: nothing brings it back. Put on an asynchronous failover only where
+/// one can have forgotten it: its standby had not applied up to the earliest such line
+/// (the commit came before it), and every line came before the database address led to the
+/// promoted standby (+ the clocks' slack: from the kill to then nothing could commit, and a
+/// commit the promoted database made it would still hold), so a line logged late, after
+/// the kill, of a commit made before it still counts. The failover's tags and words; `None`
+/// where no consumer said so (a consumer that never committed it is judged as before) or
+/// no failover explains it.
+fn forgotten_effect(h: &History, envelopes: &[Uuid], created: &HashMap<Uuid, Vec<(u64, &str)>>) -> Option<(Vec<String>, String)> {
+    let lines: Vec<(u64, &str)> = envelopes.iter().filter_map(|e| created.get(e)).flatten().copied().collect();
+    let (first, by) = lines.iter().min_by_key(|(t, _)| *t).copied()?;
+    let last = lines.iter().map(|(t, _)| *t).max().unwrap_or(first);
+    h.iter().find_map(|e| {
+        let Event::Failover { replayed_until_ms, mode, promoted_ms } = &e.event else { return None };
+        let behind = replayed_until_ms.is_none_or(|r| first + FAILOVER_CLOCK_SLACK_MS > r);
+        let before = last <= promoted_ms.unwrap_or(e.t_ms) + FAILOVER_CLOCK_SLACK_MS;
+        (mode == "async" && behind && before).then(|| {
+            (
+                vec!["fault:failover database".to_owned(), "replication:async".to_owned()],
+                format!(
+                    " ({by} logged committing it @{first}ms, financial.payment_created); the database failed over @{}ms (async replication), its standby having applied commits up to {}",
+                    e.t_ms,
+                    replayed_until_ms.map_or("none".to_owned(), |r| format!("@{r}ms"))
+                ),
+            )
+        })
+    })
 }
 
 /// §D3: a dead letter the harness staged (`DeadLetterStaged`, for its consumer to refuse)

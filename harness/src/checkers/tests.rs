@@ -1314,6 +1314,52 @@ fn fencing_finds_double_posts_conflicting_events_and_terminal_flips() {
     assert_eq!(v.counts["double_posts"], 2, "the 409 and the POST @3000ms, not the one after the 6 s lease: {v:?}");
 }
 
+/// Issue 26: an async failover forgot a claim (the standby had applied up to 786 ms, the
+/// claim and its finalize came after): the job was re-claimed under the same generation and
+/// re-sent inside what was the first claim's lease. Excused only so: with the failover
+/// between the two POSTs, the standby behind the first, async replication, and the same
+/// generation finalized before the failover and after the second POST.
+#[test]
+fn fencing_excuses_a_resend_of_a_claim_an_async_failover_forgot_and_nothing_wider() {
+    let fin = |h: &mut History, t: u64, generation: i64| {
+        h.push(t, Event::SendFinalized { correlation: id(7), replica: "financial-1".into(), result: "accepted".into(), applied: true, generation: Some(generation) })
+    };
+    let base = |mode: &str, replayed: u64, gen2: i64| {
+        let mut h = History::default();
+        started(&mut h, 0, "financial-1", &[]);
+        post(&mut h, 920, 7, "financial-1", 200);
+        fin(&mut h, 1_031, 1);
+        h.push(2_000, Event::Failover { replayed_until_ms: Some(replayed), mode: mode.into(), promoted_ms: None });
+        post(&mut h, 2_418, 7, "financial-1", 200);
+        fin(&mut h, 2_478, gen2);
+        h.sort();
+        h
+    };
+    let v = fencing(&base("async", 786, 1));
+    assert_eq!((v.validity, v.counts["double_posts"], v.counts["resent_after_forgotten_claim"]), (Validity::Valid, 0, 1), "{v:?}");
+    for (h, why) in [
+        (base("sync", 786, 1), "synchronous replication forgets no claim"),
+        (base("async", 1_200, 1), "the standby had applied past the first POST: its claim was not forgotten"),
+        (base("async", 786, 2), "a new generation: the database still held the first claim"),
+    ] {
+        let v = fencing(&h);
+        assert_eq!(v.counts["double_posts"], 1, "{why}: {v:?}");
+    }
+    // The first finalize after the failover (the old primary was gone: not a claim it held),
+    // and a failover after both POSTs, excuse nothing.
+    let mut h = base("async", 786, 1);
+    h.entries.retain(|e| !matches!(e.event, Event::SendFinalized { .. }));
+    fin(&mut h, 2_100, 1);
+    fin(&mut h, 2_478, 1);
+    h.sort();
+    assert_eq!(fencing(&h).counts["double_posts"], 1, "no finalize before the failover");
+    let mut h = base("async", 786, 1);
+    h.entries.retain(|e| !matches!(e.event, Event::Failover { .. }));
+    h.push(3_000, Event::Failover { replayed_until_ms: Some(786), mode: "async".into(), promoted_ms: None });
+    h.sort();
+    assert_eq!(fencing(&h).counts["double_posts"], 1, "a failover after both POSTs");
+}
+
 /// An exports answer of `body` for (key, size) from `replica`.
 #[allow(clippy::too_many_arguments)]
 fn answer(h: &mut History, t: u64, replica: &str, key: &str, size: u64, replayed: bool, too_large: bool, body: &[u8]) {
@@ -1628,6 +1674,7 @@ fn effect_once_counts_the_partners_transmissions_of_a_placement_period() {
     let run = |first_at: u64, mode: &str, held: &[u128]| {
         let mut h = History::default();
         started(&mut h, 0, "financial-1", &[]);
+        h.push(0, Event::SendQueue { lease_ms: 6_000, cap_ms: 2_000 });
         h.push(10, Event::Effect { envelope: id(1), referral: None, service: "financial".into(), replica: Some("financial-1".into()) });
         for (t, c) in [(first_at, 21), (2_000, 22)] {
             h.push(t, Event::PartnerTransmission { correlation: id(c), placement: id(9), period: "2026-12-01".into() });
@@ -1636,7 +1683,7 @@ fn effect_once_counts_the_partners_transmissions_of_a_placement_period() {
         // Another period, once: never a finding.
         h.push(900, Event::PartnerTransmission { correlation: id(23), placement: id(8), period: "2026-12-01".into() });
         window(&mut h, (1000, 1100), "failover", "database");
-        h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: mode.into() });
+        h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: mode.into(), promoted_ms: None });
         h.push(3000, Event::SendJobsHeld { correlations: held.iter().map(|n| id(*n)).collect() });
         h.sort();
         effect_once(&h)
@@ -1655,6 +1702,64 @@ fn effect_once_counts_the_partners_transmissions_of_a_placement_period() {
     // A synchronous failover forgets nothing anyone saw: never its blame.
     let v = run(700, "sync", &[22, 23]);
     assert!(v.all_point_at("kind:forgotten_transmission") && !v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
+    // Received more than the send cap (2 s) after the failover: its job was claimed after
+    // it, on the new primary, so the failover did not forget it.
+    let v = run(3_100, "async", &[22, 23]);
+    assert!(v.all_point_at("kind:forgotten_transmission") && !v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
+    let v = run(2_900, "async", &[22, 23]);
+    assert!(v.all_point_at("fault:failover database"), "within the cap: {:?}", v.culprits);
+}
+
+/// Issue 26: a payment financial said it committed (`financial.payment_created`, logged
+/// after its commit) that its database no longer holds, after the broker had the ack: an
+/// asynchronous failover whose standby had not applied up to that
+/// line, and whose address moved only after it, forgot it. `kind:lost` + `lost_at:consumer` on the failover
+/// and its mode, for an acknowledged activation (rule 1) and an unanswered committed one
+/// (rule 2) alike; never without financial's line, before what the standby applied, after
+/// the database address led to the promoted standby, or after a synchronous one.
+#[test]
+fn no_loss_puts_a_payment_financial_committed_and_the_failover_forgot_on_it() {
+    let run_promoted = |outcome: Outcome, created_at: Option<u64>, mode: &str, promoted_ms: Option<u64>| {
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", &[]);
+        started(&mut h, 0, "financial-1", &[]);
+        h.push(90, Event::Write { referral: id(1), replica: "cases-1".into(), outcome, status: None, answered_ms: Some(100) });
+        staged(&mut h, 11, 1);
+        stamped(&mut h, 150, 11, "cases-1", &[]);
+        if let Some(t) = created_at {
+            h.push(t, Event::PaymentCreated { envelope: id(11), replica: "financial-1".into() });
+        }
+        window(&mut h, (1000, 1100), "failover", "database");
+        h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: mode.into(), promoted_ms });
+        // The activation is still committed; the payment is gone (no effect at the end).
+        h.push(2000, Event::Committed { aggregate: id(1), table: "placements".into() });
+        h.push(2000, Event::CommittedRead);
+        h.sort();
+        no_loss(&h)
+    };
+    let run = |outcome: Outcome, created_at: Option<u64>, mode: &str| run_promoted(outcome, created_at, mode, None);
+    for outcome in [Outcome::Ok, Outcome::Unknown] {
+        let v = run(outcome, Some(700), "async");
+        assert_eq!((v.validity, v.violations), (Validity::Invalid, 1), "{outcome:?}: {v:?}");
+        for cause in ["kind:lost", "lost_at:consumer", "fault:failover database", "replication:async"] {
+            assert!(v.all_point_at(cause), "{outcome:?} {cause}: {:?}", v.culprits);
+        }
+        assert!(v.witnesses[0].contains("financial-1 logged committing it @700ms"), "{:?}", v.witnesses);
+        // No line of financial's, a line before what the standby applied, a line after the
+        // failover, a synchronous failover: a loss the failover does not excuse.
+        for (created, mode) in [(None, "async"), (Some(300), "async"), (Some(1200), "async"), (Some(700), "sync")] {
+            let v = run(outcome, created, mode);
+            assert_eq!(v.validity, Validity::Invalid, "{outcome:?} {created:?} {mode}");
+            assert!(v.all_point_at("kind:lost") && !v.culprits.contains_key("fault:failover database"), "{outcome:?} {created:?} {mode}: {:?}", v.culprits);
+        }
+        // The database address led to the promoted standby @1300: a line logged @1200, late,
+        // is of a commit made before the kill (nothing could commit in between, and what the
+        // promoted database commits it holds); a line @1400 is not.
+        let v = run_promoted(outcome, Some(1200), "async", Some(1300));
+        assert!(v.all_point_at("fault:failover database") && v.all_point_at("lost_at:consumer"), "{outcome:?}: {:?}", v.culprits);
+        let v = run_promoted(outcome, Some(1400), "async", Some(1300));
+        assert!(v.all_point_at("kind:lost") && !v.culprits.contains_key("fault:failover database"), "{outcome:?}: {:?}", v.culprits);
+    }
 }
 
 /// Issue 26: a transmission the partner got is an effect of its placement. A placement the
@@ -1669,7 +1774,7 @@ fn no_phantom_counts_the_partners_transmissions_as_effects() {
         h.push(700, Event::Write { referral: id(9), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(200), answered_ms: Some(710) });
         h.push(900, Event::PartnerTransmission { correlation: id(21), placement: id(9), period: "2026-12-01".into() });
         window(&mut h, (1000, 1100), "failover", "database");
-        h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: "async".into() });
+        h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: "async".into(), promoted_ms: None });
         if committed {
             h.push(2000, Event::Committed { aggregate: id(9), table: "placements".into() });
         }
@@ -2090,7 +2195,7 @@ fn a_failover_is_blamed_only_for_what_its_standby_had_not_applied() {
             }
         }
         window(&mut h, (1000, 1100), "failover", "database");
-        h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: "async".into() });
+        h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: "async".into(), promoted_ms: None });
         h.push(2000, Event::CommittedRead);
         h.sort();
         h

@@ -411,13 +411,14 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
             continue;
         }
         let absorbed = line.contains("event=\"financial.payment_replay_absorbed\"");
+        let created = line.contains("event=\"financial.payment_created\"");
         let reprocessed = line.contains("event=\"inbox.reprocessed\"");
         let stamp_retry = line.contains("event=\"inbox.stamp_retry\"");
         let stamped = line.contains("event=\"outbox.stamped\"");
         // A consumer handing a message to dead-lettering: the broker path's reject, or the
         // app path's confirmed surface to craig.dlx (#1196).
         let rejected = line.contains("event=\"subscriber.permanent_failure\"") || line.contains("event=\"inbox.surfaced_to_dlx\"");
-        if !reprocessed && !stamp_retry && !stamped && !rejected && !absorbed {
+        if !reprocessed && !stamp_retry && !stamped && !rejected && !absorbed && !created {
             continue;
         }
         let Some(envelope) = line
@@ -430,6 +431,8 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
         let at = at();
         let event = if absorbed {
             Event::PaymentAbsorbed { envelope, replica: replica.to_owned() }
+        } else if created {
+            Event::PaymentCreated { envelope, replica: replica.to_owned() }
         } else if reprocessed {
             Event::Reprocessed { envelope, replica: replica.to_owned() }
         } else if stamp_retry {
@@ -484,6 +487,7 @@ mod tests {
              2026-11-30T16:00:01.900000Z  WARN craig_mq::retention: pending outbox rows older than the grace: kept event=\"retention.outbox_unpublished_beyond_grace\" rows=10 grace_secs=3600\n\
              2026-11-30T16:00:02.000000Z  INFO craig_mq::subscriber: event=\"subscriber.started\" queue=\"craig-rules.events\" concurrency=32\n\
              2026-11-30T16:00:02.100000Z  INFO craig_fleet::financial: event=\"financial.payment_replay_absorbed\" envelope_id={env} payment_id={env} first_envelope={env}\n\
+             2026-11-30T16:00:02.200000Z  INFO craig_fleet::financial: event=\"financial.payment_created\" envelope_id={env} payment_id={env} placement_id={env} amount_cents=100\n\
              not a line of interest envelope_id={env}\n"
         );
         let origin = chrono::DateTime::parse_from_rfc3339("2026-11-30T16:00:00Z").unwrap().timestamp_millis();
@@ -501,6 +505,7 @@ mod tests {
                 (Some(1900), Event::PruneCycle { replica: "cases-1".into(), kept_pending: 10 }),
                 (Some(2000), Event::ConsumerStarted { replica: "cases-1".into(), concurrency: 32 }),
                 (Some(2100), Event::PaymentAbsorbed { envelope: env, replica: "cases-1".into() }),
+                (Some(2200), Event::PaymentCreated { envelope: env, replica: "cases-1".into() }),
             ]
         );
     }

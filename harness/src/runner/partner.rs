@@ -103,13 +103,15 @@ async fn transmission(State(p): State<Arc<Shared>>, headers: HeaderMap, body: ax
         Some(Seen::InProgress) => StatusCode::CONFLICT,
         Some(Seen::Accepted) => StatusCode::OK,
         None => {
-            if let Some((placement, period)) = subject {
-                p.log.push(Event::PartnerTransmission { correlation, placement, period });
-            }
             let (fail, hang) = {
                 let mut rng = p.rng.lock().unwrap();
                 (rng.random_bool(p.spec.fail_share), rng.random_bool(p.spec.hang_share))
             };
+            // Only what the partner accepted pays (a hung one was accepted at receipt); a
+            // POST answered 500 paid nothing, and its retry is a new receipt.
+            if let Some((placement, period)) = subject.filter(|_| hang || !fail) {
+                p.log.push(Event::PartnerTransmission { correlation, placement, period });
+            }
             p.log.push(Event::PartnerPost { correlation: Some(correlation), replica, status: if hang { 0 } else if fail { 500 } else { 200 } });
             let mut processing = Processing { p: p.clone(), correlation, fail: fail && !hang, answered: false };
             if hang {

@@ -38,6 +38,8 @@ impl Room for FailoverRoom {
                 return Err(e.into());
             }
         };
+        // The database address leads to the promoted standby once `failover` returned.
+        let promoted_ms = Some(cx.log.now());
         let replayed_until_ms = done.replayed_until_db_ms.map(|ms| cx.log.rel_db(ms));
         let mode = if done.sync { "sync" } else { "async" };
         cx.evidence(Some(format!(
@@ -48,7 +50,7 @@ impl Room for FailoverRoom {
             done.now_at,
             replayed_until_ms.map_or("none since it started".to_owned(), |t| format!("@{t}ms")),
         )));
-        cx.log.push_at(killed_at, Event::Failover { replayed_until_ms, mode: mode.into() });
+        cx.log.push_at(killed_at, Event::Failover { replayed_until_ms, mode: mode.into(), promoted_ms });
         Ok(())
     }
 
