@@ -250,6 +250,11 @@ pub enum Event {
     /// own trigger: the database's word on what `SendFinalized` says, with the claim
     /// generation it ended.
     SendReleased { correlation: Uuid, generation: i64 },
+    /// financial's database claimed a send job (`-> in_flight`), moving its claim generation
+    /// from `from_generation` to `generation` (issue 26; a pre-#1185 claim moves none), by
+    /// the harness's own trigger, read at the end from the database that survived: a claim
+    /// an asynchronous failover forgot has no row there.
+    SendClaimed { correlation: Uuid, from_generation: i64, generation: i64 },
     /// The send queue's timing in this run (#1185): the claim lease and the per-send cap
     /// the financial replicas were given.
     SendQueue { lease_ms: u64, cap_ms: u64 },

@@ -1,4 +1,4 @@
-//! `fencing`, ADR-022 #1185 send-queue fencing: no transmission POSTed twice while a lease was live, no job with both outcomes, no terminal flip but `failed -> pending`. Excused: a fenced retry after a 500, a re-send after the lease (at-least-once) and a re-send of a claim an async failover forgot (issue 26, corroborated by the generation issued again).
+//! `fencing`, ADR-022 #1185 send-queue fencing: no transmission POSTed twice while a lease was live, no job with both outcomes, no terminal flip but `failed -> pending`. Excused: a fenced retry after a 500, a re-send after the lease (at-least-once) and a re-send of a claim an async failover forgot (issue 26, corroborated by the senders and the database: the generation issued again).
 
 use super::*;
 
@@ -23,8 +23,9 @@ pub const SEND_CAP_MS: u64 = craig_fleet::send_jobs::SEND_TIMEOUT_SECS * 1000;
 ///   500 is the sender's fenced retry, never a violation; a re-send after the lease expired
 ///   is the ADR's at-least-once, never a violation; so is a re-send of a claim an async
 ///   failover forgot (issue 26: the failover between the two POSTs, its standby behind the
-///   first, and the same claim generation finalized by both senders, before the failover and
-///   after it; counted `resent_after_forgotten_claim`);
+///   first, both senders current and finalizing the same claim generation before the
+///   failover and after it, and the surviving database holding that generation's claim made
+///   after the failover only; counted `resent_after_forgotten_claim`);
 /// - no send job with both `exchange.sent` and `exchange.failed`;
 /// - no transaction leaving a terminal status (`sent`, `failed`) other than
 ///   `failed → pending`.
@@ -43,20 +44,25 @@ pub fn fencing(h: &History) -> Verdict {
     // and the database's: the job went back from in_flight to pending then.
     let mut retried: HashMap<Uuid, Vec<(u64, &str, Option<i64>)>> = HashMap::new();
     let mut released_at: HashMap<Uuid, Vec<(u64, i64)>> = HashMap::new();
-    // Every finalize a sender logged with its claim generation, and every async failover
-    // (issue 26): a claim the promoted standby never applied is forgotten, and the next
-    // claim of the job is issued the same generation again.
-    let mut finalized: HashMap<Uuid, Vec<(u64, &str, i64)>> = HashMap::new();
-    let failovers: Vec<(u64, Option<u64>)> = h
+    // Every finalize a sender logged with its claim generation and result, every claim the
+    // surviving database holds (from and to which generation), and every async failover
+    // (issue 26): a claim the promoted standby never applied is forgotten, and the next claim
+    // of the job is issued the same generation again.
+    let mut finalized: HashMap<Uuid, Vec<(u64, &str, i64, &str)>> = HashMap::new();
+    let mut claimed: HashMap<Uuid, Vec<(u64, i64, i64)>> = HashMap::new();
+    let failovers: Vec<(u64, Option<u64>, u64)> = h
         .iter()
         .filter_map(|e| match &e.event {
-            Event::Failover { replayed_until_ms, mode, .. } if mode == "async" => Some((e.t_ms, *replayed_until_ms)),
+            Event::Failover { replayed_until_ms, mode, promoted_ms } if mode == "async" => Some((e.t_ms, *replayed_until_ms, promoted_ms.unwrap_or(e.t_ms))),
             _ => None,
         })
         .collect();
     for e in h.iter() {
-        if let Event::SendFinalized { correlation, replica, applied: true, generation: Some(g), .. } = &e.event {
-            finalized.entry(*correlation).or_default().push((e.t_ms, replica.as_str(), *g));
+        if let Event::SendFinalized { correlation, replica, applied: true, generation: Some(g), result } = &e.event {
+            finalized.entry(*correlation).or_default().push((e.t_ms, replica.as_str(), *g, result.as_str()));
+        }
+        if let Event::SendClaimed { correlation, from_generation, generation } = &e.event {
+            claimed.entry(*correlation).or_default().push((e.t_ms, *from_generation, *generation));
         }
         match &e.event {
             Event::PartnerUnanswered { correlation } => unanswered.entry(*correlation).or_default().push(e.t_ms),
@@ -99,24 +105,38 @@ pub fn fencing(h: &History) -> Verdict {
         .unwrap_or((SEND_LEASE_MS, SEND_CAP_MS));
     let (mut double, mut resent_after_lease, mut resent_after_forgotten_claim) = (0, 0, 0);
     // Issue 26: the second POST re-sent a claim an async failover forgot. The failover came
-    // between the two POSTs, its standby had not applied up to the first (a claim precedes
-    // its POST), and financial corroborates it: the first sender finalized its claim before
-    // the failover, and the second sender finalized the same job under the same claim
-    // generation after its POST, which the database issues again only if it no longer
-    // holds the first claim. To the database the job was never claimed: an identical
-    // re-send (§ #1185 at-least-once, deduplicated by `craig_correlation_id`), not two
-    // workers inside one lease. With synchronous replication nothing is excused.
-    let forgotten_claim = |c: &Uuid, (t1, r1): (u64, Option<&str>), (t2, r2): (u64, Option<&str>)| {
+    // after the first POST, the second came after the promotion (no claim is made before
+    // it), the standby had not applied up to the first POST (a claim precedes its POST), and
+    // both the senders and the database corroborate it: the first sender (current
+    // behaviour, which bumps the generation at each claim) finalized its send accepted
+    // under generation g before the failover, the second (current too) finalized under the
+    // same g after its POST, and the database that survived holds that claim to g, made
+    // after the failover from g - 1, and no claim to g before it. To the database the job
+    // was never claimed: an identical re-send (§ #1185 at-least-once, deduplicated by
+    // `craig_correlation_id`), not two workers inside one lease. Nothing is excused with
+    // synchronous replication, a 409 or an older sender.
+    let current = |r: Option<&str>, t: u64| r.is_some_and(|r| h.compat_at(r, t).is_some_and(<[String]>::is_empty));
+    let forgotten_claim = |c: &Uuid, (t1, r1): (u64, Option<&str>), (t2, r2, s2): (u64, Option<&str>, u16)| {
+        if s2 == 409 || !current(r1, t1) || !current(r2, t2) {
+            return false;
+        }
         let fs = finalized.get(c).map(Vec::as_slice).unwrap_or_default();
-        failovers.iter().any(|&(tf, replayed)| {
+        let cs = claimed.get(c).map(Vec::as_slice).unwrap_or_default();
+        failovers.iter().any(|&(tf, replayed, promoted)| {
+            let reissued = |g: i64| {
+                cs.iter().any(|&(tc, from, to)| to == g && from == g - 1 && tc + FAILOVER_CLOCK_SLACK_MS >= tf && tc <= t2 + FAILOVER_CLOCK_SLACK_MS)
+                    && !cs.iter().any(|&(tc, _, to)| to == g && tc + FAILOVER_CLOCK_SLACK_MS < tf)
+            };
             t1 < tf
-                && tf <= t2
+                && promoted <= t2
                 && replayed.is_none_or(|r| t1 + FAILOVER_CLOCK_SLACK_MS > r)
-                && fs.iter().any(|&(ta, ra, ga)| {
+                && fs.iter().any(|&(ta, ra, ga, result)| {
                     Some(ra) == r1
+                        && result == "accepted"
                         && ta >= t1
                         && ta < tf
-                        && fs.iter().any(|&(tb, rb, gb)| Some(rb) == r2 && tb >= t2 && gb == ga)
+                        && fs.iter().any(|&(tb, rb, gb, _)| Some(rb) == r2 && tb >= t2 && gb == ga)
+                        && reissued(ga)
                 })
         })
     };
@@ -159,7 +179,7 @@ pub fn fencing(h: &History) -> Verdict {
                 since = t1;
                 last = Some((t2, r2, s2));
             }
-            if live && forgotten_claim(correlation, (t1, r1), (t2, r2)) {
+            if live && forgotten_claim(correlation, (t1, r1), (t2, r2, s2)) {
                 resent_after_forgotten_claim += 1;
                 continue;
             }

@@ -187,8 +187,8 @@ pub fn no_loss(h: &History) -> Verdict {
                     stamped.sort_by_key(|(t, ..)| *t);
                     let by = if let Some((failover, said)) = forgotten_effect(h, queued, &created) {
                         // A consumer's own word that it committed the effect, gone from its
-                        // database with its inbox record (no redelivery brings it back),
-                        // and an asynchronous failover that can have forgotten it.
+                        // database after the broker had its ack (no redelivery brings it
+                        // back), and an asynchronous failover that can have forgotten it.
                         let mut tags = vec!["kind:lost".to_owned(), "lost_at:consumer".to_owned()];
                         tags.extend(failover);
                         v.blame(tags);
@@ -382,12 +382,20 @@ fn committed_lost(
 /// (the commit came before it), and every line came before the database address led to the
 /// promoted standby (+ the clocks' slack: from the kill to then nothing could commit, and a
 /// commit the promoted database made it would still hold), so a line logged late, after
-/// the kill, of a commit made before it still counts. The failover's tags and words; `None`
-/// where no consumer said so (a consumer that never committed it is judged as before) or
-/// no failover explains it.
+/// the kill, of a commit made before it still counts; and financial's inbox row for it is
+/// not held stamped processed (that stamp commits after the payment: with it, the payment
+/// survived too). The failover's tags and words; `None` where no consumer said so (a
+/// consumer that never committed it is judged as before) or no failover explains it.
 fn forgotten_effect(h: &History, envelopes: &[Uuid], created: &HashMap<Uuid, Vec<(u64, &str)>>) -> Option<(Vec<String>, String)> {
     let lines: Vec<(u64, &str)> = envelopes.iter().filter_map(|e| created.get(e)).flatten().copied().collect();
     let (first, by) = lines.iter().min_by_key(|(t, _)| *t).copied()?;
+    // financial stamps its inbox row processed in a commit after the payment's, and a
+    // standby applies commits in order: a row the surviving database holds processed means
+    // it held the payment too, so no failover forgot it.
+    let stamped = h.iter().any(|e| matches!(&e.event, Event::Inboxed { envelope, service, processed: true } if service == "financial" && envelopes.contains(envelope)));
+    if stamped {
+        return None;
+    }
     let last = lines.iter().map(|(t, _)| *t).max().unwrap_or(first);
     h.iter().find_map(|e| {
         let Event::Failover { replayed_until_ms, mode, promoted_ms } = &e.event else { return None };

@@ -1316,20 +1316,25 @@ fn fencing_finds_double_posts_conflicting_events_and_terminal_flips() {
 
 /// Issue 26: an async failover forgot a claim (the standby had applied up to 786 ms, the
 /// claim and its finalize came after): the job was re-claimed under the same generation and
-/// re-sent inside what was the first claim's lease. Excused only so: with the failover
-/// between the two POSTs, the standby behind the first, async replication, and the same
-/// generation finalized before the failover and after the second POST.
+/// re-sent inside what was the first claim's lease. Excused only so: the failover between
+/// the two POSTs (the second after the promotion), the standby behind the first, async
+/// replication, current senders finalizing the same generation before the failover and
+/// after the second POST, and the surviving database holding that generation's claim made
+/// after the failover only.
 #[test]
 fn fencing_excuses_a_resend_of_a_claim_an_async_failover_forgot_and_nothing_wider() {
     let fin = |h: &mut History, t: u64, generation: i64| {
         h.push(t, Event::SendFinalized { correlation: id(7), replica: "financial-1".into(), result: "accepted".into(), applied: true, generation: Some(generation) })
     };
+    let claim = |h: &mut History, t: u64, from_generation: i64, generation: i64| h.push(t, Event::SendClaimed { correlation: id(7), from_generation, generation });
     let base = |mode: &str, replayed: u64, gen2: i64| {
         let mut h = History::default();
         started(&mut h, 0, "financial-1", &[]);
         post(&mut h, 920, 7, "financial-1", 200);
         fin(&mut h, 1_031, 1);
-        h.push(2_000, Event::Failover { replayed_until_ms: Some(replayed), mode: mode.into(), promoted_ms: None });
+        h.push(2_000, Event::Failover { replayed_until_ms: Some(replayed), mode: mode.into(), promoted_ms: Some(2_100) });
+        // What the promoted database holds: the claim made after the failover only.
+        claim(&mut h, 2_410, gen2 - 1, gen2);
         post(&mut h, 2_418, 7, "financial-1", 200);
         fin(&mut h, 2_478, gen2);
         h.sort();
@@ -1337,27 +1342,52 @@ fn fencing_excuses_a_resend_of_a_claim_an_async_failover_forgot_and_nothing_wide
     };
     let v = fencing(&base("async", 786, 1));
     assert_eq!((v.validity, v.counts["double_posts"], v.counts["resent_after_forgotten_claim"]), (Validity::Valid, 0, 1), "{v:?}");
-    for (h, why) in [
-        (base("sync", 786, 1), "synchronous replication forgets no claim"),
-        (base("async", 1_200, 1), "the standby had applied past the first POST: its claim was not forgotten"),
-        (base("async", 786, 2), "a new generation: the database still held the first claim"),
-    ] {
-        let v = fencing(&h);
-        assert_eq!(v.counts["double_posts"], 1, "{why}: {v:?}");
-    }
-    // The first finalize after the failover (the old primary was gone: not a claim it held),
-    // and a failover after both POSTs, excuse nothing.
+    let refused = |h: &History, why: &str| assert_eq!(fencing(h).counts["double_posts"], 1, "{why}: {:?}", fencing(h));
+    refused(&base("sync", 786, 1), "synchronous replication forgets no claim");
+    refused(&base("async", 1_200, 1), "the standby had applied past the first POST: its claim was not forgotten");
+    refused(&base("async", 786, 2), "a new generation: the database still held the first claim");
+    // The database's word: it holds the first claim too (not forgotten); it holds none after
+    // the failover; the claim it holds moved no generation (a pre-#1185 claim).
+    let with = |f: &dyn Fn(&mut History)| {
+        let mut h = base("async", 786, 1);
+        f(&mut h);
+        h.sort();
+        h
+    };
+    refused(&with(&|h| claim(h, 900, 0, 1)), "the database still holds the first claim");
+    refused(&with(&|h| h.entries.retain(|e| !matches!(e.event, Event::SendClaimed { .. }))), "no claim in the database after the failover");
+    refused(
+        &with(&|h| {
+            h.entries.retain(|e| !matches!(e.event, Event::SendClaimed { .. }));
+            claim(h, 2_410, 1, 1);
+        }),
+        "a claim that moved no generation",
+    );
+    // An older sender (its claim never bumps the generation: the same number proves nothing).
     let mut h = base("async", 786, 1);
-    h.entries.retain(|e| !matches!(e.event, Event::SendFinalized { .. }));
-    fin(&mut h, 2_100, 1);
+    h.entries.retain(|e| !matches!(e.event, Event::Started { .. }));
+    started(&mut h, 0, "financial-1", &["pre-1185"]);
+    h.sort();
+    refused(&h, "a pre-1185 sender");
+    // The first finalize after the failover (the old primary was gone: not a claim it held),
+    // a failover after both POSTs, a second POST before the promotion, a 409: nothing.
+    let mut h = with(&|h| h.entries.retain(|e| !matches!(e.event, Event::SendFinalized { .. })));
+    fin(&mut h, 2_050, 1);
     fin(&mut h, 2_478, 1);
     h.sort();
-    assert_eq!(fencing(&h).counts["double_posts"], 1, "no finalize before the failover");
-    let mut h = base("async", 786, 1);
-    h.entries.retain(|e| !matches!(e.event, Event::Failover { .. }));
+    refused(&h, "no finalize before the failover");
+    let mut h = with(&|h| h.entries.retain(|e| !matches!(e.event, Event::Failover { .. })));
     h.push(3_000, Event::Failover { replayed_until_ms: Some(786), mode: "async".into(), promoted_ms: None });
     h.sort();
-    assert_eq!(fencing(&h).counts["double_posts"], 1, "a failover after both POSTs");
+    refused(&h, "a failover after both POSTs");
+    let mut h = with(&|h| h.entries.retain(|e| !matches!(e.event, Event::Failover { .. })));
+    h.push(2_000, Event::Failover { replayed_until_ms: Some(786), mode: "async".into(), promoted_ms: Some(2_500) });
+    h.sort();
+    refused(&h, "a second POST before the promotion");
+    let mut h = with(&|h| h.entries.retain(|e| !matches!(e.event, Event::PartnerPost { status: 200, .. }) || e.t_ms != 2_418));
+    post(&mut h, 2_418, 7, "financial-1", 409);
+    h.sort();
+    refused(&h, "a concurrent duplicate (409)");
 }
 
 /// An exports answer of `body` for (key, size) from `replica`.
@@ -1719,8 +1749,11 @@ fn effect_once_counts_the_partners_transmissions_of_a_placement_period() {
 /// the database address led to the promoted standby, or after a synchronous one.
 #[test]
 fn no_loss_puts_a_payment_financial_committed_and_the_failover_forgot_on_it() {
-    let run_promoted = |outcome: Outcome, created_at: Option<u64>, mode: &str, promoted_ms: Option<u64>| {
+    let run_full = |outcome: Outcome, created_at: Option<u64>, mode: &str, promoted_ms: Option<u64>, inboxed: Option<bool>| {
         let mut h = History::default();
+        if let Some(processed) = inboxed {
+            h.push(2000, Event::Inboxed { envelope: id(11), service: "financial".into(), processed });
+        }
         started(&mut h, 0, "cases-1", &[]);
         started(&mut h, 0, "financial-1", &[]);
         h.push(90, Event::Write { referral: id(1), replica: "cases-1".into(), outcome, status: None, answered_ms: Some(100) });
@@ -1737,6 +1770,8 @@ fn no_loss_puts_a_payment_financial_committed_and_the_failover_forgot_on_it() {
         h.sort();
         no_loss(&h)
     };
+    let run_promoted = |outcome: Outcome, created_at: Option<u64>, mode: &str, promoted_ms: Option<u64>| run_full(outcome, created_at, mode, promoted_ms, None);
+    let run_inboxed = |outcome: Outcome, created_at: Option<u64>, mode: &str, inboxed: Option<bool>| run_full(outcome, created_at, mode, None, inboxed);
     let run = |outcome: Outcome, created_at: Option<u64>, mode: &str| run_promoted(outcome, created_at, mode, None);
     for outcome in [Outcome::Ok, Outcome::Unknown] {
         let v = run(outcome, Some(700), "async");
@@ -1759,6 +1794,12 @@ fn no_loss_puts_a_payment_financial_committed_and_the_failover_forgot_on_it() {
         assert!(v.all_point_at("fault:failover database") && v.all_point_at("lost_at:consumer"), "{outcome:?}: {:?}", v.culprits);
         let v = run_promoted(outcome, Some(1400), "async", Some(1300));
         assert!(v.all_point_at("kind:lost") && !v.culprits.contains_key("fault:failover database"), "{outcome:?}: {:?}", v.culprits);
+        // financial's inbox row held stamped processed (a commit after the payment's): the
+        // surviving database had the payment too, so no failover forgot it.
+        let v = run_inboxed(outcome, Some(700), "async", Some(true));
+        assert!(!v.culprits.contains_key("fault:failover database"), "{outcome:?}: {:?}", v.culprits);
+        let v = run_inboxed(outcome, Some(700), "async", Some(false));
+        assert!(v.all_point_at("fault:failover database"), "{outcome:?}: an unstamped inbox row: {:?}", v.culprits);
     }
 }
 

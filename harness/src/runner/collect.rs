@@ -276,6 +276,16 @@ async fn collect_exchanges(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
     for (correlation, generation, at) in releases {
         log.push_at(log.rel_db(at), Event::SendReleased { correlation, generation });
     }
+    let claims: Vec<(Uuid, i64, i64, i64)> = bounded(
+        COLLECT,
+        "reading send-job claims",
+        sqlx::query_as("SELECT correlation_id, from_generation, claim_generation, (EXTRACT(EPOCH FROM at) * 1000)::int8 FROM chaos_send_job_claims ORDER BY id")
+            .fetch_all(pool),
+    )
+    .await?;
+    for (correlation, from_generation, generation, at) in claims {
+        log.push_at(log.rel_db(at), Event::SendClaimed { correlation, from_generation, generation });
+    }
     let correlations: Vec<Uuid> = bounded(
         COLLECT,
         "reading the send jobs' correlation ids",

@@ -632,7 +632,8 @@ async fn record_claim_versions(cases: &PgPool) -> anyhow::Result<()> {
 /// end back in the queue as a retry (`in_flight -> pending` with `attempts + 1`: the
 /// sender's fenced retry, issue 22.8; a pre-#1185 boot sweep touches no `attempts`), with
 /// the claim generation it ended, so `fencing` excuses a re-send on the database's word as
-/// well as the sender's log line.
+/// well as the sender's log line. Also every claim with the generation it moved from and
+/// to (issue 26: what the database that survived a failover still holds of them).
 async fn record_send_job_releases(financial: &PgPool) -> anyhow::Result<()> {
     execute_all(financial, "installing the send-job release recorder in financial's database", &[
         "CREATE TABLE IF NOT EXISTS chaos_send_job_releases (id bigserial PRIMARY KEY, correlation_id uuid NOT NULL, \
@@ -643,6 +644,15 @@ async fn record_send_job_releases(financial: &PgPool) -> anyhow::Result<()> {
            END IF; RETURN NEW; END $$",
         "DROP TRIGGER IF EXISTS chaos_send_job_release ON exchange_send_jobs",
         "CREATE TRIGGER chaos_send_job_release AFTER UPDATE ON exchange_send_jobs FOR EACH ROW EXECUTE FUNCTION chaos_record_send_job_release()",
+        // Issue 26: every claim, with the generation it moved from and to.
+        "CREATE TABLE IF NOT EXISTS chaos_send_job_claims (id bigserial PRIMARY KEY, correlation_id uuid NOT NULL, \
+           from_generation bigint NOT NULL, claim_generation bigint NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        "CREATE OR REPLACE FUNCTION chaos_record_send_job_claim() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF NEW.status = 'in_flight' AND (OLD.status IS DISTINCT FROM 'in_flight' OR NEW.claim_generation IS DISTINCT FROM OLD.claim_generation) THEN \
+             INSERT INTO chaos_send_job_claims (correlation_id, from_generation, claim_generation) VALUES (NEW.correlation_id, OLD.claim_generation, NEW.claim_generation); \
+           END IF; RETURN NEW; END $$",
+        "DROP TRIGGER IF EXISTS chaos_send_job_claim ON exchange_send_jobs",
+        "CREATE TRIGGER chaos_send_job_claim AFTER UPDATE ON exchange_send_jobs FOR EACH ROW EXECUTE FUNCTION chaos_record_send_job_claim()",
     ])
     .await
 }
