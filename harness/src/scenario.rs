@@ -64,7 +64,8 @@
 //!
 //! [[faults]]
 //! kind = "crash"            # crash | kill | pause | partition | toxic | down | queue_limit | upgrade
-//!                           # | downgrade | mutant | refuse_staging
+//!                           # | downgrade | mutant | refuse_staging | failover
+//!                           # | replication_lag (target "standby->database", lag_ms = N)
 //!                           # | terminate (target "database": pg_terminate_backend on every
 //!                           # backend named application_name, default craig-outbox-listener,
 //!                           # every 250 ms for duration_ms)
@@ -177,7 +178,7 @@ pub struct Scenario {
     pub broker_nodes: u8,
     /// The database's streaming standby (`[fleet] database = { standby = true, sync = true }`,
     /// issue 26; local backend): None without one. Its replication connection is the fault
-    /// proxy's link `standby->database`, a target for `toxic` and `down`; `failover` kills the
+    /// proxy's link `standby->database`, a target for `toxic`, `down` and `replication_lag`; `failover` kills the
     /// primary and promotes it.
     #[serde(skip)]
     pub standby: Option<StandbySpec>,
@@ -614,6 +615,11 @@ pub enum FaultKind {
     /// address moved to it (`[fleet] database = { standby = true, ... }`). Once; targets
     /// `database`; nothing heals (the old primary stays gone).
     Failover,
+    /// Issue 26: the standby's replication link (`standby->database`) delays what the
+    /// primary sends by `lag_ms` for `duration_ms`, so that a failover can land while the
+    /// standby is behind.
+    #[serde(rename = "replication_lag")]
+    ReplicationLag,
 }
 
 impl FaultKind {
@@ -633,6 +639,7 @@ impl FaultKind {
             FaultKind::Mutant => "mutant",
             FaultKind::RefuseStaging => "refuse_staging",
             FaultKind::Failover => "failover",
+            FaultKind::ReplicationLag => "replication_lag",
         }
     }
 }
@@ -682,6 +689,10 @@ pub struct Fault {
     /// `craig-node topology` again).
     #[serde(default)]
     pub wipe: bool,
+    /// For `kind = "replication_lag"`: how long the replication link delays what the primary
+    /// sends, in ms.
+    #[serde(default)]
+    pub lag_ms: Option<u64>,
 }
 
 /// The tables a `refuse_staging` fault may refuse inserts into, per service.
@@ -1206,6 +1217,14 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
                 }
             }
             (FaultKind::Failover, _) => return Err(err(span, "a failover targets \"database\"".into())),
+            (FaultKind::ReplicationLag, FaultTarget::Link { replica, .. }) if replica == "standby" => {
+                if !fault.lag_ms.is_some_and(|l| (1..=60_000).contains(&l)) {
+                    return Err(err(span, "a replication_lag needs lag_ms = N (1..=60000): how long the link delays what the primary sends".into()));
+                }
+            }
+            (FaultKind::ReplicationLag, _) => {
+                return Err(err(span, format!("a replication_lag targets the standby's replication link, \"{REPLICATION_LINK}\" ([fleet] database = {{ standby = true, sync = ... }})")));
+            }
             (FaultKind::Upgrade | FaultKind::Downgrade, FaultTarget::Replica(_)) => {
                 let modes = fault.compat.clone().unwrap_or_default();
                 if fault.kind == FaultKind::Downgrade && modes.is_empty() {
@@ -1277,6 +1296,9 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         if (fault.service.is_some() || fault.every.is_some() || fault.table.is_some()) && fault.kind != FaultKind::RefuseStaging {
             return Err(err(span, "service, every and table belong to a refuse_staging fault".into()));
         }
+        if fault.lag_ms.is_some() && fault.kind != FaultKind::ReplicationLag {
+            return Err(err(key_in(f.span(), "lag_ms"), "lag_ms belongs to a replication_lag fault".into()));
+        }
         if fault.kind == FaultKind::Toxic && fault.toxic.is_none() {
             return Err(err(span, "a toxic fault needs toxic = { type = ..., stream = ..., attributes = {...} }".into()));
         }
@@ -1302,7 +1324,11 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         } else if fault.application_name.is_some() {
             return Err(err(key_in(f.span(), "application_name"), "application_name belongs to a terminate fault".into()));
         }
-        if matches!(fault.kind, FaultKind::Pause | FaultKind::Partition | FaultKind::Toxic | FaultKind::Down | FaultKind::QueueLimit | FaultKind::Terminate | FaultKind::RefuseStaging) && fault.duration_ms.is_none() {
+        if matches!(
+            fault.kind,
+            FaultKind::Pause | FaultKind::Partition | FaultKind::Toxic | FaultKind::Down | FaultKind::QueueLimit | FaultKind::Terminate | FaultKind::RefuseStaging | FaultKind::ReplicationLag
+        ) && fault.duration_ms.is_none()
+        {
             return Err(err(span, "this fault needs duration_ms (when it heals)".into()));
         }
         if let Trigger::AfterPublished(n) = fault.at {
@@ -1750,6 +1776,35 @@ effect_once = { violate = "compat:pre-d2" }
         let named = |cause: &str| with("database = { standby = true, sync = false }", failover).replace("no_loss = \"hold\"", &format!("no_loss = {{ violate = [\"{cause}\"] }}"));
         assert!(parse_str(&named("replication:async")).is_ok());
         assert!(rejected(&named("replication:sync")).reason.contains("unknown cause \"replication:sync\""));
+    }
+
+    /// Issue 26: `replication_lag` slows the standby's replication link: it takes that link
+    /// only, a `lag_ms` in 1..=60000 and a `duration_ms`; `lag_ms` belongs to it alone.
+    #[test]
+    fn a_replication_lag_slows_the_standbys_link_by_lag_ms() {
+        let standby = |faults: &str| GOOD.replace("[fleet]\n", "[fleet]\ndatabase = { standby = true, sync = false }\n").replace("[expect]", &format!("{faults}[expect]"));
+        let lag = |target: &str, rest: &str| format!("[[faults]]\nkind = \"replication_lag\"\ntarget = \"{target}\"\nat = {{ after_ms = 100 }}\n{rest}\n");
+        let s = parse_str(&standby(&lag(REPLICATION_LINK, "lag_ms = 800\nduration_ms = 500"))).unwrap();
+        let f = s.faults.last().unwrap().get_ref();
+        assert_eq!((f.kind.name(), f.lag_ms), ("replication_lag", Some(800)));
+        for (faults, says) in [
+            (lag(REPLICATION_LINK, "duration_ms = 500"), "a replication_lag needs lag_ms = N (1..=60000)"),
+            (lag(REPLICATION_LINK, "lag_ms = 0\nduration_ms = 500"), "a replication_lag needs lag_ms = N (1..=60000)"),
+            (lag(REPLICATION_LINK, "lag_ms = 60001\nduration_ms = 500"), "a replication_lag needs lag_ms = N (1..=60000)"),
+            (lag(REPLICATION_LINK, "lag_ms = 800"), "this fault needs duration_ms"),
+            (lag("cases-1->database", "lag_ms = 800\nduration_ms = 500"), "a replication_lag targets the standby's replication link, \"standby->database\""),
+            (lag("database", "lag_ms = 800\nduration_ms = 500"), "a replication_lag targets the standby's replication link"),
+            (
+                "[[faults]]\nkind = \"down\"\ntarget = \"standby->database\"\nlag_ms = 5\nat = { after_ms = 100 }\nduration_ms = 500\n\n".to_owned(),
+                "lag_ms belongs to a replication_lag fault",
+            ),
+        ] {
+            let e = rejected(&standby(&faults));
+            assert!(e.reason.contains(says), "{faults}: {e}");
+        }
+        // Without a standby there is no replication link to slow.
+        let e = rejected(&GOOD.replace("[expect]", &format!("{}[expect]", lag(REPLICATION_LINK, "lag_ms = 800\nduration_ms = 500"))));
+        assert!(e.reason.contains("unknown fault target \"standby->database\""), "{e}");
     }
 
     /// Issue 25: on a cluster a partition cuts one node off from its peers (`broker-N`); a

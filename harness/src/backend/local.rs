@@ -1150,6 +1150,25 @@ impl LocalBackend {
         }
     }
 
+    /// Issue 26: how far behind the primary reports its standby (`pg_stat_replication`):
+    /// the WAL bytes it has written that the standby has not yet applied. None when there is
+    /// no standby streaming (none, or promoted).
+    pub async fn replication_behind(&self) -> Result<Option<i64>, BackendError> {
+        if self.standby.as_ref().is_none_or(|s| s.promoted) {
+            return Ok(None);
+        }
+        let mut c = admin_conn(self.pg_port).await?;
+        let row: Option<i64> = sqlx::query_scalar(
+            "SELECT COALESCE((pg_current_wal_lsn() - replay_lsn)::int8, 0) FROM pg_stat_replication WHERE application_name = $1",
+        )
+        .bind(STANDBY_NAME)
+        .fetch_optional(&mut c)
+        .await
+        .map_err(|e| BackendError::failed("reading pg_stat_replication", e))?;
+        let _ = c.close().await;
+        Ok(row)
+    }
+
     /// Issue 26, a failover as an operator's tooling does it: the primary SIGKILLed, the
     /// standby promoted (`pg_promote`, which applies all it received first), and the database
     /// address moved to it. The evidence is the servers' own: the old primary's process

@@ -298,6 +298,15 @@ impl Backend {
         }
     }
 
+    /// Issue 26: how far behind the primary reports its standby (WAL bytes not yet
+    /// applied); None where no standby streams.
+    pub async fn replication_behind(&self) -> Result<Option<i64>, BackendError> {
+        match self {
+            Backend::Local(b) => b.replication_behind().await,
+            _ => Ok(None),
+        }
+    }
+
     /// Issue 26: the primary killed, the standby promoted, the database address moved.
     pub async fn failover(&mut self) -> Result<local::Failover, BackendError> {
         match self {

@@ -17,6 +17,7 @@
 //! | [`terminate`] | `terminate` of the database's backends |
 //! | [`refuse_staging`] | `refuse_staging` on a service's table |
 //! | [`failover`] | `failover` of the database to its standby |
+//! | [`replication_lag`] | `replication_lag` on the standby's replication link |
 //! | [`armed`] | `crash` and `mutant`, armed in the replicas through `FAILPOINTS` |
 //!
 //! A scenario with a fault its backend cannot do is refused before its run starts
@@ -30,6 +31,7 @@ mod partition;
 mod pause;
 mod queue_limit;
 mod refuse_staging;
+mod replication_lag;
 mod rollout;
 mod terminate;
 mod toxic;
@@ -421,6 +423,7 @@ pub(crate) fn supported(kind: FaultKind, backend: BackendKind, target: &FaultTar
         FaultKind::Terminate => terminate::Terminate::supported(backend, target),
         FaultKind::RefuseStaging => refuse_staging::RefuseStaging::supported(backend, target),
         FaultKind::Failover => failover::FailoverRoom::supported(backend, target),
+        FaultKind::ReplicationLag => replication_lag::ReplicationLag::supported(backend, target),
         FaultKind::Crash | FaultKind::Mutant => Ok(()),
     }
 }
@@ -529,6 +532,7 @@ async fn inject(
         FaultKind::Terminate => run::<terminate::Terminate>(&cx, &f, &target).await,
         FaultKind::RefuseStaging => run::<refuse_staging::RefuseStaging>(&cx, &f, &target).await,
         FaultKind::Failover => run::<failover::FailoverRoom>(&cx, &f, &target).await,
+        FaultKind::ReplicationLag => run::<replication_lag::ReplicationLag>(&cx, &f, &target).await,
         FaultKind::Crash | FaultKind::Mutant => unreachable!("armed through FAILPOINTS, never injected"),
     }
 }
@@ -556,6 +560,7 @@ pub(crate) fn label(f: &Fault) -> String {
             format!("{} ({})", f.target, f.application_name.as_deref().unwrap_or(craig_mq::outbox::notify::APPLICATION_NAME))
         }
         (Some(t), FaultKind::Toxic) => format!("{} ({} {})", f.target, t.kind.label(), t.stream.as_str()),
+        (_, FaultKind::ReplicationLag) => format!("{} ({} ms)", f.target, f.lag_ms.unwrap_or(0)),
         (_, FaultKind::QueueLimit) => {
             // "broker (craig-rules.events max-length 20, reject-publish)": the cause tag is
             // `fault:queue_limit broker`, as the scenario targets it.

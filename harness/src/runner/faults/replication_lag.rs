@@ -1,0 +1,90 @@
+//! `replication_lag` (issue 26): the standby's replication link (`standby->database`) delays
+//! what the primary sends by `lag_ms` for the hold, so that a failover can land while the
+//! standby is behind. A latency toxic on the link's downstream (primary → standby). Evidence,
+//! taken at the heal: the WAL the toxic delayed (the proxy's payload counter) and, from
+//! samples of the primary's own `pg_stat_replication` every 100 ms while it held, the most
+//! the standby was behind (WAL bytes not yet applied). A link that carried
+//! nothing, or a standby never seen behind, leaves none.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{Mutex, oneshot};
+use tokio::task::JoinHandle;
+
+use super::toxic::proxy_of;
+use super::{Cx, Room, not_supported};
+use crate::backend::{Backend, BackendKind};
+use crate::proxy::{Stream, Toxic, ToxicKind};
+use crate::scenario::{Fault, FaultTarget};
+
+pub(super) struct ReplicationLag;
+
+pub(super) struct Applied {
+    proxy: String,
+    name: String,
+    stop: oneshot::Sender<()>,
+    sampler: JoinHandle<i64>,
+}
+
+/// Samples the primary's `pg_stat_replication` every 100 ms until told to stop. It never
+/// waits for the backend (a failover holds it): a busy backend skips a sample.
+fn sample(backend: Arc<Mutex<Backend>>, mut stop: oneshot::Receiver<()>) -> JoinHandle<i64> {
+    tokio::spawn(async move {
+        let mut most = 0i64;
+        loop {
+            if let Ok(b) = backend.try_lock()
+                && let Ok(Ok(Some(bytes))) = tokio::time::timeout(Duration::from_millis(500), b.replication_behind()).await
+            {
+                most = most.max(bytes);
+            }
+            tokio::select! {
+                _ = &mut stop => return most,
+                () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+    })
+}
+
+impl Room for ReplicationLag {
+    type Applied = Applied;
+
+    fn supported(backend: BackendKind, _: &FaultTarget) -> Result<(), &'static str> {
+        match backend {
+            BackendKind::Local => Ok(()),
+            _ => Err("a database standby runs on the local backend only, so far (issue 26)"),
+        }
+    }
+
+    async fn apply(cx: &Cx, f: &Fault, target: &FaultTarget) -> anyhow::Result<Applied> {
+        let FaultTarget::Link { replica, .. } = target else { return Err(not_supported(f)) };
+        if replica != "standby" {
+            return Err(not_supported(f));
+        }
+        let proxy = proxy_of(f, target)?;
+        let latency = f.lag_ms.expect("validated");
+        let toxic = Toxic { name: format!("fault-{}", cx.index), stream: Stream::Downstream, toxicity: 1.0, kind: ToxicKind::Latency { latency, jitter: 0 } };
+        cx.toxi.add_toxic(&proxy, &toxic).await?;
+        let (stop, stopped) = oneshot::channel();
+        let sampler = sample(cx.backend.clone(), stopped);
+        Ok(Applied { proxy, name: toxic.name, stop, sampler })
+    }
+
+    async fn heal(cx: &Cx, f: &Fault, _: &FaultTarget, a: Applied) -> anyhow::Result<()> {
+        let _ = a.stop.send(());
+        let bytes = a.sampler.await.unwrap_or(0);
+        let affected = cx.toxi.proxy(&a.proxy).await?.affected;
+        let delayed = affected.get(&a.name).filter(|d| d.payload_bytes > 0);
+        cx.evidence(match delayed {
+            Some(d) if bytes > 0 => Some(format!(
+                "the replication link delayed {} ms: {} bytes of WAL over {} connections; the primary's pg_stat_replication showed the standby up to {bytes} bytes behind",
+                f.lag_ms.unwrap_or(0),
+                d.payload_bytes,
+                d.connections,
+            )),
+            _ => None,
+        });
+        cx.toxi.remove_toxic(&a.proxy, &a.name).await?;
+        Ok(())
+    }
+}
