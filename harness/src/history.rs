@@ -293,6 +293,9 @@ pub enum Event {
         /// Its `processed_at` is set: the consumer's handler succeeded and the inbox stamped it.
         #[serde(default)]
         processed: bool,
+        /// When it was stamped processed (run ms, from the database's `processed_at`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        processed_ms: Option<u64>,
     },
     /// A DELETE of an `event_inbox` row, recorded by a harness trigger with the row's age
     /// then, and the inbox window the service runs with.

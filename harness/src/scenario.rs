@@ -1218,8 +1218,8 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
             }
             (FaultKind::Failover, _) => return Err(err(span, "a failover targets \"database\"".into())),
             (FaultKind::ReplicationLag, FaultTarget::Link { replica, .. }) if replica == "standby" => {
-                if !fault.lag_ms.is_some_and(|l| (1..=60_000).contains(&l)) {
-                    return Err(err(span, "a replication_lag needs lag_ms = N (1..=60000): how long the link delays what the primary sends".into()));
+                if !fault.lag_ms.is_some_and(|l| (1..=30_000).contains(&l)) {
+                    return Err(err(span, "a replication_lag needs lag_ms = N (1..=30000): how long the link delays what the primary sends (well under PostgreSQL's wal_receiver_timeout, 60 s, past which the standby drops the link: another fault)".into()));
                 }
             }
             (FaultKind::ReplicationLag, _) => {
@@ -1779,7 +1779,7 @@ effect_once = { violate = "compat:pre-d2" }
     }
 
     /// Issue 26: `replication_lag` slows the standby's replication link: it takes that link
-    /// only, a `lag_ms` in 1..=60000 and a `duration_ms`; `lag_ms` belongs to it alone.
+    /// only, a `lag_ms` in 1..=30000 and a `duration_ms`; `lag_ms` belongs to it alone.
     #[test]
     fn a_replication_lag_slows_the_standbys_link_by_lag_ms() {
         let standby = |faults: &str| GOOD.replace("[fleet]\n", "[fleet]\ndatabase = { standby = true, sync = false }\n").replace("[expect]", &format!("{faults}[expect]"));
@@ -1788,9 +1788,9 @@ effect_once = { violate = "compat:pre-d2" }
         let f = s.faults.last().unwrap().get_ref();
         assert_eq!((f.kind.name(), f.lag_ms), ("replication_lag", Some(800)));
         for (faults, says) in [
-            (lag(REPLICATION_LINK, "duration_ms = 500"), "a replication_lag needs lag_ms = N (1..=60000)"),
-            (lag(REPLICATION_LINK, "lag_ms = 0\nduration_ms = 500"), "a replication_lag needs lag_ms = N (1..=60000)"),
-            (lag(REPLICATION_LINK, "lag_ms = 60001\nduration_ms = 500"), "a replication_lag needs lag_ms = N (1..=60000)"),
+            (lag(REPLICATION_LINK, "duration_ms = 500"), "a replication_lag needs lag_ms = N (1..=30000)"),
+            (lag(REPLICATION_LINK, "lag_ms = 0\nduration_ms = 500"), "a replication_lag needs lag_ms = N (1..=30000)"),
+            (lag(REPLICATION_LINK, "lag_ms = 30001\nduration_ms = 500"), "a replication_lag needs lag_ms = N (1..=30000)"),
             (lag(REPLICATION_LINK, "lag_ms = 800"), "this fault needs duration_ms"),
             (lag("cases-1->database", "lag_ms = 800\nduration_ms = 500"), "a replication_lag targets the standby's replication link, \"standby->database\""),
             (lag("database", "lag_ms = 800\nduration_ms = 500"), "a replication_lag targets the standby's replication link"),

@@ -383,22 +383,33 @@ fn committed_lost(
 /// promoted standby (+ the clocks' slack: from the kill to then nothing could commit, and a
 /// commit the promoted database made it would still hold), so a line logged late, after
 /// the kill, of a commit made before it still counts; and financial's inbox row for it is
-/// not held stamped processed (that stamp commits after the payment: with it, the payment
-/// survived too). The failover's tags and words; `None` where no consumer said so (a
+/// not held stamped processed before the kill (that stamp commits after the payment: one
+/// made on the old primary that survived means the payment survived too; one made after,
+/// on the promoted server by the inbox's stamp retry, says nothing of it). The failover's
+/// tags and words; `None` where no consumer said so (a
 /// consumer that never committed it is judged as before) or no failover explains it.
 fn forgotten_effect(h: &History, envelopes: &[Uuid], created: &HashMap<Uuid, Vec<(u64, &str)>>) -> Option<(Vec<String>, String)> {
     let lines: Vec<(u64, &str)> = envelopes.iter().filter_map(|e| created.get(e)).flatten().copied().collect();
     let (first, by) = lines.iter().min_by_key(|(t, _)| *t).copied()?;
     // financial stamps its inbox row processed in a commit after the payment's, and a
-    // standby applies commits in order: a row the surviving database holds processed means
-    // it held the payment too, so no failover forgot it.
-    let stamped = h.iter().any(|e| matches!(&e.event, Event::Inboxed { envelope, service, processed: true } if service == "financial" && envelopes.contains(envelope)));
-    if stamped {
-        return None;
-    }
+    // standby applies commits in order: a row the surviving database holds stamped before
+    // the kill means it held the payment too, so no failover forgot it. (A stamp without
+    // its time, from an older history, is taken as before.)
+    let stamped: Vec<u64> = h
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::Inboxed { envelope, service, processed: true, processed_ms } if service == "financial" && envelopes.contains(envelope) => {
+                Some(processed_ms.unwrap_or(0))
+            }
+            _ => None,
+        })
+        .collect();
     let last = lines.iter().map(|(t, _)| *t).max().unwrap_or(first);
     h.iter().find_map(|e| {
         let Event::Failover { replayed_until_ms, mode, promoted_ms } = &e.event else { return None };
+        if stamped.iter().any(|p| p + FAILOVER_CLOCK_SLACK_MS < e.t_ms) {
+            return None;
+        }
         let behind = replayed_until_ms.is_none_or(|r| first + FAILOVER_CLOCK_SLACK_MS > r);
         let before = last <= promoted_ms.unwrap_or(e.t_ms) + FAILOVER_CLOCK_SLACK_MS;
         (mode == "async" && behind && before).then(|| {

@@ -605,7 +605,7 @@ fn no_loss_names_where_a_confirmed_event_was_lost_by_the_consumers_inboxes() {
                 h.push(90, Event::Committed { aggregate: id(n), table: "referrals".into() });
             }
         }
-        h.push(300, Event::Inboxed { envelope: id(11), service: "rules".into(), processed: true });
+        h.push(300, Event::Inboxed { envelope: id(11), service: "rules".into(), processed: true, processed_ms: Some(300) });
         effect(&mut h, 310, 11, 1);
         if then != Then::NoDataLoss {
             // The node held rules' queue (or, for OtherQueueLost, only financial's).
@@ -613,8 +613,8 @@ fn no_loss_names_where_a_confirmed_event_was_lost_by_the_consumers_inboxes() {
             h.push(1_500, Event::BrokerDataLost { node: "broker-1".into(), queue_type: "classic".into(), queues: vec![(q.into(), 5)] });
         }
         match then {
-            Then::Handled => h.push(400, Event::Inboxed { envelope: id(12), service: "rules".into(), processed: true }),
-            Then::InboxedUnprocessed => h.push(400, Event::Inboxed { envelope: id(12), service: "rules".into(), processed: false }),
+            Then::Handled => h.push(400, Event::Inboxed { envelope: id(12), service: "rules".into(), processed: true, processed_ms: Some(400) }),
+            Then::InboxedUnprocessed => h.push(400, Event::Inboxed { envelope: id(12), service: "rules".into(), processed: false, processed_ms: None }),
             Then::Tapped => h.push(
                 400,
                 Event::DeadLettered { key: "k".into(), token: None, envelope: Some(id(12)), queue: Some("craig-rules.events".into()), event_type: None },
@@ -1749,10 +1749,11 @@ fn effect_once_counts_the_partners_transmissions_of_a_placement_period() {
 /// the database address led to the promoted standby, or after a synchronous one.
 #[test]
 fn no_loss_puts_a_payment_financial_committed_and_the_failover_forgot_on_it() {
-    let run_full = |outcome: Outcome, created_at: Option<u64>, mode: &str, promoted_ms: Option<u64>, inboxed: Option<bool>| {
+    // inboxed: financial's inbox row at the end, and when it was stamped processed.
+    let run_full = |outcome: Outcome, created_at: Option<u64>, mode: &str, promoted_ms: Option<u64>, inboxed: Option<Option<u64>>| {
         let mut h = History::default();
-        if let Some(processed) = inboxed {
-            h.push(2000, Event::Inboxed { envelope: id(11), service: "financial".into(), processed });
+        if let Some(processed_ms) = inboxed {
+            h.push(2000, Event::Inboxed { envelope: id(11), service: "financial".into(), processed: processed_ms.is_some(), processed_ms });
         }
         started(&mut h, 0, "cases-1", &[]);
         started(&mut h, 0, "financial-1", &[]);
@@ -1771,7 +1772,7 @@ fn no_loss_puts_a_payment_financial_committed_and_the_failover_forgot_on_it() {
         no_loss(&h)
     };
     let run_promoted = |outcome: Outcome, created_at: Option<u64>, mode: &str, promoted_ms: Option<u64>| run_full(outcome, created_at, mode, promoted_ms, None);
-    let run_inboxed = |outcome: Outcome, created_at: Option<u64>, mode: &str, inboxed: Option<bool>| run_full(outcome, created_at, mode, None, inboxed);
+    let run_inboxed = |outcome: Outcome, created_at: Option<u64>, mode: &str, inboxed: Option<Option<u64>>| run_full(outcome, created_at, mode, None, inboxed);
     let run = |outcome: Outcome, created_at: Option<u64>, mode: &str| run_promoted(outcome, created_at, mode, None);
     for outcome in [Outcome::Ok, Outcome::Unknown] {
         let v = run(outcome, Some(700), "async");
@@ -1794,12 +1795,16 @@ fn no_loss_puts_a_payment_financial_committed_and_the_failover_forgot_on_it() {
         assert!(v.all_point_at("fault:failover database") && v.all_point_at("lost_at:consumer"), "{outcome:?}: {:?}", v.culprits);
         let v = run_promoted(outcome, Some(1400), "async", Some(1300));
         assert!(v.all_point_at("kind:lost") && !v.culprits.contains_key("fault:failover database"), "{outcome:?}: {:?}", v.culprits);
-        // financial's inbox row held stamped processed (a commit after the payment's): the
-        // surviving database had the payment too, so no failover forgot it.
-        let v = run_inboxed(outcome, Some(700), "async", Some(true));
+        // financial's inbox row held stamped processed before the kill (a commit after the
+        // payment's): the surviving database had the payment too, so no failover forgot it.
+        let v = run_inboxed(outcome, Some(700), "async", Some(Some(750)));
         assert!(!v.culprits.contains_key("fault:failover database"), "{outcome:?}: {:?}", v.culprits);
-        let v = run_inboxed(outcome, Some(700), "async", Some(false));
+        let v = run_inboxed(outcome, Some(700), "async", Some(None));
         assert!(v.all_point_at("fault:failover database"), "{outcome:?}: an unstamped inbox row: {:?}", v.culprits);
+        // Stamped after the kill: the inbox's stamp retry reached the promoted server, which
+        // never had the payment. Still the failover's.
+        let v = run_inboxed(outcome, Some(700), "async", Some(Some(1200)));
+        assert!(v.all_point_at("fault:failover database"), "{outcome:?}: stamped on the promoted server: {:?}", v.culprits);
     }
 }
 

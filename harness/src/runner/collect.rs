@@ -137,15 +137,18 @@ pub(super) async fn collect(log: &Log, pools: &BTreeMap<String, PgPool>, exports
         }
         if let Some((table, aggregate, at)) = effect_source(svc) {
             // What the consumer recorded in its §D2 inbox (issue 25: delivered by the broker).
-            let inboxed: Vec<(Uuid, i64, bool)> = bounded(
+            let inboxed: Vec<(Uuid, i64, Option<i64>)> = bounded(
                 COLLECT,
                 "reading the inbox",
-                sqlx::query_as("SELECT envelope_id, (EXTRACT(EPOCH FROM received_at) * 1000)::int8, processed_at IS NOT NULL FROM event_inbox")
-                    .fetch_all(pool),
+                sqlx::query_as(
+                    "SELECT envelope_id, (EXTRACT(EPOCH FROM received_at) * 1000)::int8, (EXTRACT(EPOCH FROM processed_at) * 1000)::int8 FROM event_inbox",
+                )
+                .fetch_all(pool),
             )
             .await?;
-            for (envelope, at, processed) in inboxed {
-                log.push_at(log.rel_db(at), Event::Inboxed { envelope, service: svc.clone(), processed });
+            for (envelope, at, processed_at) in inboxed {
+                let processed_ms = processed_at.map(|p| log.rel_db(p));
+                log.push_at(log.rel_db(at), Event::Inboxed { envelope, service: svc.clone(), processed: processed_ms.is_some(), processed_ms });
             }
             let rows: Vec<(Uuid, Option<Uuid>, i64, Option<String>)> = bounded(
                 COLLECT,

@@ -3,7 +3,9 @@
 //! standby is behind. A latency toxic on the link's downstream (primary → standby). Evidence,
 //! taken at the heal: the WAL the toxic delayed (the proxy's payload counter) and, from
 //! samples of the primary's own `pg_stat_replication` every 100 ms while it held, the most
-//! the standby was behind (WAL bytes not yet applied). A link that carried
+//! the standby was behind (WAL bytes not yet applied), against one sample taken just before
+//! the toxic: it must be at least twice that and 8 KiB (a WAL page) or more, as a standby
+//! streaming a writing primary is always a little behind. A link that carried
 //! nothing, or a standby never seen behind, leaves none.
 
 use std::sync::Arc;
@@ -25,6 +27,13 @@ pub(super) struct Applied {
     name: String,
     stop: oneshot::Sender<()>,
     sampler: JoinHandle<i64>,
+    /// The standby's distance just before the toxic (WAL bytes not yet applied).
+    before: i64,
+}
+
+/// The least "most behind" that shows the toxic held the standby back, given `before`.
+fn held_back(before: i64) -> i64 {
+    2 * before.max(8192)
 }
 
 /// Samples the primary's `pg_stat_replication` every 100 ms until told to stop. It never
@@ -63,11 +72,15 @@ impl Room for ReplicationLag {
         }
         let proxy = proxy_of(f, target)?;
         let latency = f.lag_ms.expect("validated");
+        let before = match tokio::time::timeout(Duration::from_secs(5), async { cx.backend.lock().await.replication_behind().await }).await {
+            Ok(Ok(Some(bytes))) => bytes,
+            _ => 0,
+        };
         let toxic = Toxic { name: format!("fault-{}", cx.index), stream: Stream::Downstream, toxicity: 1.0, kind: ToxicKind::Latency { latency, jitter: 0 } };
         cx.toxi.add_toxic(&proxy, &toxic).await?;
         let (stop, stopped) = oneshot::channel();
         let sampler = sample(cx.backend.clone(), stopped);
-        Ok(Applied { proxy, name: toxic.name, stop, sampler })
+        Ok(Applied { proxy, name: toxic.name, stop, sampler, before })
     }
 
     async fn heal(cx: &Cx, f: &Fault, _: &FaultTarget, a: Applied) -> anyhow::Result<()> {
@@ -76,11 +89,12 @@ impl Room for ReplicationLag {
         let affected = cx.toxi.proxy(&a.proxy).await?.affected;
         let delayed = affected.get(&a.name).filter(|d| d.payload_bytes > 0);
         cx.evidence(match delayed {
-            Some(d) if bytes > 0 => Some(format!(
-                "the replication link delayed {} ms: {} bytes of WAL over {} connections; the primary's pg_stat_replication showed the standby up to {bytes} bytes behind",
+            Some(d) if bytes >= held_back(a.before) => Some(format!(
+                "the replication link delayed {} ms: {} bytes of WAL over {} connections; the primary's pg_stat_replication showed the standby up to {bytes} bytes behind ({} just before)",
                 f.lag_ms.unwrap_or(0),
                 d.payload_bytes,
                 d.connections,
+                a.before,
             )),
             _ => None,
         });
