@@ -394,12 +394,12 @@ fn forgotten_effect(h: &History, envelopes: &[Uuid], created: &HashMap<Uuid, Vec
     // financial stamps its inbox row processed in a commit after the payment's, and a
     // standby applies commits in order: a row the surviving database holds stamped before
     // the kill means it held the payment too, so no failover forgot it. (A stamp without
-    // its time, from an older history, is taken as before.)
+    // its time, from an older history, is taken as made at the payment's line: before.)
     let stamped: Vec<u64> = h
         .iter()
         .filter_map(|e| match &e.event {
             Event::Inboxed { envelope, service, processed: true, processed_ms } if service == "financial" && envelopes.contains(envelope) => {
-                Some(processed_ms.unwrap_or(0))
+                Some(processed_ms.unwrap_or(first))
             }
             _ => None,
         })
@@ -407,7 +407,8 @@ fn forgotten_effect(h: &History, envelopes: &[Uuid], created: &HashMap<Uuid, Vec
     let last = lines.iter().map(|(t, _)| *t).max().unwrap_or(first);
     h.iter().find_map(|e| {
         let Event::Failover { replayed_until_ms, mode, promoted_ms } = &e.event else { return None };
-        if stamped.iter().any(|p| p + FAILOVER_CLOCK_SLACK_MS < e.t_ms) {
+        // (Only a stamp after the payment's line: one before it is of another delivery.)
+        if stamped.iter().any(|p| p + FAILOVER_CLOCK_SLACK_MS < e.t_ms && p + FAILOVER_CLOCK_SLACK_MS >= first) {
             return None;
         }
         let behind = replayed_until_ms.is_none_or(|r| first + FAILOVER_CLOCK_SLACK_MS > r);

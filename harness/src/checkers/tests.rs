@@ -1805,6 +1805,10 @@ fn no_loss_puts_a_payment_financial_committed_and_the_failover_forgot_on_it() {
         // never had the payment. Still the failover's.
         let v = run_inboxed(outcome, Some(700), "async", Some(Some(1200)));
         assert!(v.all_point_at("fault:failover database"), "{outcome:?}: stamped on the promoted server: {:?}", v.culprits);
+        // Stamped before financial's line of the payment: another delivery's stamp, which
+        // says nothing of this payment. Still the failover's.
+        let v = run_inboxed(outcome, Some(700), "async", Some(Some(300)));
+        assert!(v.all_point_at("fault:failover database"), "{outcome:?}: stamped before the payment: {:?}", v.culprits);
     }
 }
 
