@@ -30,6 +30,22 @@ pub fn probe() -> Result<(), String> {
     Ok(())
 }
 
+/// Whether this backend can cut a broker node off from its peers ([`LocalBackend::cut_node`]):
+/// packet-filter rules on the loopback, so root and an `iptables` on `PATH`.
+pub fn can_cut_nodes() -> Result<(), &'static str> {
+    use std::os::unix::fs::PermissionsExt;
+    if !Uid::effective().is_root() {
+        return Err("a partition between broker nodes needs root here (packet-filter rules on the loopback)");
+    }
+    let found = std::env::var_os("PATH").is_some_and(|path| {
+        std::env::split_paths(&path).any(|dir| std::fs::metadata(dir.join("iptables")).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+    });
+    if !found {
+        return Err("a partition between broker nodes needs root and iptables here, and no iptables is on PATH (ci/setup installs it)");
+    }
+    Ok(())
+}
+
 fn pg_bindir() -> Result<PathBuf, BackendError> {
     if let Ok(dir) = std::env::var("CHAOS_PG_BINDIR") {
         let dir = PathBuf::from(dir);
@@ -477,6 +493,37 @@ async fn admin_conn(port: u16) -> Result<sqlx::PgConnection, BackendError> {
         Ok(Ok(c)) => Ok(c),
         Ok(Err(e)) => Err(BackendError::failed(format!("connecting to PostgreSQL on {port}"), e)),
         Err(_) => Err(BackendError::failed(format!("connecting to PostgreSQL on {port}"), "no answer within 3 s")),
+    }
+}
+
+/// Issue 26: how far behind the primary reports its standby ([`LocalBackend::replication_watch`]).
+pub struct ReplicationWatch {
+    port: u16,
+    conn: Option<sqlx::PgConnection>,
+}
+
+impl ReplicationWatch {
+    /// The WAL bytes the primary has written that the standby has not yet applied
+    /// (`pg_stat_replication`); None when the primary does not answer (killed, in a failover)
+    /// or lists no standby. One connection, opened on first use and again after an error.
+    pub async fn behind(&mut self) -> Option<i64> {
+        if self.conn.is_none() {
+            self.conn = admin_conn(self.port).await.ok();
+        }
+        let c = self.conn.as_mut()?;
+        let row = sqlx::query_scalar::<_, i64>(
+            "SELECT COALESCE((pg_current_wal_lsn() - replay_lsn)::int8, 0) FROM pg_stat_replication WHERE application_name = $1",
+        )
+        .bind(STANDBY_NAME)
+        .fetch_optional(c)
+        .await;
+        match row {
+            Ok(row) => row,
+            Err(_) => {
+                self.conn = None;
+                None
+            }
+        }
     }
 }
 
@@ -1150,23 +1197,11 @@ impl LocalBackend {
         }
     }
 
-    /// Issue 26: how far behind the primary reports its standby (`pg_stat_replication`):
-    /// the WAL bytes it has written that the standby has not yet applied. None when there is
-    /// no standby streaming (none, or promoted).
-    pub async fn replication_behind(&self) -> Result<Option<i64>, BackendError> {
-        if self.standby.as_ref().is_none_or(|s| s.promoted) {
-            return Ok(None);
-        }
-        let mut c = admin_conn(self.pg_port).await?;
-        let row: Option<i64> = sqlx::query_scalar(
-            "SELECT COALESCE((pg_current_wal_lsn() - replay_lsn)::int8, 0) FROM pg_stat_replication WHERE application_name = $1",
-        )
-        .bind(STANDBY_NAME)
-        .fetch_optional(&mut c)
-        .await
-        .map_err(|e| BackendError::failed("reading pg_stat_replication", e))?;
-        let _ = c.close().await;
-        Ok(row)
+    /// Issue 26: a watch on how far behind the primary reports its standby, while one
+    /// streams (None: none, or promoted). It holds its own connection to the primary, so a
+    /// sampler never needs the backend.
+    pub fn replication_watch(&self) -> Option<ReplicationWatch> {
+        self.standby.as_ref().filter(|s| !s.promoted).map(|_| ReplicationWatch { port: self.pg_port, conn: None })
     }
 
     /// Issue 26, a failover as an operator's tooling does it: the primary SIGKILLed, the

@@ -298,12 +298,12 @@ impl Backend {
         }
     }
 
-    /// Issue 26: how far behind the primary reports its standby (WAL bytes not yet
-    /// applied); None where no standby streams.
-    pub async fn replication_behind(&self) -> Result<Option<i64>, BackendError> {
+    /// Issue 26: a watch on how far behind the primary reports its standby; None where no
+    /// standby streams.
+    pub fn replication_watch(&self) -> Option<local::ReplicationWatch> {
         match self {
-            Backend::Local(b) => b.replication_behind().await,
-            _ => Ok(None),
+            Backend::Local(b) => b.replication_watch(),
+            _ => None,
         }
     }
 

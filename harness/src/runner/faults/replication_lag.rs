@@ -8,15 +8,15 @@
 //! streaming a writing primary is always a little behind. A link that carried
 //! nothing, or a standby never seen behind, leaves none.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{Mutex, oneshot};
+use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use super::toxic::proxy_of;
 use super::{Cx, Room, not_supported};
-use crate::backend::{Backend, BackendKind};
+use crate::backend::BackendKind;
+use crate::backend::local::ReplicationWatch;
 use crate::proxy::{Stream, Toxic, ToxicKind};
 use crate::scenario::{Fault, FaultTarget};
 
@@ -36,14 +36,14 @@ fn held_back(before: i64) -> i64 {
     2 * before.max(8192)
 }
 
-/// Samples the primary's `pg_stat_replication` every 100 ms until told to stop. It never
-/// waits for the backend (a failover holds it): a busy backend skips a sample.
-fn sample(backend: Arc<Mutex<Backend>>, mut stop: oneshot::Receiver<()>) -> JoinHandle<i64> {
+/// Samples the primary's `pg_stat_replication` every 100 ms until told to stop, on the
+/// watch's own connection (never the backend's lock, which a failover holds).
+fn sample(mut watch: Option<ReplicationWatch>, mut stop: oneshot::Receiver<()>) -> JoinHandle<i64> {
     tokio::spawn(async move {
         let mut most = 0i64;
         loop {
-            if let Ok(b) = backend.try_lock()
-                && let Ok(Ok(Some(bytes))) = tokio::time::timeout(Duration::from_millis(500), b.replication_behind()).await
+            if let Some(w) = watch.as_mut()
+                && let Ok(Some(bytes)) = tokio::time::timeout(Duration::from_millis(500), w.behind()).await
             {
                 most = most.max(bytes);
             }
@@ -72,14 +72,15 @@ impl Room for ReplicationLag {
         }
         let proxy = proxy_of(f, target)?;
         let latency = f.lag_ms.expect("validated");
-        let before = match tokio::time::timeout(Duration::from_secs(5), async { cx.backend.lock().await.replication_behind().await }).await {
-            Ok(Ok(Some(bytes))) => bytes,
-            _ => 0,
+        let mut watch = cx.backend.lock().await.replication_watch();
+        let before = match watch.as_mut() {
+            Some(w) => tokio::time::timeout(Duration::from_secs(5), w.behind()).await.ok().flatten().unwrap_or(0),
+            None => 0,
         };
         let toxic = Toxic { name: format!("fault-{}", cx.index), stream: Stream::Downstream, toxicity: 1.0, kind: ToxicKind::Latency { latency, jitter: 0 } };
         cx.toxi.add_toxic(&proxy, &toxic).await?;
         let (stop, stopped) = oneshot::channel();
-        let sampler = sample(cx.backend.clone(), stopped);
+        let sampler = sample(watch, stopped);
         Ok(Applied { proxy, name: toxic.name, stop, sampler, before })
     }
 
