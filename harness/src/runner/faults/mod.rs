@@ -605,7 +605,7 @@ mod tests {
             // A partition between broker nodes needs root and iptables: refused up front otherwise.
             let cuts_a_node = faults.iter().any(|(k, t)| *k == FaultKind::Partition && matches!(t, FaultTarget::BrokerNode(_)));
             let local = refuse_unsupported(&s, BackendKind::Local);
-            let can_cut = nix::unistd::geteuid().is_root() && partition::iptables_found();
+            let can_cut = crate::backend::local::can_cut_nodes().is_ok();
             assert_eq!(local.is_err(), cuts_a_node && !can_cut, "{}: {local:?}", s.name);
             if let Err(e) = local {
                 assert!(e.to_string().contains("partition broker-") && e.to_string().contains("needs root"), "{e}");

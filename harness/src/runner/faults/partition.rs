@@ -49,14 +49,6 @@ pub(super) enum Cut {
 /// removes it.
 const HELD_MS: u64 = 24 * 3_600_000;
 
-/// Whether an `iptables` executable is on `PATH` (a cut between broker nodes runs it).
-pub(crate) fn iptables_found() -> bool {
-    use std::os::unix::fs::PermissionsExt;
-    std::env::var_os("PATH").is_some_and(|path| {
-        std::env::split_paths(&path).any(|dir| std::fs::metadata(dir.join("iptables")).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
-    })
-}
-
 impl Room for Partition {
     type Applied = Cut;
 
@@ -66,12 +58,7 @@ impl Room for Partition {
             FaultTarget::Broker | FaultTarget::Database => Ok(()),
             // A cluster runs on the local backend only (refused elsewhere before anything
             // starts); external's servers are shared and never cut.
-            FaultTarget::BrokerNode(_) if backend == BackendKind::Local && !nix::unistd::geteuid().is_root() => {
-                Err("a partition between broker nodes needs root here (packet-filter rules on the loopback)")
-            }
-            FaultTarget::BrokerNode(_) if backend == BackendKind::Local && !iptables_found() => {
-                Err("a partition between broker nodes needs root and iptables here, and no iptables is on PATH (ci/setup installs it)")
-            }
+            FaultTarget::BrokerNode(_) if backend == BackendKind::Local => crate::backend::local::can_cut_nodes(),
             FaultTarget::BrokerNode(_) => super::kill::server_supported(backend, target),
             _ => Err("a partition cuts off the broker or the database"),
         }
