@@ -139,7 +139,9 @@ pub async fn connect(amqp_url: &str, heartbeat_secs: u16, name: &str) -> Result<
 pub async fn connect_within(amqp_url: &str, heartbeat_secs: u16, name: &str, within: Duration) -> Result<Connection, lapin::Error> {
     let endpoints = crate::settings::amqp_endpoints(amqp_url);
     let n = endpoints.len();
-    let first = NEXT_ENDPOINT.load(std::sync::atomic::Ordering::Relaxed) % n;
+    // Wrapped by `(first + k) % n` below (it is i + 1 of the last try, plus one per
+    // skip_endpoint since: nowhere near overflow).
+    let first = NEXT_ENDPOINT.load(std::sync::atomic::Ordering::Relaxed);
     let mut last = None;
     for k in 0..n {
         let i = (first + k) % n;

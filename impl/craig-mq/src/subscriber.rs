@@ -296,6 +296,24 @@ mod tests {
         assert_eq!(effective_concurrency(0, 0), 1);
     }
 
+    /// The liveness tick's test (mutation survivor `alive -> true`, docs/mutants.md): a
+    /// session is alive only while both its connection and its channel are open, so a
+    /// session whose channel or connection closed without its stream ending is torn down.
+    #[tokio::test]
+    async fn a_session_is_alive_only_while_its_connection_and_channel_are_open() {
+        let sandbox = craig_sandbox::Sandbox::create("craig-mq::subscriber-alive", &[]).await.expect("sandbox");
+        let conn = crate::publisher::connect(sandbox.amqp_url(), 5, "test").await.expect("amqp");
+        let ch = conn.create_channel().await.expect("channel");
+        assert!(alive(&conn, &ch), "an open connection and channel");
+        ch.close(200, "test".into()).await.expect("close the channel");
+        assert!(!alive(&conn, &ch), "its channel closed");
+        let other = conn.create_channel().await.expect("channel");
+        assert!(alive(&conn, &other));
+        conn.close(200, "test".into()).await.expect("close the connection");
+        assert!(!alive(&conn, &other), "its connection closed");
+        sandbox.destroy().await.expect("destroy sandbox");
+    }
+
     #[tokio::test]
     async fn an_ack_that_was_not_sent_or_never_completes_is_a_failure() {
         assert!(settled("ack", std::future::ready(Ok(true))).await.is_ok());

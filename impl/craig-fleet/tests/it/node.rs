@@ -124,7 +124,10 @@ async fn referrals_flow_from_http_to_rule_evaluations() {
     let mut ids = Vec::new();
     for i in 0..20 {
         let id = uuid::Uuid::now_v7();
-        let r = http.post(&url).header("idempotency-key", uuid::Uuid::now_v7().to_string()).bearer_auth(&good).json(&json!({"id": id, "subject": format!("s{i}")})).send().await.unwrap();
+        // The first at exactly the upper bound, 1024 bytes, which is written (a mutation
+        // test found `>` as `>=` refusing it unseen).
+        let subject = if i == 0 { "x".repeat(1024) } else { format!("s{i}") };
+        let r = http.post(&url).header("idempotency-key", uuid::Uuid::now_v7().to_string()).bearer_auth(&good).json(&json!({"id": id, "subject": subject})).send().await.unwrap();
         assert_eq!(r.status(), 201);
         let body: serde_json::Value = r.json().await.unwrap();
         assert_eq!(body["id"], json!(id));
