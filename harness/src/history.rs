@@ -233,6 +233,10 @@ pub enum Event {
     /// The partner got a transmission and its sender never got the answer (it hung, or the
     /// sender timed out or died first): the sender's next POST of it is its retry.
     PartnerUnanswered { correlation: Uuid },
+    /// The harness's own copy of a `rule.evaluated` rules published (issue 26; the
+    /// evaluations tap, read at the end, placed at the envelope's `occurred_at`): the
+    /// evaluation envelope and the source envelope it evaluated.
+    EvaluationPublished { envelope: Uuid, source: Uuid },
     /// A send-queue replica's own word on how one send of a transmission ended
     /// (`send_jobs.finalized`): `result` accepted | refused | failed, and whether its fenced
     /// transition applied (a failed send applied is the fenced retry: the claim is over).

@@ -1,4 +1,4 @@
-//! `effect_once`, ADR-022 #1180 effect-once behind the inbox: a re-run is excused only inside the ADR's window (a consumer crash or its database fault between run and stamp, corroborated by `inbox.reprocessed`, at most the session's concurrency per crash); #1179 arbiter-backed consumers are excused nothing, each payment has exactly one `payment.created` and one transmission, and the partner, by its own record, gets one transmission of a placement period (a second whose job financial's database forgot is `kind:forgotten_transmission`, issue 26).
+//! `effect_once`, ADR-022 #1180 effect-once behind the inbox: a re-run is excused only inside the ADR's window (a consumer crash or its database fault between run and stamp, corroborated by `inbox.reprocessed`, at most the session's concurrency per crash); #1179 arbiter-backed consumers are excused nothing, each payment has exactly one `payment.created` and one transmission, and the partner, by its own record, gets one transmission of a placement period (a second whose job financial's database forgot is `kind:forgotten_transmission`, issue 26), and, by the harness's own tap of `rule.evaluated`, a source envelope evaluated again after rules' database forgot the first evaluation is `kind:forgotten_evaluation` (issue 26).
 
 use super::*;
 
@@ -374,6 +374,56 @@ pub fn effect_once(h: &History) -> Verdict {
         }
     }
     v.count("forgotten_transmissions", forgotten_transmissions);
+    // Issue 26, rules' side: the harness's own copy of every rule.evaluated (the
+    // evaluations tap). A source envelope evaluated twice where rules' database no longer
+    // holds one evaluation's outbox row: the database forgot an evaluation it had published
+    // (its rule_evaluations row and inbox record with it), and the redelivery ran the rule
+    // again, which rule_evaluations alone (one row) cannot show. Where the database holds
+    // both, the doubled row is the duplicate above.
+    let mut evaluated: BTreeMap<Uuid, Vec<(u64, Uuid)>> = BTreeMap::new();
+    let mut rules_staged: HashSet<Uuid> = HashSet::new();
+    for e in h.iter() {
+        match &e.event {
+            Event::EvaluationPublished { envelope, source } => {
+                let runs = evaluated.entry(*source).or_default();
+                // One envelope published twice (an outbox re-publish) is one evaluation.
+                if !runs.iter().any(|(_, x)| x == envelope) {
+                    runs.push((e.t_ms, *envelope));
+                }
+            }
+            Event::Staged { envelope, service, .. } if service == "rules" => {
+                rules_staged.insert(*envelope);
+            }
+            _ => {}
+        }
+    }
+    let mut forgotten_evaluations = 0;
+    for (source, runs) in &evaluated {
+        if runs.len() < 2 {
+            continue;
+        }
+        for (t, envelope) in runs.iter().filter(|(_, x)| !rules_staged.contains(x)) {
+            forgotten_evaluations += 1;
+            unattributed += 1;
+            // It committed on the primary before the failover (else the promoted server
+            // would hold it), no earlier than it occurred: a failover forgot it only if it
+            // came after that and its standby had applied nothing as late.
+            let (failover, said) = failover_forgot(h, t.saturating_sub(FAILOVER_CLOCK_SLACK_MS), Some(*t));
+            let mut tags = vec!["kind:forgotten_evaluation".to_owned()];
+            if failover.is_empty() {
+                tags.extend(service_culprits(h, "rules"));
+            } else {
+                tags.extend(failover);
+            }
+            v.blame(tags);
+            v.witness(format!(
+                "source envelope {source} was evaluated {} times by the harness's own record (rule.evaluated {}); {envelope}, occurred @{t}ms, is an evaluation rules' database no longer holds{said}",
+                runs.len(),
+                runs.iter().map(|(_, x)| x.to_string()).collect::<Vec<_>>().join(", ")
+            ));
+        }
+    }
+    v.count("forgotten_evaluations", forgotten_evaluations);
     v.count("envelopes", fx.by_envelope.len());
     v.count("effects", fx.total);
     v.count("duplicated", duplicated);

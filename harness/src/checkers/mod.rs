@@ -338,7 +338,7 @@ pub(super) fn fault_replica(tag: &str) -> Option<&str> {
 /// twin is red for its documented cause and not for any violation of the same checker.
 pub const VIOLATION_KINDS: &[&str] =
     &["lost", "doubled", "unexplained", "completed_and_dead_lettered", "re_emitted", "missed_crossing", "spurious_crossing", "misattributed", "double_post", "conflicting_events", "terminal_flip", "pruned_pending", "replay_past_window",
-      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status", "captured", "pruned_dedup", "never_answered", "unmatched_side_effect", "unexpected_dead_letter", "unstaged", "phantom", "refused_committed", "lost_acknowledged", "phantom_event", "forgotten_transmission"];
+      "executed_twice", "emptied_body", "wrong_live", "wrong_replay", "false_sentinel", "no_retry_after", "unexpected_status", "captured", "pruned_dedup", "never_answered", "unmatched_side_effect", "unexpected_dead_letter", "unstaged", "phantom", "refused_committed", "lost_acknowledged", "phantom_event", "forgotten_transmission", "forgotten_evaluation"];
 
 /// Which faults can cause a dead-letter violation of a kind, by the fault tag.
 #[derive(Clone, Copy)]

@@ -1740,6 +1740,54 @@ fn effect_once_counts_the_partners_transmissions_of_a_placement_period() {
     assert!(v.all_point_at("fault:failover database"), "within the cap: {:?}", v.culprits);
 }
 
+/// Issue 26, rules' side: the harness's own tap of `rule.evaluated` holds a source envelope
+/// to one evaluation. Two evaluations of one source, one of them an envelope rules'
+/// database no longer holds (an asynchronous failover forgot the evaluation, its row and its
+/// inbox record, and the republished referral ran the rule again: one `rule_evaluations`
+/// row, two published evaluations), is `kind:forgotten_evaluation`, blamed on the failover
+/// and its mode only where the standby had not applied up to the evaluation; never after a
+/// synchronous failover, nor one before the evaluation. Both held: the doubled row's to judge.
+#[test]
+fn effect_once_counts_the_published_evaluations_of_a_source_envelope() {
+    let run = |first_at: u64, failover_at: u64, mode: &str, held: &[u128]| {
+        let mut h = History::default();
+        started(&mut h, 0, "rules-1", &[]);
+        h.push(1_500, Event::Effect { envelope: id(1), referral: Some(id(9)), service: "rules".into(), replica: Some("rules-1".into()) });
+        for (t, e) in [(first_at, 21), (1_500, 22)] {
+            h.push(t, Event::EvaluationPublished { envelope: id(e), source: id(1) });
+        }
+        // The same envelope published twice (an outbox re-publish) is one evaluation, and
+        // another source evaluated once is never a finding.
+        h.push(1_600, Event::EvaluationPublished { envelope: id(22), source: id(1) });
+        h.push(800, Event::EvaluationPublished { envelope: id(23), source: id(2) });
+        window(&mut h, (failover_at, failover_at + 100), "failover", "database");
+        h.push(failover_at, Event::Failover { replayed_until_ms: Some(500), mode: mode.into(), promoted_ms: None });
+        for e in held {
+            h.push(3_000, Event::Staged { envelope: id(*e), referral: Some(id(9)), service: "rules".into(), published: true, attempts: 1, last_error: None });
+        }
+        h.sort();
+        effect_once(&h)
+    };
+    let v = run(700, 1_000, "async", &[21, 22, 23]);
+    assert_eq!((v.validity, v.counts["forgotten_evaluations"]), (Validity::Valid, 0), "both held: {v:?}");
+    let v = run(700, 1_000, "async", &[22, 23]);
+    assert_eq!((v.validity, v.counts["forgotten_evaluations"]), (Validity::Invalid, 1), "{v:?}");
+    for cause in ["kind:forgotten_evaluation", "fault:failover database", "replication:async"] {
+        assert!(v.all_point_at(cause), "{cause}: {:?}", v.culprits);
+    }
+    assert!(v.witnesses.iter().any(|w| w.contains("evaluated 2 times") && w.contains("@700ms")), "{:?}", v.witnesses);
+    // Evaluated before what the standby applied: its row was applied too, so not the failover's.
+    let v = run(300, 1_000, "async", &[22, 23]);
+    assert!(v.all_point_at("kind:forgotten_evaluation") && !v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
+    assert!(v.all_point_at("replica:rules-1"), "{:?}", v.culprits);
+    // A synchronous failover forgets nothing anyone saw: never its blame.
+    let v = run(700, 1_000, "sync", &[22, 23]);
+    assert!(v.all_point_at("kind:forgotten_evaluation") && !v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
+    // Evaluated after the failover: it committed on the promoted server, which forgot nothing of it.
+    let v = run(1_200, 1_000, "async", &[22, 23]);
+    assert!(v.all_point_at("kind:forgotten_evaluation") && !v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
+}
+
 /// Issue 26: a payment financial said it committed (`financial.payment_created`, logged
 /// after its commit) that its database no longer holds, after the broker had the ack: an
 /// asynchronous failover whose standby had not applied up to that

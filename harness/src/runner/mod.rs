@@ -791,6 +791,9 @@ async fn load_and_faults(
     // no_loss follows every staged dead letter to craig.dlx through the tap too.
     // Always open (issue 22.1): a dead letter nobody staged is a finding in any scenario.
     tap::open(&ep.amqp_url, Duration::from_secs(15), s.broker_nodes > 1).await?;
+    if evaluations_tapped(s) {
+        tap::open_evaluations(&ep.amqp_url, Duration::from_secs(15), s.broker_nodes > 1).await?;
+    }
     deployed.staged.after_start(s, log, &deployed.pools).await?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let (writes_tx, writes_rx) = watch::channel(0u32);
@@ -879,12 +882,22 @@ async fn collect_all(
     collect::collect_logs(log, &fleet.logs_dir);
     faults::mutant_evidence(log, &fleet.logs_dir, &load.mutants);
     tap::read(&ep.amqp_url, log).await?;
+    if evaluations_tapped(s) {
+        tap::read_evaluations(&ep.amqp_url, log).await?;
+    }
     for p in deployed.pools.values() {
         p.close().await;
     }
     // (The fleet's Drop stops the harness's own proxy API, whatever way the run ends.)
     drop(fleet);
     Ok(())
+}
+
+/// Whether the run taps `rule.evaluated` (issue 26): rules is in the fleet and the topology
+/// was deployed before it (security's wildcard queue already routes every `rule.evaluated`,
+/// so the tap changes no publish's fate).
+fn evaluations_tapped(s: &Scenario) -> bool {
+    s.fleet.contains_key("rules") && s.deploy.topology
 }
 
 /// `craig-node topology` through the same program the replicas run: the deploy step.

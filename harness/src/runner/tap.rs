@@ -20,17 +20,27 @@ pub(super) const TAP_QUEUE: &str = "chaos.dead-letter-tap";
 /// Declare the tap once the fleet has declared `craig.dlx` (never declared here: the
 /// harness does not create topology a deployment would lack). Bounded.
 pub(super) async fn open(amqp_url: &str, within: Duration, replicated: bool) -> anyhow::Result<()> {
+    retry_within(within, craig_mq::topology::DLX_EXCHANGE, "dead-letter", || try_open(amqp_url, replicated)).await
+}
+
+/// Try `attempt` (each bounded by 5 s) every 200 ms until it succeeds or `within` is up; the
+/// error names the tap, the exchange and the last failure.
+async fn retry_within<F, Fut>(within: Duration, exchange: &str, tap: &str, attempt: F) -> anyhow::Result<()>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
     let deadline = tokio::time::Instant::now() + within;
     let mut last = String::new();
     while tokio::time::Instant::now() < deadline {
-        match tokio::time::timeout(Duration::from_secs(5), try_open(amqp_url, replicated)).await {
+        match tokio::time::timeout(Duration::from_secs(5), attempt()).await {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(e)) => last = e,
             Err(_) => last = "no answer within 5 s".into(),
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    anyhow::bail!("the dead-letter tap could not bind to {} within {within:?}: {last}", craig_mq::topology::DLX_EXCHANGE)
+    anyhow::bail!("the {tap} tap could not bind to {exchange} within {within:?}: {last}")
 }
 
 async fn try_open(amqp_url: &str, replicated: bool) -> Result<(), String> {
@@ -65,38 +75,100 @@ pub(super) async fn bind_on_dlx(ch: &lapin::Channel, queue: &str, opts: QueueDec
 /// Take every copy off the tap into the history (one `DeadLettered` each, read as the DLQ
 /// consumer reads it), then delete the tap. Bounded; the count taken.
 pub(super) async fn read(amqp_url: &str, log: &Log) -> anyhow::Result<usize> {
+    take_all(amqp_url, TAP_QUEUE, "dead-letter", |d| {
+        let read = craig_mq::dlq::DeadLetterDelivery::read(&d.data, d.routing_key.as_str(), d.properties.headers().as_ref());
+        let event = Event::DeadLettered {
+            key: dead_letter_key(d.routing_key.as_str(), &d.data),
+            // The occurrence by the harness's own derivation (issue 22.5).
+            token: occurrence_token(&d.data, d.routing_key.as_str(), d.properties.headers().as_ref()),
+            envelope: read.envelope.map(|e| e.id),
+            queue: read.original_queue,
+            event_type: tapped_event_type(&d.data, d.properties.headers().as_ref()),
+        };
+        // Placed at the moment it was dead-lettered (the tap is read at the end), as the
+        // broker or the surfacing consumer stamped it; else when it was read.
+        match died_epoch_ms(&d.data, d.properties.headers().as_ref()) {
+            Some(ms) => log.push_at(log.rel(ms), event),
+            None => log.push(event),
+        }
+    })
+    .await
+}
+
+/// Every message of the harness's queue `queue` handed to `each`, then the queue deleted.
+/// Bounded by 30 s; the count taken.
+async fn take_all(amqp_url: &str, queue: &str, tap: &str, mut each: impl FnMut(&lapin::message::Delivery)) -> anyhow::Result<usize> {
     let work = async {
-        let conn = craig_mq::publisher::connect(amqp_url, 5, "chaos-dead-letter-tap").await?;
+        let conn = craig_mq::publisher::connect(amqp_url, 5, &format!("chaos-{tap}-tap")).await?;
         let ch = conn.create_channel().await?;
         let mut n = 0;
-        while let Some(m) = ch.basic_get(TAP_QUEUE.into(), BasicGetOptions { no_ack: true }).await? {
-            let d = m.delivery;
-            let read =
-                craig_mq::dlq::DeadLetterDelivery::read(&d.data, d.routing_key.as_str(), d.properties.headers().as_ref());
-            let event = Event::DeadLettered {
-                key: dead_letter_key(d.routing_key.as_str(), &d.data),
-                // The occurrence by the harness's own derivation (issue 22.5).
-                token: occurrence_token(&d.data, d.routing_key.as_str(), d.properties.headers().as_ref()),
-                envelope: read.envelope.map(|e| e.id),
-                queue: read.original_queue,
-                event_type: tapped_event_type(&d.data, d.properties.headers().as_ref()),
-            };
-            // Placed at the moment it was dead-lettered (the tap is read at the end), as the
-            // broker or the surfacing consumer stamped it; else when it was read.
-            match died_epoch_ms(&d.data, d.properties.headers().as_ref()) {
-                Some(ms) => log.push_at(log.rel(ms), event),
-                None => log.push(event),
-            }
+        while let Some(m) = ch.basic_get(queue.into(), BasicGetOptions { no_ack: true }).await? {
+            each(&m.delivery);
             n += 1;
         }
-        ch.queue_delete(TAP_QUEUE.into(), QueueDeleteOptions::default()).await?;
+        ch.queue_delete(queue.into(), QueueDeleteOptions::default()).await?;
         let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "tap".into())).await;
         Ok::<usize, lapin::Error>(n)
     };
     match tokio::time::timeout(Duration::from_secs(30), work).await {
         Ok(r) => Ok(r?),
-        Err(_) => anyhow::bail!("reading the dead-letter tap took over 30 s"),
+        Err(_) => anyhow::bail!("reading the {tap} tap took over 30 s"),
     }
+}
+
+/// The evaluations tap (issue 26, rules' side): the harness's own copy of every
+/// `rule.evaluated` rules published, so that an evaluation the database later forgets (an
+/// asynchronous failover) is still on record. A durable queue bound on `craig.events` with
+/// `rule.evaluated` only. Opened only where the run deployed the topology first: security's
+/// wildcard queue then routes every `rule.evaluated` from the start, so the tap makes no
+/// publish routable that was not (the world is never kinder than production).
+pub(super) const EVALUATIONS_TAP: &str = "chaos.rule-evaluated-tap";
+
+/// Declare the evaluations tap on `craig.events` (checked passively, as the DLX tap's
+/// exchange is). Bounded.
+pub(super) async fn open_evaluations(amqp_url: &str, within: Duration, replicated: bool) -> anyhow::Result<()> {
+    use craig_mq::topology::EVENTS_EXCHANGE;
+    let attempt = || async {
+        let conn = craig_mq::publisher::connect(amqp_url, 5, "chaos-evaluations-tap").await.map_err(|e| e.to_string())?;
+        let result = async {
+            let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
+            let passive = ExchangeDeclareOptions { passive: true, ..Default::default() };
+            ch.exchange_declare(EVENTS_EXCHANGE.into(), lapin::ExchangeKind::Topic, passive, FieldTable::default())
+                .await
+                .map_err(|e| format!("{EVENTS_EXCHANGE} is not there: {e}"))?;
+            let args = if replicated { craig_mq::topology::QueueType::Quorum } else { craig_mq::topology::QueueType::Classic }.plain_args();
+            let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+            ch.queue_declare(EVALUATIONS_TAP.into(), durable, args).await.map_err(|e| e.to_string())?;
+            ch.queue_bind(EVALUATIONS_TAP.into(), EVENTS_EXCHANGE.into(), "rule.evaluated".into(), QueueBindOptions::default(), FieldTable::default())
+                .await
+                .map_err(|e| e.to_string())
+        }
+        .await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "tap".into())).await;
+        result
+    };
+    retry_within(within, EVENTS_EXCHANGE, "evaluations", attempt).await
+}
+
+/// Take every copy off the evaluations tap into the history (one `EvaluationPublished`
+/// each, at the evaluation's `occurred_at`), then delete it. Bounded; the count taken.
+pub(super) async fn read_evaluations(amqp_url: &str, log: &Log) -> anyhow::Result<usize> {
+    take_all(amqp_url, EVALUATIONS_TAP, "evaluations", |d| match evaluation_of(&d.data) {
+        Some((at, event)) => log.push_at(log.rel(at), event),
+        None => log.finding(format!("the evaluations tap holds a rule.evaluated that is no evaluation envelope ({} bytes)", d.data.len())),
+    })
+    .await
+}
+
+/// A tapped `rule.evaluated` as the harness reads it: the envelope (by the envelope's own
+/// rule), its `payload.source_envelope` and when it occurred (epoch ms).
+fn evaluation_of(body: &[u8]) -> Option<(i64, Event)> {
+    let env = craig_mq::EventEnvelope::from_slice(body).ok()?;
+    if env.event_type != "rule.evaluated" {
+        return None;
+    }
+    let source = env.payload.get("source_envelope")?.as_str()?.parse().ok()?;
+    Some((env.occurred_at.timestamp_millis(), Event::EvaluationPublished { envelope: env.id, source }))
 }
 
 /// When a dead letter was dead-lettered, read by the harness itself from what travels with
