@@ -235,8 +235,9 @@ pub enum Event {
     PartnerUnanswered { correlation: Uuid },
     /// The harness's own copy of a `rule.evaluated` rules published (issue 26; the
     /// evaluations tap, read at the end, placed at the envelope's `occurred_at`): the
-    /// evaluation envelope and the source envelope it evaluated.
-    EvaluationPublished { envelope: Uuid, source: Uuid },
+    /// evaluation envelope, the source envelope it evaluated and the referral it is about.
+    /// An effect by the harness's own record, whatever rules' database still holds.
+    EvaluationPublished { envelope: Uuid, source: Uuid, referral: Uuid },
     /// A send-queue replica's own word on how one send of a transmission ended
     /// (`send_jobs.finalized`): `result` accepted | refused | failed, and whether its fenced
     /// transition applied (a failed send applied is the fenced retry: the claim is over).

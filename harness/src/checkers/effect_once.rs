@@ -380,15 +380,15 @@ pub fn effect_once(h: &History) -> Verdict {
     // (its rule_evaluations row and inbox record with it), and the redelivery ran the rule
     // again, which rule_evaluations alone (one row) cannot show. Where the database holds
     // both, the doubled row is the duplicate above.
-    let mut evaluated: BTreeMap<Uuid, Vec<(u64, Uuid)>> = BTreeMap::new();
+    let mut evaluated: BTreeMap<Uuid, Vec<(u64, Uuid, Uuid)>> = BTreeMap::new();
     let mut rules_staged: HashSet<Uuid> = HashSet::new();
     for e in h.iter() {
         match &e.event {
-            Event::EvaluationPublished { envelope, source } => {
+            Event::EvaluationPublished { envelope, source, referral } => {
                 let runs = evaluated.entry(*source).or_default();
                 // One envelope published twice (an outbox re-publish) is one evaluation.
-                if !runs.iter().any(|(_, x)| x == envelope) {
-                    runs.push((e.t_ms, *envelope));
+                if !runs.iter().any(|(_, x, _)| x == envelope) {
+                    runs.push((e.t_ms, *envelope, *referral));
                 }
             }
             Event::Staged { envelope, service, .. } if service == "rules" => {
@@ -402,13 +402,17 @@ pub fn effect_once(h: &History) -> Verdict {
         if runs.len() < 2 {
             continue;
         }
-        for (t, envelope) in runs.iter().filter(|(_, x)| !rules_staged.contains(x)) {
+        for (t, envelope, referral) in runs.iter().filter(|(_, x, _)| !rules_staged.contains(x)) {
             forgotten_evaluations += 1;
             unattributed += 1;
             // It committed on the primary before the failover (else the promoted server
             // would hold it), no earlier than it occurred: a failover forgot it only if it
-            // came after that and its standby had applied nothing as late.
-            let (failover, said) = failover_forgot(h, t.saturating_sub(FAILOVER_CLOCK_SLACK_MS), Some(*t));
+            // came after that and its standby had applied nothing as late. rules' own stamp,
+            // so held to the harness's own record: never before the referral's first write
+            // was sent (an impossible stamp excuses nothing).
+            let possible = written.get(referral).is_none_or(|w| *t + FAILOVER_CLOCK_SLACK_MS >= *w);
+            let (failover, said) =
+                if possible { failover_forgot(h, t.saturating_sub(FAILOVER_CLOCK_SLACK_MS), Some(*t)) } else { (vec![], String::new()) };
             let mut tags = vec!["kind:forgotten_evaluation".to_owned()];
             if failover.is_empty() {
                 tags.extend(service_culprits(h, "rules"));
@@ -419,7 +423,7 @@ pub fn effect_once(h: &History) -> Verdict {
             v.witness(format!(
                 "source envelope {source} was evaluated {} times by the harness's own record (rule.evaluated {}); {envelope}, occurred @{t}ms, is an evaluation rules' database no longer holds{said}",
                 runs.len(),
-                runs.iter().map(|(_, x)| x.to_string()).collect::<Vec<_>>().join(", ")
+                runs.iter().map(|(_, x, _)| x.to_string()).collect::<Vec<_>>().join(", ")
             ));
         }
     }

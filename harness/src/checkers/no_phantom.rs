@@ -1,4 +1,4 @@
-//! `no_phantom`, ADR-022 No effect without a committed write: an effect (in a consumer's tables, or a transmission the partner got) of a failed, rolled-back or never-attempted write, or of an aggregate cases' database does not hold (issue 22.2), is a phantom, as is a committed aggregate whose write was refused; after an asynchronous database failover that can have forgotten its commit, `kind:phantom_event` with `fault:failover database` and `replication:async` (issue 26). Excused: nothing. Blame: the replica that took the write, its behaviour and the faults on it then.
+//! `no_phantom`, ADR-022 No effect without a committed write: an effect (in a consumer's tables, a transmission the partner got, or a `rule.evaluated` the harness's tap saw published) of a failed, rolled-back or never-attempted write, or of an aggregate cases' database does not hold (issue 22.2), is a phantom, as is a committed aggregate whose write was refused; after an asynchronous database failover that can have forgotten its commit, `kind:phantom_event` with `fault:failover database` and `replication:async` (issue 26). Excused: nothing. Blame: the replica that took the write, its behaviour and the faults on it then.
 
 use super::*;
 
@@ -82,9 +82,12 @@ pub fn no_phantom(h: &History) -> Verdict {
     // period (a payment of it, as the partner got it) needs that placement committed, whatever
     // financial's database still holds of the payment.
     let mut touched: BTreeMap<Uuid, u64> = fx.by_referral.iter().map(|(a, t)| (*a, *t)).collect();
+    // Likewise the harness's own copy of every rule.evaluated published (the evaluations
+    // tap): an evaluation of a referral needs that referral committed, whatever rules'
+    // database still holds of the evaluation.
     for e in h.iter() {
-        if let Event::PartnerTransmission { placement, .. } = &e.event {
-            let t = touched.entry(*placement).or_insert(e.t_ms);
+        if let Event::PartnerTransmission { placement: aggregate, .. } | Event::EvaluationPublished { referral: aggregate, .. } = &e.event {
+            let t = touched.entry(*aggregate).or_insert(e.t_ms);
             *t = (*t).min(e.t_ms);
         }
     }

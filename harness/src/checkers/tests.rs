@@ -1749,17 +1749,19 @@ fn effect_once_counts_the_partners_transmissions_of_a_placement_period() {
 /// synchronous failover, nor one before the evaluation. Both held: the doubled row's to judge.
 #[test]
 fn effect_once_counts_the_published_evaluations_of_a_source_envelope() {
-    let run = |first_at: u64, failover_at: u64, mode: &str, held: &[u128]| {
+    let run_after = |write_at: u64, first_at: u64, failover_at: u64, mode: &str, held: &[u128]| {
         let mut h = History::default();
         started(&mut h, 0, "rules-1", &[]);
         h.push(1_500, Event::Effect { envelope: id(1), referral: Some(id(9)), service: "rules".into(), replica: Some("rules-1".into()) });
         for (t, e) in [(first_at, 21), (1_500, 22)] {
-            h.push(t, Event::EvaluationPublished { envelope: id(e), source: id(1) });
+            h.push(t, Event::EvaluationPublished { envelope: id(e), source: id(1), referral: id(9) });
         }
         // The same envelope published twice (an outbox re-publish) is one evaluation, and
-        // another source evaluated once is never a finding.
-        h.push(1_600, Event::EvaluationPublished { envelope: id(22), source: id(1) });
-        h.push(800, Event::EvaluationPublished { envelope: id(23), source: id(2) });
+        // another source evaluated once is never a finding, held or not.
+        h.push(1_600, Event::EvaluationPublished { envelope: id(22), source: id(1), referral: id(9) });
+        h.push(800, Event::EvaluationPublished { envelope: id(23), source: id(2), referral: id(8) });
+        // The referral's write went out at `write_at` (the harness's own record).
+        h.push(write_at, Event::Write { referral: id(9), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201), answered_ms: Some(write_at + 10) });
         window(&mut h, (failover_at, failover_at + 100), "failover", "database");
         h.push(failover_at, Event::Failover { replayed_until_ms: Some(500), mode: mode.into(), promoted_ms: None });
         for e in held {
@@ -1768,9 +1770,10 @@ fn effect_once_counts_the_published_evaluations_of_a_source_envelope() {
         h.sort();
         effect_once(&h)
     };
+    let run = |first_at, failover_at, mode, held: &[u128]| run_after(200, first_at, failover_at, mode, held);
     let v = run(700, 1_000, "async", &[21, 22, 23]);
     assert_eq!((v.validity, v.counts["forgotten_evaluations"]), (Validity::Valid, 0), "both held: {v:?}");
-    let v = run(700, 1_000, "async", &[22, 23]);
+    let v = run(700, 1_000, "async", &[22]);
     assert_eq!((v.validity, v.counts["forgotten_evaluations"]), (Validity::Invalid, 1), "{v:?}");
     for cause in ["kind:forgotten_evaluation", "fault:failover database", "replication:async"] {
         assert!(v.all_point_at(cause), "{cause}: {:?}", v.culprits);
@@ -1786,6 +1789,11 @@ fn effect_once_counts_the_published_evaluations_of_a_source_envelope() {
     // Evaluated after the failover: it committed on the promoted server, which forgot nothing of it.
     let v = run(1_200, 1_000, "async", &[22, 23]);
     assert!(v.all_point_at("kind:forgotten_evaluation") && !v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
+    // rules' own stamp held to the harness's record: a stamp at 700 ms, after what the standby
+    // applied, would make it the failover's, but its referral's write went out only at 800 ms,
+    // so the stamp is impossible and excuses nothing.
+    let v = run_after(800, 700, 1_000, "async", &[22, 23]);
+    assert!(v.all_point_at("replica:rules-1") && !v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
 }
 
 /// Issue 26: a payment financial said it committed (`financial.payment_created`, logged
@@ -1875,6 +1883,34 @@ fn no_phantom_counts_the_partners_transmissions_as_effects() {
         h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: "async".into(), promoted_ms: None });
         if committed {
             h.push(2000, Event::Committed { aggregate: id(9), table: "placements".into() });
+        }
+        h.push(2000, Event::CommittedRead);
+        h.sort();
+        no_phantom(&h)
+    };
+    assert_eq!(run(true).validity, Validity::Valid);
+    let v = run(false);
+    assert_eq!((v.validity, v.violations), (Validity::Invalid, 1), "{v:?}");
+    for cause in ["kind:phantom_event", "fault:failover database", "replication:async"] {
+        assert!(v.all_point_at(cause), "{cause}: {:?}", v.culprits);
+    }
+    assert!(v.witnesses[0].contains("took effect @900ms"), "{:?}", v.witnesses);
+}
+
+/// Issue 26: the harness's own copy of a published `rule.evaluated` is an effect too. An
+/// evaluation of a referral the promoted server does not hold is a phantom event, though
+/// rules' database forgot the evaluation with the referral (no `rule_evaluations` row).
+#[test]
+fn no_phantom_counts_the_tapped_evaluations_as_effects() {
+    let run = |committed: bool| {
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", &[]);
+        h.push(700, Event::Write { referral: id(9), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201), answered_ms: Some(710) });
+        h.push(900, Event::EvaluationPublished { envelope: id(21), source: id(20), referral: id(9) });
+        window(&mut h, (1000, 1100), "failover", "database");
+        h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: "async".into(), promoted_ms: None });
+        if committed {
+            h.push(2000, Event::Committed { aggregate: id(9), table: "referrals".into() });
         }
         h.push(2000, Event::CommittedRead);
         h.sort();

@@ -895,7 +895,10 @@ async fn collect_all(
 
 /// Whether the run taps `rule.evaluated` (issue 26): rules is in the fleet and the topology
 /// was deployed before it (security's wildcard queue already routes every `rule.evaluated`,
-/// so the tap changes no publish's fate).
+/// so the tap changes no publish's fate). One exception: on a broker cluster of classic
+/// queues, a node whose data is wiped loses security's queue until it is declared again,
+/// while the tap (a quorum queue there) still takes `rule.evaluated`; no shipped scenario
+/// evaluates anything in that gap (`classic-queue-node-lost` starts rules after the heal's redeploy).
 fn evaluations_tapped(s: &Scenario) -> bool {
     s.fleet.contains_key("rules") && s.deploy.topology
 }

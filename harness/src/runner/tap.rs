@@ -161,14 +161,16 @@ pub(super) async fn read_evaluations(amqp_url: &str, log: &Log) -> anyhow::Resul
 }
 
 /// A tapped `rule.evaluated` as the harness reads it: the envelope (by the envelope's own
-/// rule), its `payload.source_envelope` and when it occurred (epoch ms).
+/// rule), its `payload.source_envelope` and `payload.referral_id`, and when it occurred
+/// (epoch ms).
 fn evaluation_of(body: &[u8]) -> Option<(i64, Event)> {
     let env = craig_mq::EventEnvelope::from_slice(body).ok()?;
     if env.event_type != "rule.evaluated" {
         return None;
     }
-    let source = env.payload.get("source_envelope")?.as_str()?.parse().ok()?;
-    Some((env.occurred_at.timestamp_millis(), Event::EvaluationPublished { envelope: env.id, source }))
+    let id = |field: &str| env.payload.get(field)?.as_str()?.parse().ok();
+    let (source, referral) = (id("source_envelope")?, id("referral_id")?);
+    Some((env.occurred_at.timestamp_millis(), Event::EvaluationPublished { envelope: env.id, source, referral }))
 }
 
 /// When a dead letter was dead-lettered, read by the harness itself from what travels with
