@@ -409,8 +409,9 @@ pub fn effect_once(h: &History) -> Verdict {
             // would hold it), no earlier than it occurred: a failover forgot it only if it
             // came after that and its standby had applied nothing as late. rules' own stamp,
             // so held to the harness's own record: never before the referral's first write
-            // was sent (an impossible stamp excuses nothing).
-            let possible = written.get(referral).is_none_or(|w| *t + FAILOVER_CLOCK_SLACK_MS >= *w);
+            // was sent (an impossible stamp, or one of a referral the harness never wrote,
+            // excuses nothing).
+            let possible = written.get(referral).is_some_and(|w| *t + FAILOVER_CLOCK_SLACK_MS >= *w);
             let (failover, said) =
                 if possible { failover_forgot(h, t.saturating_sub(FAILOVER_CLOCK_SLACK_MS), Some(*t)) } else { (vec![], String::new()) };
             let mut tags = vec!["kind:forgotten_evaluation".to_owned()];

@@ -1746,10 +1746,12 @@ fn effect_once_counts_the_partners_transmissions_of_a_placement_period() {
 /// inbox record, and the republished referral ran the rule again: one `rule_evaluations`
 /// row, two published evaluations), is `kind:forgotten_evaluation`, blamed on the failover
 /// and its mode only where the standby had not applied up to the evaluation; never after a
-/// synchronous failover, nor one before the evaluation. Both held: the doubled row's to judge.
+/// synchronous failover, nor one before the evaluation, nor on rules' stamp where the
+/// harness's own record makes it impossible (before the referral's write was sent, or of a
+/// referral never written). Both held: the doubled row's to judge.
 #[test]
 fn effect_once_counts_the_published_evaluations_of_a_source_envelope() {
-    let run_after = |write_at: u64, first_at: u64, failover_at: u64, mode: &str, held: &[u128]| {
+    let run_after = |write_at: Option<u64>, first_at: u64, failover_at: u64, mode: &str, held: &[u128]| {
         let mut h = History::default();
         started(&mut h, 0, "rules-1", &[]);
         h.push(1_500, Event::Effect { envelope: id(1), referral: Some(id(9)), service: "rules".into(), replica: Some("rules-1".into()) });
@@ -1760,8 +1762,10 @@ fn effect_once_counts_the_published_evaluations_of_a_source_envelope() {
         // another source evaluated once is never a finding, held or not.
         h.push(1_600, Event::EvaluationPublished { envelope: id(22), source: id(1), referral: id(9) });
         h.push(800, Event::EvaluationPublished { envelope: id(23), source: id(2), referral: id(8) });
-        // The referral's write went out at `write_at` (the harness's own record).
-        h.push(write_at, Event::Write { referral: id(9), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201), answered_ms: Some(write_at + 10) });
+        // The referral's write went out at `write_at` (the harness's own record), if at all.
+        if let Some(w) = write_at {
+            h.push(w, Event::Write { referral: id(9), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201), answered_ms: Some(w + 10) });
+        }
         window(&mut h, (failover_at, failover_at + 100), "failover", "database");
         h.push(failover_at, Event::Failover { replayed_until_ms: Some(500), mode: mode.into(), promoted_ms: None });
         for e in held {
@@ -1770,7 +1774,7 @@ fn effect_once_counts_the_published_evaluations_of_a_source_envelope() {
         h.sort();
         effect_once(&h)
     };
-    let run = |first_at, failover_at, mode, held: &[u128]| run_after(200, first_at, failover_at, mode, held);
+    let run = |first_at, failover_at, mode, held: &[u128]| run_after(Some(200), first_at, failover_at, mode, held);
     let v = run(700, 1_000, "async", &[21, 22, 23]);
     assert_eq!((v.validity, v.counts["forgotten_evaluations"]), (Validity::Valid, 0), "both held: {v:?}");
     let v = run(700, 1_000, "async", &[22]);
@@ -1792,8 +1796,15 @@ fn effect_once_counts_the_published_evaluations_of_a_source_envelope() {
     // rules' own stamp held to the harness's record: a stamp at 700 ms, after what the standby
     // applied, would make it the failover's, but its referral's write went out only at 800 ms,
     // so the stamp is impossible and excuses nothing.
-    let v = run_after(800, 700, 1_000, "async", &[22, 23]);
+    let v = run_after(Some(800), 700, 1_000, "async", &[22, 23]);
     assert!(v.all_point_at("replica:rules-1") && !v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
+    // At the clock slack's edge (10 ms): possible at exactly 10 ms before the write, not at 11.
+    assert!(run_after(Some(710), 700, 1_000, "async", &[22, 23]).all_point_at("fault:failover database"));
+    let v = run_after(Some(711), 700, 1_000, "async", &[22, 23]);
+    assert!(!v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
+    // A referral the harness never wrote: nothing corroborates the stamp.
+    let v = run_after(None, 700, 1_000, "async", &[22, 23]);
+    assert!(!v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
 }
 
 /// Issue 26: a payment financial said it committed (`financial.payment_created`, logged

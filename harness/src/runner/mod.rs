@@ -898,7 +898,8 @@ async fn collect_all(
 /// so the tap changes no publish's fate). One exception: on a broker cluster of classic
 /// queues, a node whose data is wiped loses security's queue until it is declared again,
 /// while the tap (a quorum queue there) still takes `rule.evaluated`; no shipped scenario
-/// evaluates anything in that gap (`classic-queue-node-lost` starts rules after the heal's redeploy).
+/// evaluates anything in that gap (`classic-queue-node-lost`'s writes end by 1 s and the wipe
+/// takes their backlog: nothing is left for rules to evaluate before the heal's redeploy).
 fn evaluations_tapped(s: &Scenario) -> bool {
     s.fleet.contains_key("rules") && s.deploy.topology
 }
