@@ -339,6 +339,41 @@ async fn database_passwords_are_never_printed() {
     }
 }
 
+/// §D1: a database error that is not a duplicate id (here the referral's event refused by a
+/// trigger on `event_outbox`, as the `refuse_staging` fault does) is a 503 and writes
+/// nothing, never a 409 "already exists": the same id then writes (201). A mutation test
+/// found every database error answered 409 unseen.
+#[tokio::test]
+async fn a_database_error_other_than_a_duplicate_is_a_503_and_writes_nothing() {
+    let fleet = Fleet::new("referral_db_error", &[Service::Cases]).await;
+    let db = fleet.pool(Service::Cases).await;
+    for statement in [
+        "CREATE FUNCTION test_refuse_staging() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           RAISE EXCEPTION 'test: staging refused'; END $$",
+        "CREATE TRIGGER test_refuse_staging BEFORE INSERT ON event_outbox FOR EACH ROW EXECUTE FUNCTION test_refuse_staging()",
+    ] {
+        sqlx::query(statement).execute(&db).await.unwrap();
+    }
+    let cases = fleet.start(Service::Cases, &[], &[]).await;
+    let id = uuid::Uuid::now_v7();
+    let post = || {
+        reqwest::Client::new()
+            .post(format!("{}/v1/cases/referrals", cases.base))
+            .header("idempotency-key", uuid::Uuid::now_v7().to_string())
+            .bearer_auth(token("craig-cases", ""))
+            .json(&json!({"id": id, "subject": "refused"}))
+            .send()
+    };
+    let refused = post().await.unwrap();
+    assert_eq!(refused.status(), 503, "{:?}", refused.text().await);
+    assert_eq!(count(&db, "SELECT count(*) FROM referrals").await, 0, "the refused event took its referral with it");
+    sqlx::query("DROP TRIGGER test_refuse_staging ON event_outbox").execute(&db).await.unwrap();
+    assert_eq!(post().await.unwrap().status(), 201, "nothing was written: the same id writes now");
+    assert_eq!(cases.stop().await.code(), Some(0));
+    db.close().await;
+    fleet.finish().await;
+}
+
 /// Issue 7.5: a NUL byte in a string field is the client's error (400), never a 503.
 #[tokio::test]
 async fn a_nul_in_the_subject_is_a_400() {

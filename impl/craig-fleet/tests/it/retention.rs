@@ -117,6 +117,34 @@ async fn the_prune_is_batched_cycle_capped_and_one_replica_at_a_time() {
     fleet.finish().await;
 }
 
+/// A cycle stops at its first short batch (§ Retention policy: batched deletes, bounded
+/// lock time): every DELETE statement the prune runs on `event_outbox` is counted by a
+/// statement-level trigger, which fires for a statement that deleted nothing too. Five
+/// prunable rows in batches of two are three statements (2, 2, 1), whatever the cycle cap;
+/// a loop that missed the short batch would run the cap's ten, nine of them for nothing.
+#[tokio::test]
+async fn a_prune_cycle_stops_at_its_first_short_batch() {
+    let fleet = Fleet::new("retention_short_batch", &[Service::Cases]).await;
+    let db = fleet.pool(Service::Cases).await;
+    for statement in [
+        "CREATE TABLE test_delete_statements (at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        "CREATE FUNCTION test_count_delete() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           INSERT INTO test_delete_statements DEFAULT VALUES; RETURN NULL; END $$",
+        "CREATE TRIGGER test_count_delete AFTER DELETE ON event_outbox FOR EACH STATEMENT EXECUTE FUNCTION test_count_delete()",
+    ] {
+        sqlx::query(statement).execute(&db).await.unwrap();
+    }
+    for _ in 0..5 {
+        outbox_row(&db, 31.0, true).await;
+    }
+    let cfg = PruneConfig { batch: 2, max_batches: 10, ..Default::default() };
+    assert_eq!(prune_once(&db, &cfg).await.unwrap().outbox, 5);
+    let statements: i64 = sqlx::query_scalar("SELECT count(*) FROM test_delete_statements").fetch_one(&db).await.unwrap();
+    assert_eq!(statements, 3, "batches of 2, 2 and 1: the short one ends the cycle");
+    db.close().await;
+    fleet.finish().await;
+}
+
 #[tokio::test]
 async fn replay_is_refused_past_the_outbox_window_and_restages_inside_it() {
     let fleet = Fleet::new("replay", &[Service::Cases]).await;
