@@ -339,10 +339,11 @@ async fn database_passwords_are_never_printed() {
     }
 }
 
-/// §D1: a database error that is not a duplicate id (here the referral's event refused by a
-/// trigger on `event_outbox`, as the `refuse_staging` fault does) is a 503 and writes
-/// nothing, never a 409 "already exists": the same id then writes (201). A mutation test
-/// found every database error answered 409 unseen.
+/// A database error that is not a duplicate id (here the referral's event refused by a
+/// trigger on `event_outbox`, the way the `refuse_staging` fault refuses it, though with
+/// another SQLSTATE) is the node's 503 and, by §D1's one transaction, writes nothing; never a
+/// 409 "already exists": the same id then writes (201). A mutation test found every
+/// database error answered 409 unseen.
 #[tokio::test]
 async fn a_database_error_other_than_a_duplicate_is_a_503_and_writes_nothing() {
     let fleet = Fleet::new("referral_db_error", &[Service::Cases]).await;
