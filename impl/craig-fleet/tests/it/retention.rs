@@ -127,7 +127,7 @@ async fn a_prune_cycle_stops_at_its_first_short_batch() {
     let fleet = Fleet::new("retention_short_batch", &[Service::Cases]).await;
     let db = fleet.pool(Service::Cases).await;
     for statement in [
-        "CREATE TABLE test_delete_statements (at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        "CREATE TABLE test_delete_statements ()",
         "CREATE FUNCTION test_count_delete() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
            INSERT INTO test_delete_statements DEFAULT VALUES; RETURN NULL; END $$",
         "CREATE TRIGGER test_count_delete AFTER DELETE ON event_outbox FOR EACH STATEMENT EXECUTE FUNCTION test_count_delete()",
