@@ -47,7 +47,9 @@ pub(super) fn handler_concurrency(h: &History, replica: Option<&str>, t: u64) ->
 }
 
 /// What can open the #1180 window of an execution on replica R: R crashing, the database
-/// killed, paused or failed over, or R's own database link cut — while the stamp was due.
+/// killed, paused or failed over, R's own database link cut, or, under synchronous
+/// replication (issue 26), the standby's replication link cut (every commit, the stamp's
+/// included, waits for the standby, and dies with the primary) — while the stamp was due.
 #[derive(Debug)]
 pub(super) enum Opener {
     Crash { replica: String },
@@ -77,8 +79,14 @@ impl WindowFault {
 pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
     let mut out: Vec<WindowFault> = Vec::new();
     let mut open: HashMap<(String, String), usize> = HashMap::new();
+    // The standby's streaming as the primary reported it before the load (issue 26).
+    let mut synchronous = false;
+    // A stamp a broken synchronous replication link stalled lands once the link is back:
+    // only a failover while it was broken loses it. Those cuts, to be held to one.
+    let mut stalls: Vec<usize> = Vec::new();
     for e in h.iter() {
         match &e.event {
+            Event::Replication { mode, .. } => synchronous = mode == "sync",
             Event::Crash { replica, how, .. } => out.push(WindowFault {
                 opener: Opener::Crash { replica: replica.clone() },
                 from: e.t_ms,
@@ -96,9 +104,18 @@ pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
                 let opener = match (kind.as_str(), link) {
                     // A failover (issue 26) kills the primary: the stamp can be lost with it.
                     ("kill" | "pause" | "partition" | "failover", "database") => Opener::Database,
+                    // Under synchronous replication (`remote_apply`) a commit returns only once
+                    // the standby applied it: with the replication link broken, the stamp's
+                    // commit waits, and a failover kills the primary under it.
+                    ("down" | "toxic", crate::scenario::REPLICATION_LINK) if breaks && synchronous => {
+                        if *phase == Phase::Start {
+                            stalls.push(out.len());
+                        }
+                        Opener::Database
+                    }
                     ("down" | "toxic", l) if breaks => match l.strip_suffix("->database") {
-                        Some(r) => Opener::Link { replica: r.to_owned() },
-                        None => continue,
+                        Some(r) if r != "standby" => Opener::Link { replica: r.to_owned() },
+                        _ => continue,
                     },
                     _ => continue,
                 };
@@ -106,7 +123,8 @@ pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
                 match phase {
                     Phase::Start => {
                         open.insert(key, out.len());
-                        out.push(WindowFault { opener, from: e.t_ms, to: u64::MAX, label: format!("{kind} {target} @{}ms", e.t_ms) });
+                        let sync = if stalls.last() == Some(&out.len()) { " (synchronous replication: commits waited for the standby)" } else { "" };
+                        out.push(WindowFault { opener, from: e.t_ms, to: u64::MAX, label: format!("{kind} {target} @{}ms{sync}", e.t_ms) });
                     }
                     Phase::End => {
                         if let Some(i) = open.remove(&key) {
@@ -118,6 +136,10 @@ pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
             _ => {}
         }
     }
+    let failovers: Vec<u64> = h.iter().filter(|e| matches!(e.event, Event::Failover { .. })).map(|e| e.t_ms).collect();
+    let lost: Vec<bool> = (0..out.len()).map(|i| !stalls.contains(&i) || failovers.iter().any(|t| (out[i].from..=out[i].to).contains(t))).collect();
+    let mut lost = lost.into_iter();
+    out.retain(|_| lost.next().unwrap_or(false));
     out
 }
 
@@ -125,7 +147,9 @@ pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
 /// #1180 window, counted as `crash_window_reexecutions` and attributed, never silently
 /// allowed. A re-execution is excused only when ALL hold:
 /// - a fault could have stopped the FIRST execution's stamp: a crash of the replica that ran
-///   it, a kill/pause of the database, or a cut of that replica's own database link, in force
+///   it, a kill/pause/failover of the database, a cut of that replica's own database link, or
+///   under synchronous replication a cut of the standby's replication link with a failover
+///   while it was cut (issue 26: the stamp's commit waited for the standby), in force
 ///   within [`STAMP_DUE_MS`] after the first execution (and before the second), or until
 ///   [`STAMP_PENDING_MS`] after that replica's inbox first reported the stamp still pending
 ///   (`inbox.stamp_retry`, before the second);
@@ -283,7 +307,7 @@ pub fn effect_once(h: &History) -> Verdict {
                     let why = if arbiter {
                         "an arbiter-backed consumer (#1179) must absorb every re-run itself: the #1180 window excuses nothing here".to_owned()
                     } else if candidates.is_empty() {
-                        format!("no crash of {on}, database kill/pause/partition or cut of its database link while the first run's stamp was due ({STAMP_DUE_MS} ms after it, or {STAMP_PENDING_MS} ms after its inbox's first inbox.stamp_retry)")
+                        format!("no crash of {on}, database kill/pause/partition/failover, cut of its database link or (synchronous replication, then a failover) of the standby's while the first run's stamp was due ({STAMP_DUE_MS} ms after it, or {STAMP_PENDING_MS} ms after its inbox's first inbox.stamp_retry)")
                     } else if free.is_none() {
                         format!("the only fault in its window ({}) already excused {bound} re-execution(s) of {on}, its consume session's concurrency", faults[candidates[0]].label)
                     } else {
@@ -406,14 +430,22 @@ pub fn effect_once(h: &History) -> Verdict {
             forgotten_evaluations += 1;
             unattributed += 1;
             // It committed on the primary before the failover (else the promoted server
-            // would hold it), no earlier than it occurred: a failover forgot it only if it
-            // came after that and its standby had applied nothing as late. rules' own stamp,
-            // so held to the harness's own record: never before the referral's first write
-            // was sent (an impossible stamp, or one of a referral the harness never wrote,
-            // excuses nothing).
+            // would hold it), no earlier than it occurred and no later than a replica logged
+            // stamping it published (the stamp follows the confirm, which follows the commit;
+            // with no such line nothing corroborates a late commit, and nothing is excused):
+            // a failover forgot it only if it came after the first and its standby had not
+            // applied up to the second. Never up to
+            // `occurred_at` alone: rules sets it before its commit, which can land much later
+            // on a loaded machine. rules' own time, so held to the harness's own record:
+            // never before the referral's first write was sent (an impossible time, or one
+            // of a referral the harness never wrote, excuses nothing).
             let possible = written.get(referral).is_some_and(|w| *t + FAILOVER_CLOCK_SLACK_MS >= *w);
-            let (failover, said) =
-                if possible { failover_forgot(h, t.saturating_sub(FAILOVER_CLOCK_SLACK_MS), Some(*t)) } else { (vec![], String::new()) };
+            let committed_by = stampers.get(envelope).and_then(|s| s.iter().map(|(at, _)| *at).min());
+            let (failover, said) = if let Some(by) = committed_by.filter(|_| possible) {
+                failover_forgot(h, t.saturating_sub(FAILOVER_CLOCK_SLACK_MS), Some(by))
+            } else {
+                (vec![], String::new())
+            };
             let mut tags = vec!["kind:forgotten_evaluation".to_owned()];
             if failover.is_empty() {
                 tags.extend(service_culprits(h, "rules"));

@@ -41,6 +41,7 @@ pub fn no_loss(h: &History) -> Verdict {
             _ => {}
         }
     }
+    let evaluated = evaluations(h);
     // Broker nodes that lost their data (issue 25): an event stamped published (the broker
     // confirmed it) before such a loss and never delivered may be the broker's loss, and the
     // queue type that let it happen is named with it — but only as far as the loss can
@@ -193,6 +194,9 @@ pub fn no_loss(h: &History) -> Verdict {
                         tags.extend(failover);
                         v.blame(tags);
                         format!("its effect was committed and is gone{said}")
+                    } else if let Some((tags, said)) = forgotten_evaluation(h, queued, &evaluated, first_sent.get(referral).copied().unwrap_or(entry.t_ms)) {
+                        v.blame(tags);
+                        said
                     } else {
                         match stamped.last() {
                         // The stamp that stood (the last): that replica vouched for a delivery
@@ -271,7 +275,7 @@ pub fn no_loss(h: &History) -> Verdict {
             Outcome::Failed => failed += 1,
         }
     }
-    let (committed, unacknowledged_lost) = committed_lost(h, &mut v, &fx.by_referral, (&staged_by_cases, &cases_envelopes), &windows, &created);
+    let (committed, unacknowledged_lost) = committed_lost(h, &mut v, &fx.by_referral, (&staged_by_cases, &cases_envelopes), &windows, (&created, &evaluated));
     lost += unacknowledged_lost;
     let (dead_staged, dead_lost) = dead_letters_lost(h, &mut v);
     for (k, n) in [
@@ -331,7 +335,7 @@ fn committed_lost(
     delivered: &HashMap<Uuid, u64>,
     (staged_by_cases, cases_envelopes): (&HashSet<Uuid>, &HashMap<Uuid, Vec<Uuid>>),
     windows: &[(String, u64, u64)],
-    created: &HashMap<Uuid, Vec<(u64, &str)>>,
+    (created, evaluated): (&HashMap<Uuid, Vec<(u64, &str)>>, &Evaluations),
 ) -> (usize, usize) {
     let mut writes: HashMap<Uuid, Vec<(u64, &str, Outcome)>> = HashMap::new();
     for e in h.iter() {
@@ -352,13 +356,17 @@ fn committed_lost(
         let (t, replica, outcome) = tries[tries.len() - 1];
         let compat = h.compat_at(replica, t);
         let unstaged = !staged_by_cases.contains(aggregate);
-        let forgotten = forgotten_effect(h, cases_envelopes.get(aggregate).map(Vec::as_slice).unwrap_or(&[]), created);
+        let queued = cases_envelopes.get(aggregate).map(Vec::as_slice).unwrap_or(&[]);
+        let forgotten = forgotten_effect(h, queued, created);
         let why = if let Some((failover, said)) = forgotten {
             // Issue 26: a consumer committed its effect and the database forgot it.
             let mut tags = vec!["kind:lost".to_owned(), "lost_at:consumer".to_owned()];
             tags.extend(failover);
             v.blame(tags);
             format!("its effect was committed and is gone{said}")
+        } else if let Some((tags, said)) = forgotten_evaluation(h, queued, evaluated, tries[0].0) {
+            v.blame(tags);
+            said
         } else {
             let mut tags = vec![format!("kind:{}", if unstaged { "unstaged" } else { "lost" })];
             tags.extend(culprit_tags(replica, compat));
@@ -424,6 +432,67 @@ fn forgotten_effect(h: &History, envelopes: &[Uuid], created: &HashMap<Uuid, Vec
             )
         })
     })
+}
+
+/// Issue 26, rules' side: per source envelope (cases' event), the evaluations of it the
+/// harness's own tap of `rule.evaluated` holds, each with the first time a replica logged
+/// stamping it published (`outbox.stamped`; None: none did).
+type Evaluations = HashMap<Uuid, Vec<(Uuid, Option<u64>)>>;
+
+fn evaluations(h: &History) -> Evaluations {
+    let mut stamped: HashMap<Uuid, u64> = HashMap::new();
+    for e in h.iter() {
+        if let Event::Stamped { envelope, .. } = &e.event {
+            let t = stamped.entry(*envelope).or_insert(e.t_ms);
+            *t = (*t).min(e.t_ms);
+        }
+    }
+    let mut out: Evaluations = HashMap::new();
+    for e in h.iter() {
+        if let Event::EvaluationPublished { envelope, source, .. } = &e.event {
+            let runs = out.entry(*source).or_default();
+            if !runs.iter().any(|(x, _)| x == envelope) {
+                runs.push((*envelope, stamped.get(envelope).copied()));
+            }
+        }
+    }
+    out
+}
+
+/// Issue 26, rules' side: an effect rules committed for one of `envelopes` (cases' events of
+/// an aggregate whose effect rules' database does not hold at the end) by the harness's own
+/// record: its tap holds a `rule.evaluated` of it, which rules' outbox publishes only from a
+/// committed row (§D1), and rules acked the delivery, so nothing brings it back. Put on an
+/// asynchronous failover ([`failover_forgot`]) only where one can have forgotten every such
+/// evaluation: at or after `from` (the aggregate's first write: no evaluation is older), its
+/// standby not having applied up to the latest each commit can have been. That bound is the
+/// first `outbox.stamped` line of the evaluation (the stamp follows the confirm, which follows
+/// the commit); an evaluation no replica logged stamping has nothing that corroborates a late
+/// commit, and excuses nothing. Never by the evaluation's `occurred_at`: rules sets it before
+/// its commit, so it bounds nothing from above. Otherwise rules published an effect its database does not
+/// hold: blamed on rules' replicas. The tags (`kind:lost`, `lost_at:consumer`, and the
+/// failover's or rules') and the witness's words; None where the tap holds no evaluation.
+fn forgotten_evaluation(h: &History, envelopes: &[Uuid], evaluated: &Evaluations, from: u64) -> Option<(Vec<String>, String)> {
+    let runs: Vec<(Uuid, Option<u64>)> = envelopes.iter().filter_map(|e| evaluated.get(e)).flatten().copied().collect();
+    if runs.is_empty() {
+        return None;
+    }
+    let to = runs.iter().map(|(_, t)| *t).collect::<Option<Vec<u64>>>().and_then(|ts| ts.into_iter().min());
+    let (failover, said) = match to {
+        Some(to) => failover_forgot(h, from, Some(to)),
+        None => (vec![], String::new()),
+    };
+    let mut tags = vec!["kind:lost".to_owned(), "lost_at:consumer".to_owned()];
+    if failover.is_empty() {
+        tags.extend(service_culprits(h, "rules"));
+    } else {
+        tags.extend(failover);
+    }
+    let ids: Vec<String> = runs.iter().map(|(x, t)| format!("{x}{}", t.map(|t| format!(" stamped @{t}ms")).unwrap_or_default())).collect();
+    Some((
+        tags,
+        format!("rules published its evaluation ({}, by the harness's own tap of rule.evaluated) and its database holds none{said}", ids.join(", ")),
+    ))
 }
 
 /// §D3: a dead letter the harness staged (`DeadLetterStaged`, for its consumer to refuse)

@@ -1751,9 +1751,14 @@ fn effect_once_counts_the_partners_transmissions_of_a_placement_period() {
 /// referral never written). Both held: the doubled row's to judge.
 #[test]
 fn effect_once_counts_the_published_evaluations_of_a_source_envelope() {
-    let run_after = |write_at: Option<u64>, first_at: u64, failover_at: u64, mode: &str, held: &[u128]| {
+    // `stamped_at`: when rules-1 logged stamping the first evaluation published.
+    let run_stamped = |write_at: Option<u64>, (first_at, stamped_at): (u64, Option<u64>), failover_at: u64, mode: &str, held: &[u128]| {
         let mut h = History::default();
         started(&mut h, 0, "rules-1", &[]);
+        if let Some(t) = stamped_at {
+            stamped(&mut h, t, 21, "rules-1", &[]);
+        }
+        stamped(&mut h, 1_510, 22, "rules-1", &[]);
         h.push(1_500, Event::Effect { envelope: id(1), referral: Some(id(9)), service: "rules".into(), replica: Some("rules-1".into()) });
         for (t, e) in [(first_at, 21), (1_500, 22)] {
             h.push(t, Event::EvaluationPublished { envelope: id(e), source: id(1), referral: id(9) });
@@ -1774,6 +1779,7 @@ fn effect_once_counts_the_published_evaluations_of_a_source_envelope() {
         h.sort();
         effect_once(&h)
     };
+    let run_after = |write_at, first_at: u64, failover_at, mode, held: &[u128]| run_stamped(write_at, (first_at, Some(first_at + 5)), failover_at, mode, held);
     let run = |first_at, failover_at, mode, held: &[u128]| run_after(Some(200), first_at, failover_at, mode, held);
     let v = run(700, 1_000, "async", &[21, 22, 23]);
     assert_eq!((v.validity, v.counts["forgotten_evaluations"]), (Validity::Valid, 0), "both held: {v:?}");
@@ -1783,10 +1789,20 @@ fn effect_once_counts_the_published_evaluations_of_a_source_envelope() {
         assert!(v.all_point_at(cause), "{cause}: {:?}", v.culprits);
     }
     assert!(v.witnesses.iter().any(|w| w.contains("evaluated 2 times") && w.contains("@700ms")), "{:?}", v.witnesses);
-    // Evaluated before what the standby applied: its row was applied too, so not the failover's.
+    // Evaluated and stamped before what the standby applied: its row was applied too, so not
+    // the failover's.
     let v = run(300, 1_000, "async", &[22, 23]);
     assert!(v.all_point_at("kind:forgotten_evaluation") && !v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
     assert!(v.all_point_at("replica:rules-1"), "{:?}", v.culprits);
+    // rules' `occurred_at` is set before its commit: occurred @300ms, stamped published only
+    // @700ms (a loaded machine, a fresh-clone CI run), it can have committed after what the
+    // standby applied (@500ms): the failover's. At the slack's edge, stamped @491ms still is,
+    // @490ms is not. With no stamp line nothing corroborates a late commit: not excused.
+    for (stamp, failover) in [(Some(700), true), (Some(491), true), (Some(490), false), (None, false)] {
+        let v = run_stamped(Some(200), (300, stamp), 1_000, "async", &[22, 23]);
+        assert_eq!(v.all_point_at("fault:failover database"), failover, "stamped {stamp:?}: {:?}", v.culprits);
+        assert!(v.all_point_at("kind:forgotten_evaluation"), "{:?}", v.culprits);
+    }
     // A synchronous failover forgets nothing anyone saw: never its blame.
     let v = run(700, 1_000, "sync", &[22, 23]);
     assert!(v.all_point_at("kind:forgotten_evaluation") && !v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
@@ -1876,6 +1892,62 @@ fn no_loss_puts_a_payment_financial_committed_and_the_failover_forgot_on_it() {
         // says nothing of this payment. Still the failover's.
         let v = run_inboxed(outcome, Some(700), "async", Some(Some(300)));
         assert!(v.all_point_at("fault:failover database"), "{outcome:?}: stamped before the payment: {:?}", v.culprits);
+    }
+}
+
+/// Issue 26, rules' side: a referral whose evaluation rules published (the harness's own tap
+/// of `rule.evaluated`) and whose effect its database no longer holds: rules committed it and
+/// acked the delivery, and an asynchronous failover forgot it. `kind:lost` +
+/// `lost_at:consumer` on the failover and its mode, for an acknowledged referral (rule 1)
+/// and an unanswered committed one (rule 2), only where the standby had not applied up to
+/// the evaluation's stamp line (rules' `occurred_at`, set before its commit, bounds nothing:
+/// here it is before what the standby applied, as a loaded fresh-clone CI run had it). Never
+/// with no stamp line, a stamp before what the standby applied (10 ms of slack), or a
+/// synchronous failover: then rules published an effect it does not hold, and it is blamed.
+/// With nothing tapped the loss is judged by its event's stamp, as before.
+#[test]
+fn no_loss_puts_an_evaluation_rules_published_and_the_failover_forgot_on_it() {
+    let run = |outcome: Outcome, tapped: bool, evaluation_stamped: Option<u64>, mode: &str| {
+        let mut h = History::default();
+        started(&mut h, 0, "cases-1", &[]);
+        started(&mut h, 0, "rules-1", &[]);
+        h.push(90, Event::Write { referral: id(1), replica: "cases-1".into(), outcome, status: None, answered_ms: Some(100) });
+        staged(&mut h, 11, 1);
+        stamped(&mut h, 150, 11, "cases-1", &[]);
+        if tapped {
+            h.push(300, Event::EvaluationPublished { envelope: id(31), source: id(11), referral: id(1) });
+        }
+        if let Some(t) = evaluation_stamped {
+            stamped(&mut h, t, 31, "rules-1", &[]);
+        }
+        window(&mut h, (1000, 1100), "failover", "database");
+        h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: mode.into(), promoted_ms: None });
+        // The referral is still committed; its evaluation is gone (no effect at the end).
+        h.push(2000, Event::Committed { aggregate: id(1), table: "referrals".into() });
+        h.push(2000, Event::CommittedRead);
+        h.sort();
+        no_loss(&h)
+    };
+    for outcome in [Outcome::Ok, Outcome::Unknown] {
+        for stamp in [700, 501, 491] {
+            let v = run(outcome, true, Some(stamp), "async");
+            assert_eq!((v.validity, v.violations), (Validity::Invalid, 1), "{outcome:?} {stamp}: {v:?}");
+            for cause in ["kind:lost", "lost_at:consumer", "fault:failover database", "replication:async"] {
+                assert!(v.all_point_at(cause), "{outcome:?} {stamp} {cause}: {:?}", v.culprits);
+            }
+            assert!(v.witnesses[0].contains(&format!("rules published its evaluation ({} stamped @{stamp}ms", id(31))), "{:?}", v.witnesses);
+        }
+        for (stamp, mode) in [(Some(490), "async"), (Some(400), "async"), (None, "async"), (Some(700), "sync")] {
+            let v = run(outcome, true, stamp, mode);
+            assert_eq!(v.validity, Validity::Invalid, "{outcome:?} {stamp:?} {mode}");
+            for cause in ["kind:lost", "lost_at:consumer", "replica:rules-1"] {
+                assert!(v.all_point_at(cause), "{outcome:?} {stamp:?} {mode} {cause}: {:?}", v.culprits);
+            }
+            assert!(!v.culprits.contains_key("fault:failover database"), "{outcome:?} {stamp:?} {mode}: {:?}", v.culprits);
+        }
+        // Nothing tapped: not rules' effect to speak of; judged as before.
+        let v = run(outcome, false, None, "async");
+        assert!(v.all_point_at("kind:lost") && !v.culprits.contains_key("lost_at:consumer") && !v.culprits.contains_key("replica:rules-1"), "{outcome:?}: {:?}", v.culprits);
     }
 }
 
@@ -2047,7 +2119,7 @@ fn a_duplicate_beside_an_unrelated_replicas_crash_is_a_violation() {
     h.sort();
     let v = effect_once(&h);
     assert_eq!((v.validity, v.counts["unattributed"]), (Validity::Invalid, 1), "{:?}", v.witnesses);
-    assert!(v.witnesses[0].contains("no crash of rules-1, database kill/pause/partition or cut of its database link while the first run's stamp was due"), "{:?}", v.witnesses);
+    assert!(v.witnesses[0].contains("no crash of rules-1, database kill/pause/partition/failover, cut of its database link or (synchronous replication, then a failover) of the standby's while the first run's stamp was due"), "{:?}", v.witnesses);
 }
 
 /// Issue 8.1: one crash of a sequential handler excuses ONE re-execution, not two.
@@ -2136,6 +2208,39 @@ fn timing_alone_never_excuses_and_a_late_fault_is_outside_the_window() {
     effect_on(&mut h, 9_000, 101, "rules-1");
     h.sort();
     assert_eq!(effect_once(&h).validity, Validity::Invalid);
+}
+
+/// Issue 26: under synchronous replication (`remote_apply`) a cut of the standby's
+/// replication link stalls every commit, the inbox's processed stamp included, and a
+/// failover while it is cut kills the primary under the waiting stamp: a fresh-clone CI run
+/// saw rules' handler commit @643ms reach the standby, its stamp (due from about 650 ms)
+/// stall from the cut @800ms, and the redelivery run again on the promoted server @3971ms.
+/// That opens the #1180 window for the corroborated re-run. Never under asynchronous
+/// replication (the stamp commits on the primary alone), nor for a cut healed before any
+/// failover (the stamp lands when it heals), nor without the inbox's own report.
+#[test]
+fn a_cut_synchronous_replication_link_with_a_failover_in_it_opens_the_stamp_window() {
+    let run = |mode: &str, cut_until: u64, report: bool| {
+        let mut h = History::default();
+        h.push(0, Event::Replication { mode: mode.into(), state: "streaming".into() });
+        effect_on(&mut h, 643, 101, "rules-1");
+        window(&mut h, (800, cut_until), "down", "standby->database");
+        window(&mut h, (3_000, 3_100), "failover", "database");
+        h.push(3_000, Event::Failover { replayed_until_ms: Some(795), mode: mode.into(), promoted_ms: Some(3_400) });
+        effect_on(&mut h, 3_971, 101, "rules-1");
+        if report {
+            reprocessed(&mut h, 3_975, 101, "rules-1");
+        }
+        h.sort();
+        effect_once(&h)
+    };
+    let v = run("sync", 3_500, true);
+    assert_eq!((v.validity, v.counts["crash_window_reexecutions"]), (Validity::Valid, 1), "{:?}", v.witnesses);
+    assert!(v.witnesses[0].contains("after down standby->database @800ms (synchronous replication: commits waited for the standby)"), "{:?}", v.witnesses);
+    for (mode, cut_until, report) in [("async", 3_500, true), ("sync", 2_500, true), ("sync", 3_500, false)] {
+        let v = run(mode, cut_until, report);
+        assert_eq!((v.validity, v.counts["unattributed"]), (Validity::Invalid, 1), "{mode} {cut_until} {report}: {:?}", v.witnesses);
+    }
 }
 
 #[test]
