@@ -1072,6 +1072,17 @@ impl LocalBackend {
         }
     }
 
+    /// `rabbitmq-upgrade await_online_quorum_plus_one` on broker node `node` (issue 25): the
+    /// step RabbitMQ's upgrade guide has operators take before stopping a node, which waits
+    /// until every quorum queue with a member on it has more members online than its quorum,
+    /// so that losing the node leaves every queue a majority. Bounded by `within`; the
+    /// tool's own error (or no answer) otherwise.
+    pub async fn await_quorum_plus_one(&self, node: usize, within: Duration) -> Result<(), BackendError> {
+        let secs = within.as_secs().max(1).to_string();
+        let args = ["--timeout", &secs, "await_online_quorum_plus_one"];
+        Self::rabbitmq_cli_on(self.broker_node_ref(node)?, "rabbitmq-upgrade", &args, within + Duration::from_secs(15)).await.map(drop)
+    }
+
     /// `rabbitmq-upgrade revive` on broker node `node`, restarted after
     /// [`LocalBackend::drain_broker_node`]: out of maintenance mode (a no-op where the
     /// restart already brought it out).

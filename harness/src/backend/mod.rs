@@ -347,6 +347,17 @@ impl Backend {
         }
     }
 
+    /// On a broker cluster (the local backend's), wait for node `target`'s quorum queues to
+    /// have more members online than their quorum (`rabbitmq-upgrade
+    /// await_online_quorum_plus_one`, bounded by `within`): losing it then leaves each a
+    /// majority. Nothing to wait for elsewhere.
+    pub async fn await_quorum_plus_one(&self, target: Target, within: std::time::Duration) -> Result<(), BackendError> {
+        match (self, target.broker_node()) {
+            (Backend::Local(b), Some(n)) if b.broker_nodes() > 1 => b.await_quorum_plus_one(n, within).await,
+            _ => Ok(()),
+        }
+    }
+
     /// A node of a broker cluster cut off from the other nodes at the distribution layer
     /// (issue 25; the local backend's cluster, packet-filter rules): the cut's own words.
     pub async fn cut_node(&mut self, target: Target) -> Result<String, BackendError> {

@@ -10,6 +10,15 @@ use crate::scenario::{Fault, FaultTarget};
 
 pub(super) struct Kill;
 
+/// How long a broker node's kill waits for its quorum queues to have a member more than
+/// their quorum online (issue 25).
+const QUORUM_PLUS_ONE_S: u64 = 60;
+
+/// How long after a broker node's kill the survivors may take to report another leader of
+/// every quorum queue it led (the kill's evidence). Generous: each report is a CLI call
+/// bounded by 10 s, and a loaded CI machine answers slowly.
+const LEADERS_MOVED_S: u64 = 60;
+
 /// The backend's target for a server fault.
 pub(super) fn server(target: &FaultTarget) -> Option<Target> {
     match target {
@@ -42,6 +51,22 @@ impl Room for Kill {
             let mut backend = cx.backend.lock().await;
             // A node of a broker cluster (issue 25): where the queues were before it died.
             let node = t.broker_node().filter(|_| matches!(target, FaultTarget::BrokerNode(_)));
+            // A node is taken down only where losing it leaves every quorum queue a majority
+            // (`rabbitmq-upgrade await_online_quorum_plus_one`, the step an operator's rolling
+            // restart takes between nodes): a node restarted just before must have its queue
+            // members back online, not only take logins. Never waited for past the bound.
+            let mut waited = String::new();
+            if node.is_some() {
+                let since = tokio::time::Instant::now();
+                if let Err(e) = backend.await_quorum_plus_one(t, std::time::Duration::from_secs(QUORUM_PLUS_ONE_S)).await {
+                    cx.evidence(None);
+                    anyhow::bail!("{t} was not killed: its quorum queues did not have more members online than their quorum within {QUORUM_PLUS_ONE_S} s (rabbitmq-upgrade await_online_quorum_plus_one: {e})");
+                }
+                let ms = since.elapsed().as_millis();
+                if ms >= 1_000 {
+                    waited = format!("; its quorum queues had a member more than their quorum online only after {ms} ms");
+                }
+            }
             let before = match node {
                 Some(n) => backend.queue_placement(n, f.wipe).await?,
                 None => None,
@@ -58,20 +83,22 @@ impl Room for Kill {
             // The leaders it held must move to the survivors: the broker's own word that
             // the fault reached the queues (without it the run is inconclusive).
             let led = super::led_by(&before, name);
-            let survivor = (1..=names.len()).find(|&k| k != n).expect("a cluster has another node");
-            let mut moved = String::new();
+            // Asked of each survivor in turn: one slow to answer (a loaded machine: each CLI
+            // call is bounded by 10 s) does not starve the evidence.
+            let survivors: Vec<usize> = (1..=names.len()).filter(|&k| k != n).collect();
+            let mut moved = waited;
             if !led.is_empty() {
-                let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
-                loop {
-                    let now = backend.queue_placement(survivor, false).await.ok().flatten().map(|(q, _)| q).unwrap_or_default();
+                let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(LEADERS_MOVED_S);
+                for ask in (0..).map(|i| survivors[i % survivors.len()]) {
+                    let now = backend.queue_placement(ask, false).await.ok().flatten().map(|(q, _)| q).unwrap_or_default();
                     let gone = led.iter().all(|l| now.iter().any(|q| &q.name == l && !q.leader.is_empty() && &q.leader != name));
                     if gone {
-                        moved = format!("; leaders moved off it: {}", super::leaders_now(&led, &now, name).join(", "));
+                        moved.push_str(&format!("; leaders moved off it: {}", super::leaders_now(&led, &now, name).join(", ")));
                         break;
                     }
                     if tokio::time::Instant::now() > deadline {
                         cx.evidence(None);
-                        anyhow::bail!("{t} was killed but the quorum queues it led ({}) elected no other leader within 20 s", led.join(", "));
+                        anyhow::bail!("{t} was killed but the quorum queues it led ({}) elected no other leader within {LEADERS_MOVED_S} s", led.join(", "));
                     }
                     tokio::time::sleep(std::time::Duration::from_millis(250)).await;
                 }
