@@ -62,6 +62,14 @@ pub(super) struct WindowFault {
     from: u64,
     to: u64,
     label: String,
+    /// Where the stamp is lost only at a later moment (a stalled synchronous commit, at the
+    /// failover's kill): a re-run before it is not this fault's.
+    lost_at: Option<u64>,
+    /// Whose budget of excused re-runs it spends: its own index, or, for a stalled
+    /// synchronous commit, the failover's that killed it (one incident, one budget).
+    budget: usize,
+    /// False for a replication cut no failover came in: the stall only delayed the stamp.
+    live: bool,
 }
 
 impl WindowFault {
@@ -72,7 +80,7 @@ impl WindowFault {
             Opener::Database => true,
             Opener::Crash { replica: r } | Opener::Link { replica: r } => replica == Some(r.as_str()),
         };
-        applies && self.from <= due && self.to >= t1
+        self.live && applies && self.from <= due && self.to >= t1
     }
 }
 
@@ -82,7 +90,7 @@ pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
     // The standby's streaming as the primary reported it before the load (issue 26).
     let mut synchronous = false;
     // A stamp a broken synchronous replication link stalled lands once the link is back:
-    // only a failover while it was broken loses it. Those cuts, to be held to one.
+    // only a failover while it was broken loses it. Those cuts, judged at the end.
     let mut stalls: Vec<usize> = Vec::new();
     for e in h.iter() {
         match &e.event {
@@ -92,6 +100,9 @@ pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
                 from: e.t_ms,
                 to: e.t_ms,
                 label: format!("crash {replica} ({how}) @{}ms", e.t_ms),
+                lost_at: None,
+                budget: out.len(),
+                live: true,
             }),
             Event::Fault { kind, target, phase } => {
                 // A toxic's label is "<replica>->database (<type> <stream>)".
@@ -124,7 +135,8 @@ pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
                     Phase::Start => {
                         open.insert(key, out.len());
                         let sync = if stalls.last() == Some(&out.len()) { " (synchronous replication: commits waited for the standby)" } else { "" };
-                        out.push(WindowFault { opener, from: e.t_ms, to: u64::MAX, label: format!("{kind} {target} @{}ms{sync}", e.t_ms) });
+                        let (lost_at, budget, live) = (None, out.len(), true);
+                        out.push(WindowFault { opener, from: e.t_ms, to: u64::MAX, label: format!("{kind} {target} @{}ms{sync}", e.t_ms), lost_at, budget, live });
                     }
                     Phase::End => {
                         if let Some(i) = open.remove(&key) {
@@ -136,10 +148,24 @@ pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
             _ => {}
         }
     }
-    let failovers: Vec<u64> = h.iter().filter(|e| matches!(e.event, Event::Failover { .. })).map(|e| e.t_ms).collect();
-    let lost: Vec<bool> = (0..out.len()).map(|i| !stalls.contains(&i) || failovers.iter().any(|t| (out[i].from..=out[i].to).contains(t))).collect();
-    let mut lost = lost.into_iter();
-    out.retain(|_| lost.next().unwrap_or(false));
+    // A stalled stamp is lost at the first synchronous failover while the link was cut: the
+    // window ends there (after it the promoted server has no standby to wait for), a re-run
+    // before it is not the cut's, and the cut spends that failover's budget. A cut no such
+    // failover came in only delayed the stamp: it opens nothing.
+    let failovers: Vec<u64> =
+        h.iter().filter(|e| matches!(&e.event, Event::Failover { mode, .. } if mode == "sync")).map(|e| e.t_ms).collect();
+    for i in stalls {
+        let Some(at) = failovers.iter().copied().find(|t| (out[i].from..=out[i].to).contains(t)) else {
+            out[i].live = false;
+            continue;
+        };
+        out[i].to = at;
+        out[i].lost_at = Some(at);
+        // The failover's own window (recorded from its start, before the kill).
+        if let Some(j) = (0..out.len()).find(|&j| out[j].label.starts_with("failover database") && out[j].from <= at && at <= out[j].to) {
+            out[i].budget = j;
+        }
+    }
     out
 }
 
@@ -215,15 +241,16 @@ pub fn effect_once(h: &History) -> Verdict {
             let ((t1, r1), (t2, _)) = (&pair[0], &pair[1]);
             let on = r1.as_deref().unwrap_or("an unnamed replica");
             let due = stamp_due(&retries, envelope, *t1, *t2, r1.as_deref());
-            let candidates: Vec<usize> =
-                (0..faults.len()).filter(|&i| faults[i].opens(*t1, due, r1.as_deref()) && faults[i].from <= *t2).collect();
+            let candidates: Vec<usize> = (0..faults.len())
+                .filter(|&i| faults[i].opens(*t1, due, r1.as_deref()) && faults[i].from <= *t2 && faults[i].lost_at.is_none_or(|l| l <= *t2))
+                .collect();
             let arbiter = arbitered.contains(envelope);
             let bound = handler_concurrency(h, r1.as_deref(), *t1);
             let free = candidates
                 .iter()
                 .copied()
                 .filter(|_| !arbiter)
-                .find(|&i| used.get(&(i, r1.clone())).copied().unwrap_or(0) < bound);
+                .find(|&i| used.get(&(faults[i].budget, r1.clone())).copied().unwrap_or(0) < bound);
             // Corroboration of THIS re-run: the replica that ran it logged `inbox.reprocessed`
             // for the envelope right after it (the line follows the stamp), once per re-run.
             let r2 = pair[1].1.as_deref();
@@ -237,7 +264,7 @@ pub fn effect_once(h: &History) -> Verdict {
             let corroborated = report.is_some();
             match (free, corroborated) {
                 (Some(i), true) => {
-                    *used.entry((i, r1.clone())).or_default() += 1;
+                    *used.entry((faults[i].budget, r1.clone())).or_default() += 1;
                     reprocessed.get_mut(envelope).expect("found above")[report.expect("corroborated")].2 = true;
                     attributed += 1;
                     v.witness(format!(
@@ -307,7 +334,7 @@ pub fn effect_once(h: &History) -> Verdict {
                     let why = if arbiter {
                         "an arbiter-backed consumer (#1179) must absorb every re-run itself: the #1180 window excuses nothing here".to_owned()
                     } else if candidates.is_empty() {
-                        format!("no crash of {on}, database kill/pause/partition/failover, cut of its database link or (synchronous replication, then a failover) of the standby's while the first run's stamp was due ({STAMP_DUE_MS} ms after it, or {STAMP_PENDING_MS} ms after its inbox's first inbox.stamp_retry)")
+                        format!("no crash of {on}, database kill/pause/partition/failover, cut of its database link, or cut of the standby's replication link under synchronous replication with a failover during it, while the first run's stamp was due ({STAMP_DUE_MS} ms after it, or {STAMP_PENDING_MS} ms after its inbox's first inbox.stamp_retry)")
                     } else if free.is_none() {
                         format!("the only fault in its window ({}) already excused {bound} re-execution(s) of {on}, its consume session's concurrency", faults[candidates[0]].label)
                     } else {
@@ -440,9 +467,12 @@ pub fn effect_once(h: &History) -> Verdict {
             // never before the referral's first write was sent (an impossible time, or one
             // of a referral the harness never wrote, excuses nothing).
             let possible = written.get(referral).is_some_and(|w| *t + FAILOVER_CLOCK_SLACK_MS >= *w);
+            // And no stamp line after the promoted standby took the address: the line is
+            // logged only for a row the stamp's UPDATE found, so the promoted server held it.
             let committed_by = stampers.get(envelope).and_then(|s| s.iter().map(|(at, _)| *at).min());
+            let last_line = stampers.get(envelope).and_then(|s| s.iter().map(|(at, _)| *at).max());
             let (failover, said) = if let Some(by) = committed_by.filter(|_| possible) {
-                failover_forgot(h, t.saturating_sub(FAILOVER_CLOCK_SLACK_MS), Some(by))
+                failover_forgot_before(h, t.saturating_sub(FAILOVER_CLOCK_SLACK_MS), Some(by), last_line)
             } else {
                 (vec![], String::new())
             };

@@ -150,11 +150,23 @@ const FAILOVER_CLOCK_SLACK_MS: u64 = 10;
 /// (`remote_apply`) had every commit anyone could see: a failover is no excuse for those.
 /// Each gives `fault:failover database` and `replication:async`, with a witness's words.
 fn failover_forgot(h: &History, from: u64, to: Option<u64>) -> (Vec<String>, String) {
+    failover_forgot_before(h, from, to, None)
+}
+
+/// [`failover_forgot`], where the system also logged a line of the commit's row at `last`
+/// (an `outbox.stamped`, logged only for a row its UPDATE found): a failover is no excuse
+/// when that line came after the database address led to the promoted standby (10 ms of
+/// slack; the kill's time where that was not recorded), for the promoted server then held
+/// the row.
+fn failover_forgot_before(h: &History, from: u64, to: Option<u64>, last: Option<u64>) -> (Vec<String>, String) {
     let mut tags = Vec::new();
     let mut said = String::new();
     for e in h.iter() {
-        let Event::Failover { replayed_until_ms, mode, .. } = &e.event else { continue };
+        let Event::Failover { replayed_until_ms, mode, promoted_ms } = &e.event else { continue };
         if mode != "async" {
+            continue;
+        }
+        if last.is_some_and(|l| l > promoted_ms.unwrap_or(e.t_ms) + FAILOVER_CLOCK_SLACK_MS) {
             continue;
         }
         // The answer's time and the commit's are read on two clocks of one machine (the

@@ -434,25 +434,34 @@ fn forgotten_effect(h: &History, envelopes: &[Uuid], created: &HashMap<Uuid, Vec
     })
 }
 
-/// Issue 26, rules' side: per source envelope (cases' event), the evaluations of it the
-/// harness's own tap of `rule.evaluated` holds, each with the first time a replica logged
-/// stamping it published (`outbox.stamped`; None: none did).
-type Evaluations = HashMap<Uuid, Vec<(Uuid, Option<u64>)>>;
+/// Issue 26, rules' side: one evaluation the harness's own tap of `rule.evaluated` holds.
+#[derive(Clone, Copy)]
+struct Evaluation {
+    envelope: Uuid,
+    /// Its `occurred_at` (rules' own, set before its commit).
+    occurred: u64,
+    /// The first and the last time a replica logged stamping it published (`outbox.stamped`);
+    /// None: none did.
+    stamped: Option<(u64, u64)>,
+}
+
+/// Per source envelope (cases' event), the evaluations of it the tap holds.
+type Evaluations = HashMap<Uuid, Vec<Evaluation>>;
 
 fn evaluations(h: &History) -> Evaluations {
-    let mut stamped: HashMap<Uuid, u64> = HashMap::new();
+    let mut stamped: HashMap<Uuid, (u64, u64)> = HashMap::new();
     for e in h.iter() {
         if let Event::Stamped { envelope, .. } = &e.event {
-            let t = stamped.entry(*envelope).or_insert(e.t_ms);
-            *t = (*t).min(e.t_ms);
+            let (first, last) = stamped.entry(*envelope).or_insert((e.t_ms, e.t_ms));
+            (*first, *last) = ((*first).min(e.t_ms), (*last).max(e.t_ms));
         }
     }
     let mut out: Evaluations = HashMap::new();
     for e in h.iter() {
         if let Event::EvaluationPublished { envelope, source, .. } = &e.event {
             let runs = out.entry(*source).or_default();
-            if !runs.iter().any(|(x, _)| x == envelope) {
-                runs.push((*envelope, stamped.get(envelope).copied()));
+            if !runs.iter().any(|r| r.envelope == *envelope) {
+                runs.push(Evaluation { envelope: *envelope, occurred: e.t_ms, stamped: stamped.get(envelope).copied() });
             }
         }
     }
@@ -463,23 +472,32 @@ fn evaluations(h: &History) -> Evaluations {
 /// an aggregate whose effect rules' database does not hold at the end) by the harness's own
 /// record: its tap holds a `rule.evaluated` of it, which rules' outbox publishes only from a
 /// committed row (§D1), and rules acked the delivery, so nothing brings it back. Put on an
-/// asynchronous failover ([`failover_forgot`]) only where one can have forgotten every such
-/// evaluation: at or after `from` (the aggregate's first write: no evaluation is older), its
-/// standby not having applied up to the latest each commit can have been. That bound is the
-/// first `outbox.stamped` line of the evaluation (the stamp follows the confirm, which follows
-/// the commit); an evaluation no replica logged stamping has nothing that corroborates a late
-/// commit, and excuses nothing. Never by the evaluation's `occurred_at`: rules sets it before
-/// its commit, so it bounds nothing from above. Otherwise rules published an effect its database does not
-/// hold: blamed on rules' replicas. The tags (`kind:lost`, `lost_at:consumer`, and the
-/// failover's or rules') and the witness's words; None where the tap holds no evaluation.
+/// asynchronous failover ([`failover_forgot_before`]) only where one can have forgotten every
+/// such evaluation:
+/// - it came no earlier than the first evaluation occurred (less 10 ms of clock slack), nor
+///   than `from`, the aggregate's first write (rules' `occurred_at` is held to it: one
+///   earlier is impossible and excuses nothing);
+/// - its standby had not applied up to the first `outbox.stamped` line of each evaluation
+///   (the latest its commit can have been: the stamp follows the confirm, which follows the
+///   commit). Never up to `occurred_at`, which rules sets before its commit. An evaluation
+///   no replica logged stamping has nothing that corroborates a late commit: no excuse;
+/// - no stamp line came after the database address led to the promoted standby (the line
+///   is logged only for a row the UPDATE found, so the promoted server held the row).
+///
+/// Otherwise rules published an effect its database does not hold: blamed on rules'
+/// replicas. The tags (`kind:lost`, `lost_at:consumer`, and the failover's or rules') and the
+/// witness's words; None where the tap holds no evaluation.
 fn forgotten_evaluation(h: &History, envelopes: &[Uuid], evaluated: &Evaluations, from: u64) -> Option<(Vec<String>, String)> {
-    let runs: Vec<(Uuid, Option<u64>)> = envelopes.iter().filter_map(|e| evaluated.get(e)).flatten().copied().collect();
-    if runs.is_empty() {
-        return None;
-    }
-    let to = runs.iter().map(|(_, t)| *t).collect::<Option<Vec<u64>>>().and_then(|ts| ts.into_iter().min());
-    let (failover, said) = match to {
-        Some(to) => failover_forgot(h, from, Some(to)),
+    let runs: Vec<Evaluation> = envelopes.iter().filter_map(|e| evaluated.get(e)).flatten().copied().collect();
+    let occurred = runs.iter().map(|r| r.occurred).min()?;
+    let stamps: Option<Vec<(u64, u64)>> = runs.iter().map(|r| r.stamped).collect();
+    let possible = occurred + FAILOVER_CLOCK_SLACK_MS >= from;
+    let (failover, said) = match stamps.filter(|_| possible) {
+        Some(stamps) => {
+            let to = stamps.iter().map(|(first, _)| *first).min();
+            let last = stamps.iter().map(|(_, last)| *last).max();
+            failover_forgot_before(h, from.max(occurred.saturating_sub(FAILOVER_CLOCK_SLACK_MS)), to, last)
+        }
         None => (vec![], String::new()),
     };
     let mut tags = vec!["kind:lost".to_owned(), "lost_at:consumer".to_owned()];
@@ -488,10 +506,13 @@ fn forgotten_evaluation(h: &History, envelopes: &[Uuid], evaluated: &Evaluations
     } else {
         tags.extend(failover);
     }
-    let ids: Vec<String> = runs.iter().map(|(x, t)| format!("{x}{}", t.map(|t| format!(" stamped @{t}ms")).unwrap_or_default())).collect();
+    let ids: Vec<String> = runs
+        .iter()
+        .map(|r| format!("{} occurred @{}ms{}", r.envelope, r.occurred, r.stamped.map(|(t, _)| format!(", stamped @{t}ms")).unwrap_or_else(|| ", never stamped".to_owned())))
+        .collect();
     Some((
         tags,
-        format!("rules published its evaluation ({}, by the harness's own tap of rule.evaluated) and its database holds none{said}", ids.join(", ")),
+        format!("rules published its evaluation ({}; the harness's own tap of rule.evaluated) and its database holds none{said}", ids.join("; ")),
     ))
 }
 

@@ -1900,53 +1900,74 @@ fn no_loss_puts_a_payment_financial_committed_and_the_failover_forgot_on_it() {
 /// acked the delivery, and an asynchronous failover forgot it. `kind:lost` +
 /// `lost_at:consumer` on the failover and its mode, for an acknowledged referral (rule 1)
 /// and an unanswered committed one (rule 2), only where the standby had not applied up to
-/// the evaluation's stamp line (rules' `occurred_at`, set before its commit, bounds nothing:
-/// here it is before what the standby applied, as a loaded fresh-clone CI run had it). Never
-/// with no stamp line, a stamp before what the standby applied (10 ms of slack), or a
-/// synchronous failover: then rules published an effect it does not hold, and it is blamed.
-/// With nothing tapped the loss is judged by its event's stamp, as before.
+/// the evaluation's first stamp line (rules' `occurred_at`, set before its commit, bounds
+/// nothing: here it is before what the standby applied, as a loaded fresh-clone CI run had
+/// it). Never with an evaluation no replica stamped, a stamp before what the standby
+/// applied (10 ms of slack), a stamp after the promoted standby took the address (it held
+/// the row), an evaluation that occurred after the failover or before the referral's write
+/// was sent, or a synchronous failover: then rules published an effect it does not hold,
+/// and it is blamed. With nothing tapped the loss is judged by its event's stamp, as before.
 #[test]
 fn no_loss_puts_an_evaluation_rules_published_and_the_failover_forgot_on_it() {
-    let run = |outcome: Outcome, tapped: bool, evaluation_stamped: Option<u64>, mode: &str| {
+    // Each evaluation: (envelope, occurred_at, first stamp line). The failover: the kill
+    // @1000ms, the standby having applied up to @500ms, the address moved @1300ms.
+    let run = |outcome: Outcome, evaluations: &[(u128, u64, Option<u64>)], mode: &str| {
         let mut h = History::default();
         started(&mut h, 0, "cases-1", &[]);
         started(&mut h, 0, "rules-1", &[]);
         h.push(90, Event::Write { referral: id(1), replica: "cases-1".into(), outcome, status: None, answered_ms: Some(100) });
         staged(&mut h, 11, 1);
         stamped(&mut h, 150, 11, "cases-1", &[]);
-        if tapped {
-            h.push(300, Event::EvaluationPublished { envelope: id(31), source: id(11), referral: id(1) });
-        }
-        if let Some(t) = evaluation_stamped {
-            stamped(&mut h, t, 31, "rules-1", &[]);
+        for (env, occurred, stamp) in evaluations {
+            h.push(*occurred, Event::EvaluationPublished { envelope: id(*env), source: id(11), referral: id(1) });
+            if let Some(t) = stamp {
+                stamped(&mut h, *t, *env, "rules-1", &[]);
+            }
         }
         window(&mut h, (1000, 1100), "failover", "database");
-        h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: mode.into(), promoted_ms: None });
+        h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: mode.into(), promoted_ms: Some(1300) });
         // The referral is still committed; its evaluation is gone (no effect at the end).
         h.push(2000, Event::Committed { aggregate: id(1), table: "referrals".into() });
         h.push(2000, Event::CommittedRead);
         h.sort();
         no_loss(&h)
     };
+    let excused = |v: &Verdict| v.all_point_at("fault:failover database");
     for outcome in [Outcome::Ok, Outcome::Unknown] {
-        for stamp in [700, 501, 491] {
-            let v = run(outcome, true, Some(stamp), "async");
+        for stamp in [700, 501, 491, 1310] {
+            let v = run(outcome, &[(31, 300, Some(stamp))], "async");
             assert_eq!((v.validity, v.violations), (Validity::Invalid, 1), "{outcome:?} {stamp}: {v:?}");
             for cause in ["kind:lost", "lost_at:consumer", "fault:failover database", "replication:async"] {
                 assert!(v.all_point_at(cause), "{outcome:?} {stamp} {cause}: {:?}", v.culprits);
             }
-            assert!(v.witnesses[0].contains(&format!("rules published its evaluation ({} stamped @{stamp}ms", id(31))), "{:?}", v.witnesses);
+            assert!(v.witnesses[0].contains(&format!("rules published its evaluation ({} occurred @300ms, stamped @{stamp}ms", id(31))), "{:?}", v.witnesses);
         }
-        for (stamp, mode) in [(Some(490), "async"), (Some(400), "async"), (None, "async"), (Some(700), "sync")] {
-            let v = run(outcome, true, stamp, mode);
-            assert_eq!(v.validity, Validity::Invalid, "{outcome:?} {stamp:?} {mode}");
+        // Two evaluations of it, both gone: each must be one the failover can have forgotten.
+        assert!(excused(&run(outcome, &[(31, 300, Some(700)), (32, 600, Some(650))], "async")));
+        for (evaluations, mode) in [
+            (&[(31, 300, Some(490))][..], "async"),
+            (&[(31, 300, Some(400))], "async"),
+            (&[(31, 300, None)], "async"),
+            (&[(31, 300, Some(700)), (32, 600, None)], "async"),
+            (&[(31, 300, Some(700)), (32, 350, Some(450))], "async"),
+            (&[(31, 300, Some(1311))], "async"),
+            (&[(31, 300, Some(700)), (32, 600, Some(1400))], "async"),
+            (&[(31, 1011, Some(1100))], "async"),
+            (&[(31, 79, Some(700))], "async"),
+            (&[(31, 300, Some(700))], "sync"),
+        ] {
+            let v = run(outcome, evaluations, mode);
+            assert_eq!(v.validity, Validity::Invalid, "{outcome:?} {evaluations:?} {mode}");
             for cause in ["kind:lost", "lost_at:consumer", "replica:rules-1"] {
-                assert!(v.all_point_at(cause), "{outcome:?} {stamp:?} {mode} {cause}: {:?}", v.culprits);
+                assert!(v.all_point_at(cause), "{outcome:?} {evaluations:?} {mode} {cause}: {:?}", v.culprits);
             }
-            assert!(!v.culprits.contains_key("fault:failover database"), "{outcome:?} {stamp:?} {mode}: {:?}", v.culprits);
+            assert!(!v.culprits.contains_key("fault:failover database"), "{outcome:?} {evaluations:?} {mode}: {:?}", v.culprits);
         }
+        // At the clock slack's edge: occurred 10 ms after the kill, or 10 ms before the write.
+        assert!(excused(&run(outcome, &[(31, 1010, Some(1100))], "async")));
+        assert!(excused(&run(outcome, &[(31, 80, Some(700))], "async")));
         // Nothing tapped: not rules' effect to speak of; judged as before.
-        let v = run(outcome, false, None, "async");
+        let v = run(outcome, &[], "async");
         assert!(v.all_point_at("kind:lost") && !v.culprits.contains_key("lost_at:consumer") && !v.culprits.contains_key("replica:rules-1"), "{outcome:?}: {:?}", v.culprits);
     }
 }
@@ -2119,7 +2140,7 @@ fn a_duplicate_beside_an_unrelated_replicas_crash_is_a_violation() {
     h.sort();
     let v = effect_once(&h);
     assert_eq!((v.validity, v.counts["unattributed"]), (Validity::Invalid, 1), "{:?}", v.witnesses);
-    assert!(v.witnesses[0].contains("no crash of rules-1, database kill/pause/partition/failover, cut of its database link or (synchronous replication, then a failover) of the standby's while the first run's stamp was due"), "{:?}", v.witnesses);
+    assert!(v.witnesses[0].contains("no crash of rules-1, database kill/pause/partition/failover, cut of its database link, or cut of the standby's replication link under synchronous replication with a failover during it, while the first run's stamp was due"), "{:?}", v.witnesses);
 }
 
 /// Issue 8.1: one crash of a sequential handler excuses ONE re-execution, not two.
@@ -2216,31 +2237,47 @@ fn timing_alone_never_excuses_and_a_late_fault_is_outside_the_window() {
 /// saw rules' handler commit @643ms reach the standby, its stamp (due from about 650 ms)
 /// stall from the cut @800ms, and the redelivery run again on the promoted server @3971ms.
 /// That opens the #1180 window for the corroborated re-run. Never under asynchronous
-/// replication (the stamp commits on the primary alone), nor for a cut healed before any
-/// failover (the stamp lands when it heals), nor without the inbox's own report.
+/// replication (the stamp commits on the primary alone), for a cut healed before any
+/// failover (the stamp lands when it heals), without the inbox's own report, for a re-run
+/// before the failover (nothing was lost yet), or for a run after the failover (the promoted
+/// server waits for no standby). The cut and its failover are one incident: one budget of
+/// re-runs (the session's concurrency, 1 here) between them.
 #[test]
 fn a_cut_synchronous_replication_link_with_a_failover_in_it_opens_the_stamp_window() {
-    let run = |mode: &str, cut_until: u64, report: bool| {
+    // (first run, re-run, the inbox's report of it) per envelope.
+    let run = |mode: &str, cut_until: u64, runs: &[(u64, u64, bool)]| {
         let mut h = History::default();
         h.push(0, Event::Replication { mode: mode.into(), state: "streaming".into() });
-        effect_on(&mut h, 643, 101, "rules-1");
         window(&mut h, (800, cut_until), "down", "standby->database");
-        window(&mut h, (3_000, 3_100), "failover", "database");
+        window(&mut h, (2_990, 3_100), "failover", "database");
         h.push(3_000, Event::Failover { replayed_until_ms: Some(795), mode: mode.into(), promoted_ms: Some(3_400) });
-        effect_on(&mut h, 3_971, 101, "rules-1");
-        if report {
-            reprocessed(&mut h, 3_975, 101, "rules-1");
+        for (n, (first, again, report)) in runs.iter().enumerate() {
+            let env = 101 + n as u128;
+            effect_on(&mut h, *first, env, "rules-1");
+            effect_on(&mut h, *again, env, "rules-1");
+            if *report {
+                reprocessed(&mut h, again + 4, env, "rules-1");
+            }
         }
         h.sort();
         effect_once(&h)
     };
-    let v = run("sync", 3_500, true);
+    let v = run("sync", 3_500, &[(643, 3_971, true)]);
     assert_eq!((v.validity, v.counts["crash_window_reexecutions"]), (Validity::Valid, 1), "{:?}", v.witnesses);
     assert!(v.witnesses[0].contains("after down standby->database @800ms (synchronous replication: commits waited for the standby)"), "{:?}", v.witnesses);
-    for (mode, cut_until, report) in [("async", 3_500, true), ("sync", 2_500, true), ("sync", 3_500, false)] {
-        let v = run(mode, cut_until, report);
-        assert_eq!((v.validity, v.counts["unattributed"]), (Validity::Invalid, 1), "{mode} {cut_until} {report}: {:?}", v.witnesses);
+    for (mode, cut_until, runs) in [
+        ("async", 3_500, &[(643, 3_971, true)][..]),
+        ("sync", 2_500, &[(643, 3_971, true)]),
+        ("sync", 3_500, &[(643, 3_971, false)]),
+        ("sync", 3_500, &[(643, 2_900, true)]),
+        ("sync", 3_500, &[(3_200, 3_971, true)]),
+    ] {
+        let v = run(mode, cut_until, runs);
+        assert_eq!((v.validity, v.counts["unattributed"]), (Validity::Invalid, 1), "{mode} {cut_until} {runs:?}: {:?}", v.witnesses);
     }
+    // Two stalled stamps, one of them also inside the failover's own window: one budget.
+    let v = run("sync", 3_500, &[(643, 3_971, true), (2_995, 3_980, true)]);
+    assert_eq!((v.counts["crash_window_reexecutions"], v.counts["unattributed"]), (1, 1), "{:?}", v.witnesses);
 }
 
 #[test]
