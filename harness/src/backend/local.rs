@@ -1072,15 +1072,37 @@ impl LocalBackend {
         }
     }
 
-    /// `rabbitmq-upgrade await_online_quorum_plus_one` on broker node `node` (issue 25): the
-    /// step RabbitMQ's upgrade guide has operators take before stopping a node, which waits
-    /// until every quorum queue with a member on it has more members online than its quorum,
-    /// so that losing the node leaves every queue a majority. Bounded by `within`; the
-    /// tool's own error (or no answer) otherwise.
-    pub async fn await_quorum_plus_one(&self, node: usize, within: Duration) -> Result<(), BackendError> {
-        let secs = within.as_secs().max(1).to_string();
-        let args = ["--timeout", &secs, "await_online_quorum_plus_one"];
-        Self::rabbitmq_cli_on(self.broker_node_ref(node)?, "rabbitmq-upgrade", &args, within + Duration::from_secs(15)).await.map(drop)
+    /// Wait until broker node `node` is online in every quorum queue that lists it among its
+    /// members (`rabbitmqctl list_queues name members online`, asked of that node every
+    /// 250 ms; issue 25): a restarted node takes logins a while before its queue members
+    /// are back. Bounded by `within`; the queues still without it otherwise.
+    pub async fn await_members_online(&self, node: usize, within: Duration) -> Result<(), BackendError> {
+        let me = self.broker_node_names().get(node - 1).cloned().ok_or_else(|| no_node(node, self.broker_nodes()))?;
+        let deadline = Instant::now() + within;
+        let mut last;
+        loop {
+            let listing = self.rabbitmqctl_node(node, &["list_queues", "--timeout", "10", "name", "members", "online", "--formatter", "json"]).await;
+            match listing.map(|out| serde_json::from_str::<Vec<serde_json::Value>>(&out).map_err(|e| e.to_string())) {
+                Ok(Ok(rows)) => {
+                    let names = |v: &serde_json::Value| -> Vec<String> { v.as_array().map(|a| a.iter().filter_map(|m| m.as_str().map(str::to_owned)).collect()).unwrap_or_default() };
+                    let missing: Vec<String> = rows
+                        .iter()
+                        .filter(|r| names(&r["members"]).contains(&me) && !names(&r["online"]).contains(&me))
+                        .map(|r| r["name"].as_str().unwrap_or_default().to_owned())
+                        .collect();
+                    if missing.is_empty() {
+                        return Ok(());
+                    }
+                    last = format!("not yet online in {}", missing.join(", "));
+                }
+                Ok(Err(e)) => last = format!("reading list_queues: {e}"),
+                Err(e) => last = e.to_string(),
+            }
+            if Instant::now() > deadline {
+                return Err(BackendError::failed(format!("broker node {node} back in its quorum queues within {within:?}"), last));
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
     }
 
     /// `rabbitmq-upgrade revive` on broker node `node`, restarted after

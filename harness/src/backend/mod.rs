@@ -347,13 +347,12 @@ impl Backend {
         }
     }
 
-    /// On a broker cluster (the local backend's), wait for node `target`'s quorum queues to
-    /// have more members online than their quorum (`rabbitmq-upgrade
-    /// await_online_quorum_plus_one`, bounded by `within`): losing it then leaves each a
-    /// majority. Nothing to wait for elsewhere.
-    pub async fn await_quorum_plus_one(&self, target: Target, within: std::time::Duration) -> Result<(), BackendError> {
+    /// On a broker cluster (the local backend's), wait until node `target`, restarted, is
+    /// online in every quorum queue it is a member of, as it reports them (bounded by
+    /// `within`; the queues still without it otherwise). Nothing to wait for elsewhere.
+    pub async fn await_members_online(&self, target: Target, within: std::time::Duration) -> Result<(), BackendError> {
         match (self, target.broker_node()) {
-            (Backend::Local(b), Some(n)) if b.broker_nodes() > 1 => b.await_quorum_plus_one(n, within).await,
+            (Backend::Local(b), Some(n)) if b.broker_nodes() > 1 => b.await_members_online(n, within).await,
             _ => Ok(()),
         }
     }
