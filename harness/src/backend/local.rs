@@ -1081,12 +1081,21 @@ impl LocalBackend {
         let deadline = Instant::now() + within;
         let mut last;
         loop {
-            let listing = self.rabbitmqctl_node(node, &["list_queues", "--timeout", "10", "name", "members", "online", "--formatter", "json"]).await;
+            // Each listing bounded by what is left of `within` (at least a second).
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
+            let listing = tokio::time::timeout(
+                left,
+                self.rabbitmqctl_node(node, &["list_queues", "--timeout", "10", "name", "type", "members", "online", "--formatter", "json"]),
+            )
+            .await
+            .unwrap_or_else(|_| Err(BackendError::failed("list_queues", format!("no answer within {left:?}"))));
             match listing.map(|out| serde_json::from_str::<Vec<serde_json::Value>>(&out).map_err(|e| e.to_string())) {
                 Ok(Ok(rows)) => {
                     let names = |v: &serde_json::Value| -> Vec<String> { v.as_array().map(|a| a.iter().filter_map(|m| m.as_str().map(str::to_owned)).collect()).unwrap_or_default() };
+                    // Quorum queues only: a classic queue has no members to come back.
                     let missing: Vec<String> = rows
                         .iter()
+                        .filter(|r| r["type"].as_str() == Some("quorum"))
                         .filter(|r| names(&r["members"]).contains(&me) && !names(&r["online"]).contains(&me))
                         .map(|r| r["name"].as_str().unwrap_or_default().to_owned())
                         .collect();

@@ -336,7 +336,7 @@ pub fn effect_once(h: &History) -> Verdict {
                     } else if candidates.is_empty() {
                         format!("no crash of {on}, database kill/pause/partition/failover, cut of its database link, or cut of the standby's replication link under synchronous replication with a failover during it, while the first run's stamp was due ({STAMP_DUE_MS} ms after it, or {STAMP_PENDING_MS} ms after its inbox's first inbox.stamp_retry)")
                     } else if free.is_none() {
-                        format!("the only fault in its window ({}) already excused {bound} re-execution(s) of {on}, its consume session's concurrency", faults[candidates[0]].label)
+                        format!("the only fault in its window ({}) already excused {bound} re-execution(s) of {on}, its consume session's concurrency", faults[faults[candidates[0]].budget].label)
                     } else {
                         debug_assert!(!corroborated);
                         "the inbox reported no reprocess of it (not a re-run of an unstamped envelope)".to_owned()

@@ -474,7 +474,7 @@ fn evaluations(h: &History) -> Evaluations {
 /// committed row (§D1), and rules acked the delivery, so nothing brings it back. Put on an
 /// asynchronous failover ([`failover_forgot_before`]) only where one can have forgotten every
 /// such evaluation:
-/// - it came no earlier than the first evaluation occurred (less 10 ms of clock slack), nor
+/// - it came no earlier than every evaluation occurred (less 10 ms of clock slack), nor
 ///   than `from`, the aggregate's first write (rules' `occurred_at` is held to it: one
 ///   earlier is impossible and excuses nothing);
 /// - its standby had not applied up to the first `outbox.stamped` line of each evaluation
@@ -489,14 +489,16 @@ fn evaluations(h: &History) -> Evaluations {
 /// witness's words; None where the tap holds no evaluation.
 fn forgotten_evaluation(h: &History, envelopes: &[Uuid], evaluated: &Evaluations, from: u64) -> Option<(Vec<String>, String)> {
     let runs: Vec<Evaluation> = envelopes.iter().filter_map(|e| evaluated.get(e)).flatten().copied().collect();
-    let occurred = runs.iter().map(|r| r.occurred).min()?;
+    let first = runs.iter().map(|r| r.occurred).min()?;
+    let latest = runs.iter().map(|r| r.occurred).max()?;
     let stamps: Option<Vec<(u64, u64)>> = runs.iter().map(|r| r.stamped).collect();
-    let possible = occurred + FAILOVER_CLOCK_SLACK_MS >= from;
+    let possible = first + FAILOVER_CLOCK_SLACK_MS >= from;
     let (failover, said) = match stamps.filter(|_| possible) {
         Some(stamps) => {
             let to = stamps.iter().map(|(first, _)| *first).min();
             let last = stamps.iter().map(|(_, last)| *last).max();
-            failover_forgot_before(h, from.max(occurred.saturating_sub(FAILOVER_CLOCK_SLACK_MS)), to, last)
+            // Every evaluation committed on the old primary, so before its kill.
+            failover_forgot_before(h, from.max(latest.saturating_sub(FAILOVER_CLOCK_SLACK_MS)), to, last)
         }
         None => (vec![], String::new()),
     };

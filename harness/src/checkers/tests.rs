@@ -1751,11 +1751,13 @@ fn effect_once_counts_the_partners_transmissions_of_a_placement_period() {
 /// referral never written). Both held: the doubled row's to judge.
 #[test]
 fn effect_once_counts_the_published_evaluations_of_a_source_envelope() {
-    // `stamped_at`: when rules-1 logged stamping the first evaluation published.
-    let run_stamped = |write_at: Option<u64>, (first_at, stamped_at): (u64, Option<u64>), failover_at: u64, mode: &str, held: &[u128]| {
+    // `stamped_at`: when rules-1 logged stamping the first evaluation published; `again`, a
+    // later stamp line of it. The database address moves to the promoted standby 300 ms
+    // after the kill.
+    let run_lines = |write_at: Option<u64>, (first_at, stamped_at, again): (u64, Option<u64>, Option<u64>), failover_at: u64, mode: &str, held: &[u128]| {
         let mut h = History::default();
         started(&mut h, 0, "rules-1", &[]);
-        if let Some(t) = stamped_at {
+        for t in [stamped_at, again].into_iter().flatten() {
             stamped(&mut h, t, 21, "rules-1", &[]);
         }
         stamped(&mut h, 1_510, 22, "rules-1", &[]);
@@ -1772,13 +1774,14 @@ fn effect_once_counts_the_published_evaluations_of_a_source_envelope() {
             h.push(w, Event::Write { referral: id(9), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201), answered_ms: Some(w + 10) });
         }
         window(&mut h, (failover_at, failover_at + 100), "failover", "database");
-        h.push(failover_at, Event::Failover { replayed_until_ms: Some(500), mode: mode.into(), promoted_ms: None });
+        h.push(failover_at, Event::Failover { replayed_until_ms: Some(500), mode: mode.into(), promoted_ms: Some(failover_at + 300) });
         for e in held {
             h.push(3_000, Event::Staged { envelope: id(*e), referral: Some(id(9)), service: "rules".into(), published: true, attempts: 1, last_error: None });
         }
         h.sort();
         effect_once(&h)
     };
+    let run_stamped = |write_at, (first_at, stamped_at): (u64, Option<u64>), failover_at, mode, held: &[u128]| run_lines(write_at, (first_at, stamped_at, None), failover_at, mode, held);
     let run_after = |write_at, first_at: u64, failover_at, mode, held: &[u128]| run_stamped(write_at, (first_at, Some(first_at + 5)), failover_at, mode, held);
     let run = |first_at, failover_at, mode, held: &[u128]| run_after(Some(200), first_at, failover_at, mode, held);
     let v = run(700, 1_000, "async", &[21, 22, 23]);
@@ -1802,6 +1805,13 @@ fn effect_once_counts_the_published_evaluations_of_a_source_envelope() {
         let v = run_stamped(Some(200), (300, stamp), 1_000, "async", &[22, 23]);
         assert_eq!(v.all_point_at("fault:failover database"), failover, "stamped {stamp:?}: {:?}", v.culprits);
         assert!(v.all_point_at("kind:forgotten_evaluation"), "{:?}", v.culprits);
+    }
+    // A stamp line after the database address led to the promoted standby (@1300ms, 10 ms of
+    // slack): the line is logged only for a row the UPDATE found, so the promoted server held
+    // it: not the failover's.
+    for (again, failover) in [(1_310, true), (1_311, false)] {
+        let v = run_lines(Some(200), (700, Some(705), Some(again)), 1_000, "async", &[22, 23]);
+        assert_eq!(v.all_point_at("fault:failover database"), failover, "stamped again @{again}ms: {:?}", v.culprits);
     }
     // A synchronous failover forgets nothing anyone saw: never its blame.
     let v = run(700, 1_000, "sync", &[22, 23]);
@@ -1952,6 +1962,7 @@ fn no_loss_puts_an_evaluation_rules_published_and_the_failover_forgot_on_it() {
             (&[(31, 300, Some(700)), (32, 350, Some(450))], "async"),
             (&[(31, 300, Some(1311))], "async"),
             (&[(31, 300, Some(700)), (32, 600, Some(1400))], "async"),
+            (&[(31, 300, Some(700)), (32, 1050, Some(1305))], "async"),
             (&[(31, 1011, Some(1100))], "async"),
             (&[(31, 79, Some(700))], "async"),
             (&[(31, 300, Some(700))], "sync"),

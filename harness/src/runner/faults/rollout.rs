@@ -111,6 +111,10 @@ async fn restart_broker_node(cx: &Cx, n: u8) -> anyhow::Result<()> {
         let status = backend.stop_gracefully(t).await?;
         backend.restart(t).await?;
         backend.revive(t).await?;
+        // Back when its quorum queue members are, not when it takes logins (issue 25; the
+        // kill's restart waits the same): the next node's drain and stop must leave every
+        // queue a majority.
+        backend.await_members_online(t, Duration::from_secs(60)).await?;
         anyhow::Ok((drained, now, status))
     };
     let done = steps.await;
