@@ -519,12 +519,12 @@ async fn inject(
     }
     // A broker cluster loses one node at a time (issue 25; [`NodeTurns`]).
     let under_load = *writes.borrow() < total_writes;
-    let (mut turn, waited_ms) = match turns.take(&target, || log.now()).await {
+    let (turn, waited_ms) = match turns.take(f.kind, &target, || log.now()).await {
         Turn::Free => (None, 0),
         Turn::Held(guard, waited_ms) => (Some(guard), waited_ms),
         Turn::Refused => {
             log.finding(format!(
-                "{} {}: an earlier fault on another broker node failed, and its node may still be down; not done",
+                "{} {}: an earlier fault on a broker node failed, and its node may still be down; not done (no later broker node fault is)",
                 f.kind.name(),
                 f.target
             ));
@@ -554,7 +554,8 @@ async fn inject(
         ready: std::sync::Mutex::new(ready),
         waited_ms,
     };
-    let done = match f.kind {
+    let done = in_turn(turn, async {
+        match f.kind {
         FaultKind::Kill => run::<kill::Kill>(&cx, &f, &target).await,
         FaultKind::Pause => run::<pause::Pause>(&cx, &f, &target).await,
         FaultKind::Partition => run::<partition::Partition>(&cx, &f, &target).await,
@@ -567,12 +568,17 @@ async fn inject(
         FaultKind::Failover => run::<failover::FailoverRoom>(&cx, &f, &target).await,
         FaultKind::ReplicationLag => run::<replication_lag::ReplicationLag>(&cx, &f, &target).await,
         FaultKind::Crash | FaultKind::Mutant => unreachable!("armed through FAILPOINTS, never injected"),
-    };
-    if done.is_err() {
-        // Its node may still be down: the faults waiting their turn must not act.
-        if let Some(t) = turn.as_mut() {
-            t.failed();
         }
+    });
+    done.await
+}
+
+/// Run a fault (`act`) in its turn, held until it ends: one that fails (an error, or a
+/// panic or abort that never finishes) marks the turn, and no later broker node fault acts.
+async fn in_turn(turn: Option<NodeTurn>, act: impl std::future::Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
+    let done = act.await;
+    if let (Some(mut t), true) = (turn, done.is_ok()) {
+        t.finished = true;
     }
     done
 }
@@ -584,8 +590,10 @@ async fn inject(
 /// rolling restart waits between nodes. A fresh-clone CI on efe0f98 had a restart slow
 /// enough (19 s) to push one kill into the next one's hold: broker-3 killed while broker-2
 /// was still down, queues with no majority and no leader for 60 s. Where the fault before
-/// failed, its node may still be down: the ones waiting are refused (a finding). Every
-/// shipped cluster scenario keeps a majority up; two nodes out at once is not yet a fault.
+/// failed, its node may still be down: every later one is refused (a finding). Only faults
+/// that take a node out take turns (kill, pause, partition, a graceful restart); a queue
+/// limit is the cluster's policy, on no node. Every shipped cluster scenario keeps a
+/// majority up; two nodes out at once is not yet a fault.
 #[derive(Clone)]
 pub(super) struct NodeTurns {
     cluster: bool,
@@ -603,13 +611,18 @@ pub(super) enum Turn {
     Refused,
 }
 
-/// The turn a broker node's fault holds from its start through its heal.
-pub(super) struct NodeTurn(tokio::sync::OwnedMutexGuard<bool>);
+/// The turn a broker node's fault holds from its start through its heal. Let go of without
+/// `finished` (the fault failed, panicked or was aborted), it refuses every later one.
+pub(super) struct NodeTurn {
+    guard: tokio::sync::OwnedMutexGuard<bool>,
+    finished: bool,
+}
 
-impl NodeTurn {
-    /// The fault failed: the faults waiting their turn are refused.
-    pub(super) fn failed(&mut self) {
-        *self.0 = true;
+impl Drop for NodeTurn {
+    fn drop(&mut self) {
+        if !self.finished {
+            *self.guard = true;
+        }
     }
 }
 
@@ -618,9 +631,10 @@ impl NodeTurns {
         Self { cluster: broker_nodes > 1, turn: Arc::new(Mutex::new(false)) }
     }
 
-    /// Wait for `target`'s turn (`now`: the run's clock, ms).
-    pub(super) async fn take(&self, target: &FaultTarget, now: impl Fn() -> u64) -> Turn {
-        if !self.cluster || !matches!(target, FaultTarget::BrokerNode(_) | FaultTarget::Broker) {
+    /// Wait for the turn of fault `kind` on `target` (`now`: the run's clock, ms).
+    pub(super) async fn take(&self, kind: FaultKind, target: &FaultTarget, now: impl Fn() -> u64) -> Turn {
+        let takes_a_node_out = matches!(kind, FaultKind::Kill | FaultKind::Pause | FaultKind::Partition | FaultKind::Upgrade | FaultKind::Downgrade);
+        if !self.cluster || !takes_a_node_out || !matches!(target, FaultTarget::BrokerNode(_) | FaultTarget::Broker) {
             return Turn::Free;
         }
         let asked = now();
@@ -635,7 +649,7 @@ impl NodeTurns {
         if *guard {
             return Turn::Refused;
         }
-        Turn::Held(NodeTurn(guard), waited_ms)
+        Turn::Held(NodeTurn { guard, finished: false }, waited_ms)
     }
 }
 
@@ -677,43 +691,59 @@ mod tests {
     use super::*;
 
     /// One broker node out at a time: a second node's fault acts only once the first has
-    /// healed (released its turn); a failed one refuses those waiting; a single node, the
-    /// database and a replica never wait.
+    /// healed (its `in_turn` ended); a failed one refuses every later one; a single node, a
+    /// queue limit, the database and a replica never wait.
     #[tokio::test]
     async fn a_broker_node_fault_waits_for_the_one_in_force_and_a_failed_one_refuses_the_rest() {
+        use FaultKind::*;
         let turns = NodeTurns::new(3);
-        let Turn::Held(first, 0) = turns.take(&FaultTarget::BrokerNode(2), || 0).await else { panic!("the first fault waits for nothing") };
+        let take = |kind, target| {
+            let t = turns.clone();
+            async move { t.take(kind, &target, || 0).await }
+        };
+        let settle = || async {
+            for _ in 0..20 {
+                tokio::task::yield_now().await;
+            }
+        };
+        let Turn::Held(first, 0) = take(Kill, FaultTarget::BrokerNode(2)).await else { panic!("the first fault waits for nothing") };
         let order = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let (o, t) = (order.clone(), turns.clone());
+        let (o, t) = (order.clone(), take(Pause, FaultTarget::BrokerNode(3)));
         let second = tokio::spawn(async move {
-            let turn = t.take(&FaultTarget::BrokerNode(3), || 0).await;
+            let turn = t.await;
             o.lock().unwrap().push("broker-3 acts");
             turn
         });
-        for _ in 0..20 {
-            tokio::task::yield_now().await;
-        }
-        assert!(order.lock().unwrap().is_empty(), "broker-3's fault acted while broker-2's was in force");
-        // Not a broker node: no turn to take, even now.
-        for other in [FaultTarget::Database, FaultTarget::Replica("cases-1".into())] {
-            assert!(matches!(turns.take(&other, || 0).await, Turn::Free));
-        }
-        order.lock().unwrap().push("broker-2 healed");
-        drop(first);
-        let Turn::Held(mut second, waited) = second.await.unwrap() else { panic!("broker-3's fault never got its turn") };
+        // broker-2's fault runs in its turn: broker-3's waits all along.
+        let o = order.clone();
+        in_turn(Some(first), async {
+            settle().await;
+            o.lock().unwrap().push("broker-2 healed");
+            // Not a node taken out: no turn to take, even now.
+            for (kind, other) in [(Kill, FaultTarget::Database), (Kill, FaultTarget::Replica("cases-1".into())), (QueueLimit, FaultTarget::Broker)] {
+                assert!(matches!(take(kind, other).await, Turn::Free));
+            }
+            Ok(())
+        })
+        .await
+        .unwrap();
+        let Turn::Held(second, waited) = second.await.unwrap() else { panic!("broker-3's fault never got its turn") };
         assert!(waited > 0, "a wait is never 0 ms");
         assert_eq!(*order.lock().unwrap(), ["broker-2 healed", "broker-3 acts"]);
-        // `broker`, node 1 by its cluster-wide name, takes its turn too.
-        let t = turns.clone();
-        let third = tokio::spawn(async move { t.take(&FaultTarget::Broker, || 0).await });
-        for _ in 0..20 {
-            tokio::task::yield_now().await;
-        }
-        second.failed();
-        drop(second);
+        // `broker`, node 1 by its cluster-wide name, waits its turn too; broker-3's fault
+        // fails, and neither it nor a later one acts.
+        let third = tokio::spawn(take(Kill, FaultTarget::Broker));
+        settle().await;
+        assert!(in_turn(Some(second), async { anyhow::bail!("broker-3 was killed but no leader moved") }).await.is_err());
         assert!(matches!(third.await.unwrap(), Turn::Refused), "a fault waiting behind a failed one acted");
+        assert!(matches!(take(Upgrade, FaultTarget::BrokerNode(1)).await, Turn::Refused), "a later fault acted after a failed one");
+        // A fault that never finishes (a panic, an abort) counts as failed.
+        let other = NodeTurns::new(3);
+        let Turn::Held(turn, _) = other.take(Kill, &FaultTarget::BrokerNode(1), || 0).await else { panic!() };
+        drop(turn);
+        assert!(matches!(other.take(Kill, &FaultTarget::BrokerNode(2), || 0).await, Turn::Refused));
         // One broker node: nothing to take turns at.
-        assert!(matches!(NodeTurns::new(1).take(&FaultTarget::Broker, || 0).await, Turn::Free));
+        assert!(matches!(NodeTurns::new(1).take(Kill, &FaultTarget::Broker, || 0).await, Turn::Free));
     }
 
     /// The leaders a node held, as a listing after its kill or partition shows them: moved,
