@@ -258,6 +258,14 @@ async fn compat_pre_1184_replays_the_wrong_response_and_pre_1183_stores_it_empty
     let b = post(&http, &format!("{}/ok?size=9", s.base), Some("q"), vec![]).await;
     assert_eq!(b.headers()[REPLAYED_HEADER], "true");
     assert_eq!(b.bytes().await.unwrap().len(), 5, "pre-1184: the size=5 answer for a size=9 request");
+    // Exactly the cap: a full body, live and on replay, in the old code too (its check is
+    // "more than the cap").
+    let cap = format!("{}/ok?size={}", s.base, MIB);
+    assert_eq!(post(&http, &cap, Some("cap"), vec![]).await.bytes().await.unwrap().len(), MIB);
+    let again = post(&http, &cap, Some("cap"), vec![]).await;
+    assert_eq!(again.headers()[REPLAYED_HEADER], "true");
+    assert!(again.headers().get(BODY_TOO_LARGE_HEADER).is_none(), "a body of exactly the cap is stored whole");
+    assert_eq!(again.bytes().await.unwrap().len(), MIB);
     // Exactly cap + 1: the old code's one sentinel.
     let at = format!("{}/ok?size={}", s.base, MIB + 1);
     assert_eq!(post(&http, &at, Some("at"), vec![]).await.bytes().await.unwrap().len(), MIB + 1);
@@ -304,6 +312,29 @@ async fn a_stale_winner_cannot_overwrite_a_reclaimed_slot() {
     assert_eq!(store.finalize_failed("ck", 3, 500).await.unwrap(), Finalized::Applied);
     let report = craig_mq::retention::prune_once(&pool, &cfg).await.unwrap();
     assert_eq!(report.idempotency, 1);
+    pool.close().await;
+    sandbox.destroy().await.unwrap();
+}
+
+/// A claim that expires between the claim statement (which saw it live) and the read that
+/// follows is claimed again, never answered "in flight" with nothing left to wait for. The
+/// window is made wide on purpose: a statement trigger holds every later claim statement for
+/// 2 s, past the first claim's 1 s life, while its `now()` stays at the statement's start.
+#[tokio::test]
+async fn a_claim_that_expires_while_it_is_read_is_claimed_again() {
+    use craig_api::idempotency::{Claim, ClaimRequest, Store};
+    let (sandbox, pool) = database("expiring_claim").await;
+    let store = Store::postgres(pool.clone());
+    let short = ClaimRequest { cache_key: "ck", method: "POST", path: "/p", user_sub: Uuid::nil(), body_fingerprint: "fp", claim_ttl: Duration::from_secs(1), response_ttl: craig_api::idempotency::RESPONSE_TTL };
+    assert_eq!(store.claim(&short).await.unwrap(), Claim::Won { generation: 1 });
+    for sql in [
+        "CREATE FUNCTION slow_claim() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(2); RETURN NULL; END $$",
+        "CREATE TRIGGER slow_claim BEFORE INSERT ON idempotency_responses FOR EACH STATEMENT EXECUTE FUNCTION slow_claim()",
+    ] {
+        sqlx::query(sql).execute(&pool).await.unwrap();
+    }
+    let req = ClaimRequest { claim_ttl: Duration::from_secs(30), ..short };
+    assert_eq!(store.claim(&req).await.unwrap(), Claim::Won { generation: 2 }, "the claim had expired by the time it was read");
     pool.close().await;
     sandbox.destroy().await.unwrap();
 }
