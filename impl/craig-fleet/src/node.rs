@@ -139,33 +139,6 @@ pub fn queue_spec(service: Service, with_dlx: bool, queue_type: QueueType) -> Op
     })
 }
 
-/// A node whose consumer is not built yet still declares its queue at start (retrying
-/// until the broker answers), so its events are routable as in a deployed fleet.
-async fn declare_own_queue(amqp_url: String, spec: QueueSpec, heartbeat: u16, shutdown: CancellationToken) {
-    let mut pause = Duration::from_millis(200);
-    loop {
-        let attempt = async {
-            let conn = craig_mq::publisher::connect(&amqp_url, heartbeat, &spec.queue).await?;
-            let ch = conn.create_channel().await?;
-            craig_mq::topology::declare_consumer_queue(&ch, &spec).await?;
-            let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "declared".into())).await;
-            Ok::<_, lapin::Error>(())
-        };
-        match attempt.await {
-            Ok(()) => {
-                tracing::info!(event = "node.queue_declared", queue = %spec.queue);
-                return;
-            }
-            Err(e) => tracing::warn!(event = "node.queue_declare_failed", queue = %spec.queue, error = %e),
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(pause) => {}
-        }
-        pause = (pause * 2).min(Duration::from_secs(5));
-    }
-}
-
 /// The process's Prometheus recorder (CONTRACT § Metrics), installed once; `None` when
 /// another recorder was installed first.
 fn metrics_handle() -> Option<&'static metrics_exporter_prometheus::PrometheusHandle> {
@@ -289,10 +262,7 @@ pub async fn run(opts: NodeOptions, shutdown: CancellationToken) -> anyhow::Resu
     let mut before_outbox: Vec<tokio::sync::oneshot::Receiver<()>> = Vec::new();
 
     let own_queue = queue_spec(service, !opts.compat.has(Compat::PreD3), opts.settings.queue_type);
-    if let (Some(spec), true) = (&own_queue, service.consumes().is_empty()) {
-        let (url, hb) = (opts.settings.amqp_url.clone(), opts.settings.publisher.heartbeat_secs);
-        tasks.spawn(declare_own_queue(url, spec.clone(), hb, shutdown.clone()));
-    }
+    // Every service with a queue consumes it (`service::tests`): its subscriber declares it.
     if let (Some(spec), false) = (own_queue, service.consumes().is_empty()) {
         let queue = spec.queue.clone();
         let cfg = SubscriberConfig {

@@ -88,8 +88,9 @@ impl Service {
         }
     }
 
-    /// Routing keys this build's node actually CONSUMES (runs a subscriber for) — a subset
-    /// of [`queue_bindings`](Self::queue_bindings).
+    /// Routing keys this build's node actually CONSUMES (runs a subscriber for): the same as
+    /// [`queue_bindings`](Self::queue_bindings) for every service (tested), so each node's
+    /// subscriber declares the queue it binds.
     pub fn consumes(self) -> &'static [&'static str] {
         match self {
             Service::Rules => &["case.referral_created"],
@@ -152,6 +153,15 @@ mod tests {
         assert_eq!(current, all);
         // Another service's schema is untouched by the mode.
         assert_eq!(Service::Rules.schema(&CompatSet::new([Compat::Pre1179])).iter().count(), Service::Rules.migrator().iter().count());
+    }
+
+    /// A node declares its queue through its subscriber (node.rs): a service that bound a
+    /// queue it did not consume would leave it undeclared until `craig-node topology` ran.
+    #[test]
+    fn every_service_consumes_exactly_what_its_queue_binds() {
+        for s in ALL {
+            assert_eq!(s.consumes(), s.queue_bindings(), "{}", s.name());
+        }
     }
 
     #[test]
