@@ -554,23 +554,23 @@ async fn inject(
         ready: std::sync::Mutex::new(ready),
         waited_ms,
     };
-    let done = in_turn(turn, async {
+    in_turn(turn, async {
         match f.kind {
-        FaultKind::Kill => run::<kill::Kill>(&cx, &f, &target).await,
-        FaultKind::Pause => run::<pause::Pause>(&cx, &f, &target).await,
-        FaultKind::Partition => run::<partition::Partition>(&cx, &f, &target).await,
-        FaultKind::Upgrade | FaultKind::Downgrade => run::<rollout::Rollout>(&cx, &f, &target).await,
-        FaultKind::Toxic => run::<toxic::ToxicRoom>(&cx, &f, &target).await,
-        FaultKind::Down => run::<down::Down>(&cx, &f, &target).await,
-        FaultKind::QueueLimit => run::<queue_limit::QueueLimit>(&cx, &f, &target).await,
-        FaultKind::Terminate => run::<terminate::Terminate>(&cx, &f, &target).await,
-        FaultKind::RefuseStaging => run::<refuse_staging::RefuseStaging>(&cx, &f, &target).await,
-        FaultKind::Failover => run::<failover::FailoverRoom>(&cx, &f, &target).await,
-        FaultKind::ReplicationLag => run::<replication_lag::ReplicationLag>(&cx, &f, &target).await,
-        FaultKind::Crash | FaultKind::Mutant => unreachable!("armed through FAILPOINTS, never injected"),
+            FaultKind::Kill => run::<kill::Kill>(&cx, &f, &target).await,
+            FaultKind::Pause => run::<pause::Pause>(&cx, &f, &target).await,
+            FaultKind::Partition => run::<partition::Partition>(&cx, &f, &target).await,
+            FaultKind::Upgrade | FaultKind::Downgrade => run::<rollout::Rollout>(&cx, &f, &target).await,
+            FaultKind::Toxic => run::<toxic::ToxicRoom>(&cx, &f, &target).await,
+            FaultKind::Down => run::<down::Down>(&cx, &f, &target).await,
+            FaultKind::QueueLimit => run::<queue_limit::QueueLimit>(&cx, &f, &target).await,
+            FaultKind::Terminate => run::<terminate::Terminate>(&cx, &f, &target).await,
+            FaultKind::RefuseStaging => run::<refuse_staging::RefuseStaging>(&cx, &f, &target).await,
+            FaultKind::Failover => run::<failover::FailoverRoom>(&cx, &f, &target).await,
+            FaultKind::ReplicationLag => run::<replication_lag::ReplicationLag>(&cx, &f, &target).await,
+            FaultKind::Crash | FaultKind::Mutant => unreachable!("armed through FAILPOINTS, never injected"),
         }
-    });
-    done.await
+    })
+    .await
 }
 
 /// Run a fault (`act`) in its turn, held until it ends: one that fails (an error, or a
