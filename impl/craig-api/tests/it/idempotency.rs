@@ -319,22 +319,27 @@ async fn a_stale_winner_cannot_overwrite_a_reclaimed_slot() {
 /// A claim that expires between the claim statement (which saw it live) and the read that
 /// follows is claimed again, never answered "in flight" with nothing left to wait for. The
 /// window is made wide on purpose: a statement trigger holds every later claim statement for
-/// 2 s, past the first claim's 1 s life, while its `now()` stays at the statement's start.
+/// 4 s, past the first claim's 3 s life, while its `now()` stays at the statement's start.
+/// The trigger counts its statements: two, so the first saw the claim live and lost, and the
+/// read path ran (one alone would be a claim that had expired before it started).
 #[tokio::test]
 async fn a_claim_that_expires_while_it_is_read_is_claimed_again() {
     use craig_api::idempotency::{Claim, ClaimRequest, Store};
     let (sandbox, pool) = database("expiring_claim").await;
     let store = Store::postgres(pool.clone());
-    let short = ClaimRequest { cache_key: "ck", method: "POST", path: "/p", user_sub: Uuid::nil(), body_fingerprint: "fp", claim_ttl: Duration::from_secs(1), response_ttl: craig_api::idempotency::RESPONSE_TTL };
+    let short = ClaimRequest { cache_key: "ck", method: "POST", path: "/p", user_sub: Uuid::nil(), body_fingerprint: "fp", claim_ttl: Duration::from_secs(3), response_ttl: craig_api::idempotency::RESPONSE_TTL };
     assert_eq!(store.claim(&short).await.unwrap(), Claim::Won { generation: 1 });
     for sql in [
-        "CREATE FUNCTION slow_claim() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(2); RETURN NULL; END $$",
+        "CREATE SEQUENCE slow_claims",
+        "CREATE FUNCTION slow_claim() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM nextval('slow_claims'); PERFORM pg_sleep(4); RETURN NULL; END $$",
         "CREATE TRIGGER slow_claim BEFORE INSERT ON idempotency_responses FOR EACH STATEMENT EXECUTE FUNCTION slow_claim()",
     ] {
         sqlx::query(sql).execute(&pool).await.unwrap();
     }
     let req = ClaimRequest { claim_ttl: Duration::from_secs(30), ..short };
     assert_eq!(store.claim(&req).await.unwrap(), Claim::Won { generation: 2 }, "the claim had expired by the time it was read");
+    let statements: i64 = sqlx::query_scalar("SELECT last_value FROM slow_claims").fetch_one(&pool).await.unwrap();
+    assert_eq!(statements, 2, "the first claim statement saw the claim live, the second won it");
     pool.close().await;
     sandbox.destroy().await.unwrap();
 }
