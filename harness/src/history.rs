@@ -48,7 +48,16 @@ pub enum Event {
     /// them (issue 22.1; installed only where a floor asks): deliveries of an envelope its
     /// §D2 inbox already held processed, and arrivals of a dead letter its audit already
     /// recorded with the same facts (#1181). The floors read these, never a node's counter.
-    Redelivered { service: String, inbox: u64, dead_letters: u64 },
+    Redelivered {
+        service: String,
+        inbox: u64,
+        dead_letters: u64,
+        /// For each inbox arrival the harness's trigger recorded, when the record it met was
+        /// stamped processed (run time, from the database's clock). Issue 26: after a failover
+        /// the floor counts only records stamped before it, the ones the failover kept.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        inbox_met_processed_ms: Vec<u64>,
+    },
     /// A write staged in a transaction the harness rolled back on purpose.
     RolledBack { referral: Uuid },
     /// An outbox row found at the end of the run.

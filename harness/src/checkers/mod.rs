@@ -138,7 +138,7 @@ fn commit_seen_by(h: &History) -> HashMap<Uuid, u64> {
 }
 
 /// How far apart the run's clock and the database's (converted) may read one moment.
-const FAILOVER_CLOCK_SLACK_MS: u64 = 10;
+pub(crate) const FAILOVER_CLOCK_SLACK_MS: u64 = 10;
 
 /// Issue 26: the database failovers that can have forgotten a commit made between `from`
 /// (when its write was first sent, run ms) and `to` (the latest the commit can have been:

@@ -75,8 +75,27 @@ async fn collect_redelivered(log: &Log, svc: &str, pool: &PgPool) -> anyhow::Res
             *count = n.max(0) as u64;
         }
     }
-    if counts != [0, 0] {
-        log.push(Event::Redelivered { service: svc.to_owned(), inbox: counts[0], dead_letters: counts[1] });
+    // When each counted inbox arrival's record was stamped processed (run time): a floor
+    // after a failover counts only the records stamped before it.
+    let mut inbox_met_processed_ms = Vec::new();
+    let hits: bool = bounded(
+        COLLECT,
+        "looking for the harness's redelivery records",
+        sqlx::query_scalar("SELECT to_regclass('chaos_inbox_redelivery_hits') IS NOT NULL").fetch_one(pool),
+    )
+    .await?;
+    if hits {
+        let stamped: Vec<i64> = bounded(
+            COLLECT,
+            "reading the harness's redelivery records",
+            sqlx::query_scalar("SELECT (EXTRACT(EPOCH FROM processed_at) * 1000)::int8 FROM chaos_inbox_redelivery_hits ORDER BY 1")
+                .fetch_all(pool),
+        )
+        .await?;
+        inbox_met_processed_ms = stamped.into_iter().map(|at| log.rel_db(at)).collect();
+    }
+    if counts != [0, 0] || !inbox_met_processed_ms.is_empty() {
+        log.push(Event::Redelivered { service: svc.to_owned(), inbox: counts[0], dead_letters: counts[1], inbox_met_processed_ms });
     }
     Ok(())
 }

@@ -271,10 +271,28 @@ fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<St
     }
     // Issue 22.1: the redeliveries as the harness's own triggers counted them in the
     // databases; the nodes' counters only annotate a shortfall.
-    let (redeliveries, dlq_duplicates) = h.iter().fold((0u64, 0u64), |(i, d), e| match &e.event {
+    let (mut redeliveries, dlq_duplicates) = h.iter().fold((0u64, 0u64), |(i, d), e| match &e.event {
         Event::Redelivered { inbox, dead_letters, .. } => (i + inbox, d + dead_letters),
         _ => (i, d),
     });
+    // Issue 26: after a failover the counters are the promoted server's (unlogged: zero at
+    // promotion), and an arrival counts only where the inbox record it met was stamped
+    // processed before the failover (10 ms for the clocks): a record the failover kept, not
+    // one made after it (the after-heal writes', a replay's of them).
+    let failover = h.iter().filter(|e| matches!(e.event, Event::Failover { .. })).map(|e| e.t_ms).min();
+    let mut after_failover = "";
+    if let Some(t) = failover {
+        after_failover = " before the failover";
+        redeliveries = h
+            .iter()
+            .map(|e| match &e.event {
+                Event::Redelivered { inbox_met_processed_ms, .. } => {
+                    inbox_met_processed_ms.iter().filter(|p| **p + checkers::FAILOVER_CLOCK_SLACK_MS <= t).count() as u64
+                }
+                _ => 0,
+            })
+            .sum();
+    }
     let counter = |name: &str| -> f64 { metrics.values().flat_map(|m| m.iter()).filter(|(k, _)| k.as_str() == name).map(|(_, v)| v).sum() };
     let f = s.floor;
     let mut why = Vec::new();
@@ -289,7 +307,7 @@ fn below_floor(s: &Scenario, h: &History, metrics: &BTreeMap<String, BTreeMap<St
     }
     if redeliveries < f.redeliveries {
         why.push(format!(
-            "{redeliveries} deliveries of an envelope an inbox already held processed (the database's count), below min_redeliveries = {} \
+            "{redeliveries} deliveries of an envelope an inbox already held processed{after_failover} (the database's count), below min_redeliveries = {} \
              (the nodes' inbox_dedup_hits_total: {})",
             f.redeliveries,
             counter("inbox_dedup_hits_total")
@@ -994,8 +1012,8 @@ mod tests {
         let metrics = BTreeMap::from([("rules-1".to_owned(), BTreeMap::from([("inbox_dedup_hits_total".to_owned(), 2.0)]))]);
         let why = below_floor(&s, &h, &metrics).unwrap();
         assert!(why.contains("0 deliveries") && why.contains("inbox_dedup_hits_total: 2"), "{why}");
-        h.push(50, Event::Redelivered { service: "rules".into(), inbox: 2, dead_letters: 0 });
-        h.push(50, Event::Redelivered { service: "security".into(), inbox: 0, dead_letters: 1 });
+        h.push(50, Event::Redelivered { service: "rules".into(), inbox: 2, dead_letters: 0, inbox_met_processed_ms: vec![] });
+        h.push(50, Event::Redelivered { service: "security".into(), inbox: 0, dead_letters: 1, inbox_met_processed_ms: vec![] });
         assert_eq!(below_floor(&s, &h, &none), None, "3 acknowledged >= 4/2, one after the heal, 2 redeliveries in the database");
         let mut thin = History::default();
         write(&mut thin, 10, 1, Outcome::Ok);
@@ -1003,6 +1021,35 @@ mod tests {
         write(&mut thin, 40, 3, Outcome::Failed);
         let why = below_floor(&s, &thin, &metrics).unwrap();
         assert!(why.contains("1 writes acknowledged, below min_acknowledged = 2"), "{why}");
+    }
+
+    /// Issue 26: after a failover an inbox arrival proves a record the failover kept only
+    /// where the record it met was stamped processed before the failover (10 ms for the
+    /// clocks); the arrivals that met records made after it (the after-heal writes, a
+    /// replay's of them) and the counter's total prove nothing.
+    #[test]
+    fn after_a_failover_only_arrivals_at_records_stamped_before_it_meet_the_redelivery_floor() {
+        let s = crate::scenario::parse(
+            Path::new("t.toml"),
+            "name = \"t\"\namendment = \"x\"\n[fleet]\ncases = {}\n[workload]\nwrites = 2\nrate = 10\n\
+             [expect]\nmin_redeliveries = 2\nno_loss = \"hold\"\n",
+        )
+        .unwrap();
+        let none = BTreeMap::new();
+        let run = |stamped: Vec<u64>| {
+            let mut h = History::default();
+            for (t, n) in [(10, 1u128), (20, 2)] {
+                h.push(t, Event::Write { referral: Uuid::from_u128(n), replica: "cases-1".into(), outcome: Outcome::Ok, status: None, answered_ms: None });
+            }
+            h.push(100, Event::Failover { replayed_until_ms: Some(80), mode: "sync".into(), promoted_ms: Some(300) });
+            h.push(900, Event::Redelivered { service: "rules".into(), inbox: 40, dead_letters: 0, inbox_met_processed_ms: stamped });
+            below_floor(&s, &h, &none)
+        };
+        assert_eq!(run(vec![40, 90, 91, 150, 400]), None, "stamped @40 and @90: two records the failover kept");
+        let why = run(vec![40, 91, 150, 400, 500]).unwrap();
+        assert!(why.contains("1 deliveries of an envelope an inbox already held processed before the failover"), "{why}");
+        let why = run(vec![]).unwrap();
+        assert!(why.contains("0 deliveries") && why.contains("before the failover"), "the counter's 40 count for nothing: {why}");
     }
 
     /// Issue 22: the arbiter's own "absorbed" line counts only with the payment it absorbed

@@ -573,12 +573,22 @@ async fn record_transaction_transitions(financial: &PgPool) -> anyhow::Result<()
 /// its true count (PostgreSQL logs sequences ahead), an unlogged one comes back at zero, so
 /// a count can only fall short, never meet a floor with arrivals that never happened.
 /// It counts arrivals; whether the handler then stayed skipped is `effect_once`'s to judge.
+///
+/// Beside the count, each arrival's record: when the inbox row it met was stamped processed
+/// (`chaos_inbox_redelivery_hits`, unlogged too, written in the inbox's own transaction, so
+/// a rolled-back arrival leaves no row: it can only fall short). After a failover both start
+/// at zero on the promoted server, and the floor counts only the arrivals that met a record
+/// stamped before the failover: an inbox record the failover kept, not one made after it.
 async fn count_inbox_redeliveries(pool: &PgPool) -> anyhow::Result<()> {
     execute_all(pool, "installing the inbox redelivery counter", &[
         "CREATE UNLOGGED SEQUENCE IF NOT EXISTS chaos_inbox_redeliveries",
-        "CREATE OR REPLACE FUNCTION chaos_count_inbox_redelivery() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
-           IF EXISTS (SELECT 1 FROM event_inbox WHERE envelope_id = NEW.envelope_id AND processed_at IS NOT NULL) THEN \
+        "CREATE UNLOGGED TABLE IF NOT EXISTS chaos_inbox_redelivery_hits (processed_at timestamptz NOT NULL)",
+        "CREATE OR REPLACE FUNCTION chaos_count_inbox_redelivery() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         DECLARE stamped timestamptz; BEGIN \
+           SELECT processed_at INTO stamped FROM event_inbox WHERE envelope_id = NEW.envelope_id AND processed_at IS NOT NULL LIMIT 1; \
+           IF FOUND THEN \
              PERFORM nextval('chaos_inbox_redeliveries'); \
+             INSERT INTO chaos_inbox_redelivery_hits (processed_at) VALUES (stamped); \
            END IF; RETURN NEW; END $$",
         "DROP TRIGGER IF EXISTS chaos_inbox_redelivery ON event_inbox",
         "CREATE TRIGGER chaos_inbox_redelivery BEFORE INSERT ON event_inbox FOR EACH ROW EXECUTE FUNCTION chaos_count_inbox_redelivery()",
