@@ -576,7 +576,9 @@ async fn record_transaction_transitions(financial: &PgPool) -> anyhow::Result<()
 ///
 /// Beside the count, each arrival's record: when the inbox row it met was stamped processed
 /// (`chaos_inbox_redelivery_hits`, unlogged too, written in the inbox's own transaction, so
-/// a rolled-back arrival leaves no row: it can only fall short). After a failover both start
+/// a rolled-back arrival leaves no row: it can only fall short; the row gives the arrival's
+/// transaction an id, so where it also wrote WAL its commit waits for a synchronous standby,
+/// as every other write does, where `nextval` alone did not). After a failover both start
 /// at zero on the promoted server, and the floor counts only the arrivals that met a record
 /// stamped before the failover: an inbox record the failover kept, not one made after it.
 async fn count_inbox_redeliveries(pool: &PgPool) -> anyhow::Result<()> {
