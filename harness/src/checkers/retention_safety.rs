@@ -20,6 +20,9 @@ pub fn retention_safety(h: &History) -> Verdict {
         h.iter().filter_map(|e| if let Event::InboxEdge { envelope, .. } = &e.event { Some(*envelope) } else { None }).collect();
     let (mut inbox_deletes, mut edge_deletes) = (0, 0);
     let (mut accepted, mut refused, mut past_accepted) = (0, 0, 0);
+    // Inside the window a replay must be accepted; one answered otherwise (or not at all)
+    // re-staged nothing, so what the scenario built on it was never tested.
+    let mut in_window_unaccepted: Vec<String> = Vec::new();
     for e in h.iter() {
         match &e.event {
             Event::PruneCycle { kept_pending, .. } => {
@@ -70,11 +73,19 @@ pub fn retention_safety(h: &History) -> Verdict {
                 ));
             }
             // Inside the window (a past-window one not refused 422 is the arm above).
-            Event::Replay { status, .. } => {
+            Event::Replay { replica, status, from_age_ms, window_ms, .. } => {
                 if *status == Some(200) {
                     accepted += 1;
                 } else {
                     refused += 1;
+                }
+                // A past-window one here was refused with 422, as it must be.
+                if *status != Some(200) && from_age_ms <= window_ms {
+                    in_window_unaccepted.push(format!(
+                        "{replica} answered {} @{}ms",
+                        status.map_or_else(|| "nothing".to_owned(), |s| s.to_string()),
+                        e.t_ms
+                    ));
                 }
             }
             _ => {}
@@ -98,6 +109,13 @@ pub fn retention_safety(h: &History) -> Verdict {
     let proven = inbox_proven && if staged_pending { cycles > 0 && (kept > 0 || pruned > 0) } else { cycles > 0 || accepted + refused > 0 };
     // Rows staged for the prune that no cycle reached are a test that did not happen, not
     // "nothing to check": an unlisted retention_safety then makes the run inconclusive.
+    if !in_window_unaccepted.is_empty() {
+        let why = format!(
+            "unproven: the admin replay inside the outbox window was not accepted ({}): nothing was re-staged",
+            in_window_unaccepted.join("; ")
+        );
+        return v.settle(true, &why);
+    }
     let why = if staged_pending || !edges.is_empty() {
         "unproven: the rows staged for the prune (backdated pending rows, inbox edge records) were never reached by a prune cycle"
     } else {

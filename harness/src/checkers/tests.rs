@@ -2115,6 +2115,18 @@ fn retention_safety_holds_the_prune_and_the_replay_rule() {
     unavailable.sort();
     let v = retention_safety(&unavailable);
     assert_eq!((v.validity, v.culprits.get("kind:replay_past_window")), (Validity::Invalid, Some(&2)), "{v:?}");
+    // Inside the window a replay must be accepted: one answered 503 (or nothing) re-staged
+    // nothing, and a run built on it proves nothing (unproven, never held).
+    for status in [Some(503), None] {
+        let mut failed = History::default();
+        started(&mut failed, 0, "cases-1", &[]);
+        failed.push(5_000, Event::Replay { replica: "cases-1".into(), from_age_ms: 30 * day - 3_600_000, window_ms: 30 * day, status, restaged: None });
+        replay(&mut failed, 5_100, 30 * day + 3_600_000, 422);
+        let v = retention_safety(&failed);
+        assert_eq!(v.validity, Validity::Unknown, "{v:?}");
+        assert!(!v.nothing_to_check(), "{v:?}");
+        assert!(v.error.as_deref().is_some_and(|e| e.contains("inside the outbox window was not accepted (cases-1 answered")), "{v:?}");
+    }
     // ... and a dedup record deleted inside the 31 d inbox window is a violation; the one
     // past it is the prune's to take.
     let mut inbox = h.clone();
