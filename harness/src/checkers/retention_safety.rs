@@ -11,7 +11,8 @@ use super::*;
 ///   the replica that accepted it.
 ///
 /// Corroborated by the system, or unknown: a prune cycle logged (`retention.cycle`), or a
-/// replay asked. A run that staged pending rows for the prune to keep must show a cycle that
+/// replay asked; a replay inside the outbox window answered anything but 200 re-staged
+/// nothing, and leaves it unproven. A run that staged pending rows for the prune to keep must show a cycle that
 /// saw and kept them (`retention.outbox_unpublished_beyond_grace`) or deleted them.
 pub fn retention_safety(h: &History) -> Verdict {
     let mut v = Verdict::new("retention_safety");
@@ -78,14 +79,14 @@ pub fn retention_safety(h: &History) -> Verdict {
                     accepted += 1;
                 } else {
                     refused += 1;
-                }
-                // A past-window one here was refused with 422, as it must be.
-                if *status != Some(200) && from_age_ms <= window_ms {
-                    in_window_unaccepted.push(format!(
-                        "{replica} answered {} @{}ms",
-                        status.map_or_else(|| "nothing".to_owned(), |s| s.to_string()),
-                        e.t_ms
-                    ));
+                    // A past-window one here was refused with 422, as it must be.
+                    if from_age_ms <= window_ms {
+                        in_window_unaccepted.push(format!(
+                            "{replica} answered {} @{}ms",
+                            status.map_or_else(|| "nothing".to_owned(), |s| s.to_string()),
+                            e.t_ms
+                        ));
+                    }
                 }
             }
             _ => {}
@@ -107,8 +108,6 @@ pub fn retention_safety(h: &History) -> Verdict {
     // them (the one past the window deleted), or the inbox rule was never tested.
     let inbox_proven = edges.is_empty() || edge_deletes > 0;
     let proven = inbox_proven && if staged_pending { cycles > 0 && (kept > 0 || pruned > 0) } else { cycles > 0 || accepted + refused > 0 };
-    // Rows staged for the prune that no cycle reached are a test that did not happen, not
-    // "nothing to check": an unlisted retention_safety then makes the run inconclusive.
     if !in_window_unaccepted.is_empty() {
         let why = format!(
             "unproven: the admin replay inside the outbox window was not accepted ({}): nothing was re-staged",
@@ -116,6 +115,8 @@ pub fn retention_safety(h: &History) -> Verdict {
         );
         return v.settle(true, &why);
     }
+    // Rows staged for the prune that no cycle reached are a test that did not happen, not
+    // "nothing to check": an unlisted retention_safety then makes the run inconclusive.
     let why = if staged_pending || !edges.is_empty() {
         "unproven: the rows staged for the prune (backdated pending rows, inbox edge records) were never reached by a prune cycle"
     } else {
