@@ -98,10 +98,14 @@ async fn show(State(p): State<FaultProxy>, Path(name): Path<String>) -> ApiResul
 #[derive(Deserialize)]
 struct ProxyUpdate {
     enabled: Option<bool>,
+    upstream: Option<String>,
 }
 
 async fn update(State(p): State<FaultProxy>, Path(name): Path<String>, body: axum::body::Bytes) -> ApiResult<Json<super::ProxyInfo>> {
     let req: ProxyUpdate = serde_json::from_slice(&body).map_err(bad)?;
+    if let Some(upstream) = &req.upstream {
+        p.set_upstream(&name, upstream).await?;
+    }
     match req.enabled {
         Some(e) => Ok(Json(p.set_enabled(&name, e).await?)),
         None => Ok(Json(p.get(&name)?)),

@@ -78,6 +78,13 @@ impl ToxiproxyClient {
         Ok(self.call(req, format!("set {name} enabled={enabled}")).await?.expect("proxy body"))
     }
 
+    /// Toxiproxy's upstream update: new connections go to `upstream`; an enabled proxy
+    /// restarts, its live connections cut (issue 26: a failover moves the database address).
+    pub async fn set_upstream(&self, name: &str, upstream: &str) -> Result<ProxyInfo, ClientError> {
+        let req = self.http.post(format!("{}/proxies/{name}", self.base)).json(&json!({ "upstream": upstream }));
+        Ok(self.call(req, format!("set {name} upstream={upstream}")).await?.expect("proxy body"))
+    }
+
     pub async fn delete_proxy(&self, name: &str) -> Result<(), ClientError> {
         let req = self.http.delete(format!("{}/proxies/{name}", self.base));
         self.call::<serde_json::Value>(req, format!("delete proxy {name}")).await.map(|_| ())

@@ -44,7 +44,14 @@ pub(crate) async fn run(
     kill: CancellationToken,
     stats: Arc<super::Stats>,
 ) {
-    let server = match TcpStream::connect(&upstream).await {
+    // A connection still reaching its upstream is cut like a live one (a `down`, a delete, a
+    // new upstream): a connect to a server that died without a reset (a killed container's
+    // address) would otherwise hold the client for the kernel's whole SYN retry, minutes.
+    let connect = tokio::select! {
+        r = TcpStream::connect(&upstream) => r,
+        () = kill.cancelled() => return,
+    };
+    let server = match connect {
         Ok(s) => s,
         Err(e) => {
             tracing::debug!(event = "proxy.upstream_unreachable", %upstream, error = %e);

@@ -329,6 +329,30 @@ impl FaultProxy {
         Ok(())
     }
 
+    /// A new upstream, as Toxiproxy's `POST /proxies/{name}` with `upstream`: an enabled
+    /// proxy restarts (its listener closed and opened again, its live connections cut), so
+    /// every connection from then on goes to the new upstream. Issue 26: how a failover
+    /// moves the database address on the containers backend.
+    pub async fn set_upstream(&self, name: &str, upstream: &str) -> Result<ProxyInfo, ProxyError> {
+        if upstream.is_empty() {
+            return Err(ProxyError::Bad("upstream is required".into()));
+        }
+        let enabled = {
+            let mut map = self.proxies.lock().unwrap();
+            let p = map.get_mut(name).ok_or_else(|| ProxyError::NoProxy(name.into()))?;
+            if p.upstream == upstream {
+                return Ok(p.info(name));
+            }
+            p.upstream = upstream.to_owned();
+            p.enabled
+        };
+        if enabled {
+            self.set_enabled(name, false).await?;
+            return self.set_enabled(name, true).await;
+        }
+        self.get(name)
+    }
+
     /// Toxiproxy's `/reset`: every proxy enabled, every toxic removed.
     pub async fn reset(&self) -> Result<(), ProxyError> {
         let names: Vec<String> = self.proxies.lock().unwrap().keys().cloned().collect();

@@ -451,6 +451,35 @@ async fn disabling_cuts_live_connections_and_refuses_new_ones_until_enabled() {
     assert_eq!(read_exact_n(&mut again, 4).await, b"back");
 }
 
+/// Issue 26: a failover moves the database address by a proxy's upstream (Toxiproxy's
+/// `POST /proxies/{name}` with `upstream`): the connection to the old server is cut, every
+/// new one reaches the new server, on the same address. Both the server mode and in process.
+#[tokio::test]
+async fn a_new_upstream_cuts_live_connections_and_leads_new_ones_there() {
+    for rig in [new_rig().await, in_process_rig().await] {
+        let mut live = TcpStream::connect(&rig.listen).await.unwrap();
+        let old = rig.server.conn(0).await;
+        live.write_all(b"old").await.unwrap();
+        wait_for(|| old.received() == b"old").await;
+
+        let promoted = Server::start().await;
+        let info = rig.api.set_upstream("svc", &promoted.addr).await.unwrap();
+        assert_eq!((info.upstream.as_str(), info.listen.as_str(), info.enabled), (promoted.addr.as_str(), rig.listen.as_str(), true), "{info:?}");
+        assert_eq!(info.cut_connections, Some(1), "the connection to the old upstream is cut");
+        let (_, _) = read_to_end(&mut live).await;
+
+        let mut again = TcpStream::connect(&rig.listen).await.unwrap();
+        again.write_all(b"new").await.unwrap();
+        let s = promoted.conn(0).await;
+        wait_for(|| s.received() == b"new").await;
+        assert_eq!(rig.server.conns.lock().unwrap().len(), 1, "nothing new reached the old upstream");
+        let missing = rig.api.set_upstream("nope", &promoted.addr).await.unwrap_err();
+        assert!(missing.to_string().contains("404"), "{missing}");
+        let empty = rig.api.set_upstream("svc", "").await.unwrap_err();
+        assert!(empty.to_string().contains("400"), "{empty}");
+    }
+}
+
 /// Disabled means closed by the time the answer comes (Toxiproxy closes its listener before
 /// it answers): the accept task's abort used to drop the listener only when the runtime next
 /// polled it, and a connect right after "disabled" was accepted (CI, 38ba52f). Many cycles,
