@@ -177,7 +177,7 @@ pub struct Scenario {
     #[serde(skip)]
     pub broker_nodes: u8,
     /// The database's streaming standby (`[fleet] database = { standby = true, sync = true }`,
-    /// issue 26; local backend): None without one. Its replication connection is the fault
+    /// issue 26; local and containers backends): None without one. Its replication connection is the fault
     /// proxy's link `standby->database`, a target for `toxic`, `down` and `replication_lag`; `failover` kills the
     /// primary and promotes it.
     #[serde(skip)]

@@ -33,8 +33,10 @@ use libtest_mimic::{Arguments, Failed, Trial};
 /// The scenarios that also run on the containers backend: one per fault kind (a server
 /// killed, a toxic, a link down, a queue limit, backends terminated, a crash point, a mutant
 /// with refused staging, a rollout, a server partitioned off the run's network, a server
-/// paused, exports under a partitioned database) and the twins `pre-1128-black-hole`,
-/// `rolling-upgrade-1128` and `pre-1128-broker-partition` (red on a real network partition).
+/// paused, exports under a partitioned database, a database failover) and the twins
+/// `pre-1128-black-hole`, `rolling-upgrade-1128`, `pre-1128-broker-partition` (red on a real
+/// network partition) and `failover-async-forgets` (red for what an asynchronous standby
+/// forgot, issue 26).
 const CONTAINERS_SUBSET: &[&str] = &[
     "broker-kill",
     "database-restart",
@@ -51,6 +53,8 @@ const CONTAINERS_SUBSET: &[&str] = &[
     "pre-1128-broker-partition",
     "exports-database-partition",
     "database-pause",
+    "failover-sync",
+    "failover-async-forgets",
 ];
 
 /// Whether a Docker engine answers on its socket (`DOCKER_HOST` as unix://, else the

@@ -17,6 +17,11 @@
 //! with the engine's own word as evidence (`docker inspect`). Every container carries the
 //! run's labels ([`RUN_LABEL`], [`HOST_LABEL`], [`PID_LABEL`]); those of a run of this
 //! machine whose process is gone are removed before a run starts ([`reap_leftovers`]).
+//!
+//! A database standby (issue 26, [`ContainersBackend::add_standby`]) is a second container
+//! of the database image, streaming from the primary through the link `standby->database`
+//! in the Toxiproxy container; the run's database address is then a proxy there too
+//! ([`DATABASE_ADDRESS_PROXY`]), whose upstream a failover moves to the promoted standby.
 
 use std::time::Duration;
 
@@ -36,6 +41,15 @@ pub const TOXIPROXY_API_PORT: u16 = 8474;
 /// Container names on the run's network (Toxiproxy's upstreams).
 pub const POSTGRES_HOST: &str = "craig-postgres";
 pub const RABBITMQ_HOST: &str = "craig-rabbitmq";
+/// Issue 26: the proxy in the Toxiproxy container that is the run's database address once
+/// a standby runs (the virtual IP or DNS name an operator's failover moves): every client
+/// reaches the primary of the moment through it, the harness on a published slot, each
+/// replica's own link by the Toxiproxy container's name.
+pub const DATABASE_ADDRESS_PROXY: &str = "database-address";
+/// Issue 26: where the standby's replication connection goes inside the Toxiproxy container
+/// (the link `standby->database`, made by the harness). Not published: only the standby, on
+/// the run's network, connects to it.
+pub const REPLICATION_PORT: u16 = 21_000;
 
 /// One image: repository name and tag.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -282,6 +296,37 @@ pub fn toxiproxy_request(network: &str, image: &ImageRef, ports: &HostPorts) -> 
     labelled(r, network)
 }
 
+/// Issue 26: the standby's container, of the database image, run as `postgres` with a shell
+/// as its entrypoint: on first boot it takes a base backup of the primary (`pg_basebackup`
+/// with a replication slot, straight from the primary's container) and points its
+/// replication connection at the link in the Toxiproxy container ([`REPLICATION_PORT`]);
+/// then it runs the server as a hot standby (a restart keeps its data and takes no backup).
+/// Ready once the server takes read-only connections.
+pub fn standby_request(network: &str, image: &ImageRef, host_port: u16) -> ContainerRequest<GenericImage> {
+    let name = super::local::STANDBY_NAME;
+    let script = format!(
+        r#"set -e
+if [ ! -s "$PGDATA/PG_VERSION" ]; then
+  chmod 700 "$PGDATA"
+  pg_basebackup -h {POSTGRES_HOST}-{network} -p 5432 -U postgres -D "$PGDATA" -X stream -C -S {name} -R --checkpoint=fast
+  printf '%s
+' "primary_conninfo = 'host=craig-toxiproxy-{network} port={REPLICATION_PORT} user=postgres application_name={name}'" "primary_slot_name = '{name}'" >> "$PGDATA/postgresql.auto.conf"
+fi
+exec postgres -D "$PGDATA" -c listen_addresses='*' -c fsync=off -c wal_retrieve_retry_interval=100ms"#
+    );
+    let r = GenericImage::new(image.name.clone(), image.tag.clone())
+        .with_entrypoint("sh")
+        .with_exposed_port(5432.tcp())
+        .with_wait_for(WaitFor::message_on_stderr("database system is ready to accept read-only connections"))
+        .with_network(network)
+        .with_container_name(format!("{POSTGRES_HOST}-standby-{network}"))
+        .with_user("postgres")
+        .with_mapped_port(host_port, 5432.tcp())
+        .with_cmd(["-c".to_owned(), script])
+        .with_startup_timeout(Duration::from_secs(90));
+    labelled(r, network)
+}
+
 /// Containers and networks of runs of THIS machine whose process is gone (a SIGKILLed
 /// `chaos run` leaves them), removed before a run starts, through the docker CLI; best
 /// effort, each step bounded.
@@ -333,6 +378,13 @@ async fn docker(args: &[&str]) -> Result<String, String> {
     }
 }
 
+/// The last lines a container wrote (both streams), for an error that needs them.
+async fn logs_tail(id: &str) -> String {
+    docker_output(&["logs", "--tail", "15", id])
+        .await
+        .map_or_else(|_| "(docker logs gave nothing)".to_owned(), |o| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+}
+
 /// `docker ARGS`, bounded (30 s), whatever its exit: both its streams.
 async fn docker_output(args: &[&str]) -> Result<std::process::Output, String> {
     // The engine the probe asked (a CLI context could name another).
@@ -354,9 +406,26 @@ pub struct ContainersBackend {
     /// Link slots handed out ([`ContainersBackend::proxy_listen`]).
     links: usize,
     _leases: Vec<super::local::PortLease>,
+    /// The database image (a standby runs it too).
+    postgres_image: ImageRef,
+    /// The database's streaming standby and the run's database address (issue 26).
+    standby: Option<Standby>,
     /// Last, so it drops after the containers: a backend dropped without
     /// [`ContainersBackend::stop`] (a run that failed half way) still removes its network.
     network_guard: NetworkGuard,
+}
+
+/// The database's standby container and the run's database address (issue 26).
+struct Standby {
+    container: ContainerAsync<GenericImage>,
+    /// The host port its 5432 is published on.
+    host_port: u16,
+    /// The database address ([`DATABASE_ADDRESS_PROXY`]): where replicas' links reach it
+    /// (`craig-toxiproxy-<network>:<port>`), and its published host port.
+    address: String,
+    address_host_port: u16,
+    sync: bool,
+    promoted: bool,
 }
 
 /// Removes the run's network when dropped, unless [`ContainersBackend::stop`] did.
@@ -432,6 +501,8 @@ impl ContainersBackend {
             ports,
             links: 0,
             _leases: leases,
+            postgres_image: images.postgres.clone(),
+            standby: None,
             network_guard,
         };
         super::create_databases(b.ports.postgres, &b.services).await?;
@@ -440,19 +511,114 @@ impl ContainersBackend {
 
     pub fn endpoints(&self) -> Endpoints {
         // Toxiproxy reaches the servers by container name on the run's network.
-        let db = format!("{POSTGRES_HOST}-{}:5432", self.network);
         let mq = format!("{RABBITMQ_HOST}-{}:5672", self.network);
-        Endpoints::loopback(&self.services, self.ports.postgres, self.ports.amqp, db, mq)
+        match &self.standby {
+            // Issue 26: every client reaches the database by its address, which a failover moves.
+            Some(sb) => Endpoints::loopback(&self.services, sb.address_host_port, self.ports.amqp, sb.address.clone(), mq),
+            None => Endpoints::loopback(&self.services, self.ports.postgres, self.ports.amqp, format!("{POSTGRES_HOST}-{}:5432", self.network), mq),
+        }
     }
 
     /// The next link slot: where a proxy listens inside the Toxiproxy container, and where
     /// a replica on the host reaches it.
     pub fn proxy_listen(&mut self) -> Result<(String, String), BackendError> {
-        let (inside, host) = *self.ports.proxies.get(self.links).ok_or_else(|| {
+        let (inside, host) = self.next_slot()?;
+        Ok((format!("0.0.0.0:{inside}"), format!("127.0.0.1:{host}")))
+    }
+
+    /// The next link slot: (port inside the Toxiproxy container, host port).
+    fn next_slot(&mut self) -> Result<(u16, u16), BackendError> {
+        let slot = *self.ports.proxies.get(self.links).ok_or_else(|| {
             BackendError::failed("wiring a replica's link", format!("the Toxiproxy container has {PROXY_SLOTS} link slots, all taken"))
         })?;
         self.links += 1;
-        Ok((format!("0.0.0.0:{inside}"), format!("127.0.0.1:{host}")))
+        Ok(slot)
+    }
+
+    /// Issue 26: a streaming standby of the database, in a second container of the database
+    /// image ([`standby_request`]), and the run's database address from now on
+    /// ([`DATABASE_ADDRESS_PROXY`], a proxy in the Toxiproxy container on a published slot,
+    /// leading to the primary). The primary first lets replication connections in (a
+    /// `pg_hba.conf` line, reloaded). The standby streams once the harness has made its
+    /// replication link ([`ContainersBackend::replication_link`],
+    /// [`ContainersBackend::start_replication`]). Before any client connects.
+    pub async fn add_standby(&mut self, sync: bool) -> Result<(), BackendError> {
+        if self.standby.is_some() {
+            return Ok(());
+        }
+        let primary = self.postgres.id().to_owned();
+        docker(&["exec", &primary, "sh", "-c", r#"echo "host replication all all trust" >> "$PGDATA/pg_hba.conf""#])
+            .await
+            .map_err(|e| BackendError::failed("letting the standby replicate (pg_hba.conf of the primary)", e))?;
+        let mut c = super::local::admin_conn(self.ports.postgres).await?;
+        sqlx::query("SELECT pg_reload_conf()").execute(&mut c).await.map_err(|e| BackendError::failed("reloading the primary's pg_hba.conf", e))?;
+        let _ = sqlx::Connection::close(c).await;
+        let lease = super::local::lease_port_for_containers()?;
+        let host_port = lease.port();
+        self._leases.push(lease);
+        let container =
+            standby_request(&self.network, &self.postgres_image, host_port).start().await.map_err(tc("starting the standby's container"))?;
+        let (inside, address_host_port) = self.next_slot()?;
+        let toxi = crate::proxy::ToxiproxyClient::new(self.toxiproxy_api());
+        toxi.create_proxy(DATABASE_ADDRESS_PROXY, &format!("0.0.0.0:{inside}"), &format!("{POSTGRES_HOST}-{}:5432", self.network))
+            .await
+            .map_err(|e| BackendError::failed("creating the database address (a proxy in the Toxiproxy container)", e))?;
+        let address = format!("craig-toxiproxy-{}:{inside}", self.network);
+        self.standby = Some(Standby { container, host_port, address, address_host_port, sync, promoted: false });
+        Ok(())
+    }
+
+    /// The standby's replication link (issue 26): `(listen, upstream)` in the Toxiproxy
+    /// container, where the link `standby->database` must listen and what it forwards to
+    /// (the primary's container).
+    pub fn replication_link(&self) -> Option<(String, String)> {
+        self.standby.as_ref().filter(|s| !s.promoted).map(|_| (format!("0.0.0.0:{REPLICATION_PORT}"), format!("{POSTGRES_HOST}-{}:5432", self.network)))
+    }
+
+    /// Issue 26: once the replication link exists, the standby streaming in its mode, caught
+    /// up, as the primary reports it ([`super::local::await_streaming`]).
+    pub async fn start_replication(&self) -> Result<String, BackendError> {
+        let sb = self.standby.as_ref().ok_or_else(|| BackendError::failed("starting replication", "the database has no standby"))?;
+        let id = sb.container.id().to_owned();
+        super::local::await_streaming(self.ports.postgres, sb.sync, async || logs_tail(&id).await).await
+    }
+
+    /// Issue 26: a watch on how far behind the primary reports its standby, while one
+    /// streams (None: none, or promoted).
+    pub fn replication_watch(&self) -> Option<super::local::ReplicationWatch> {
+        self.standby.as_ref().filter(|s| !s.promoted).map(|_| super::local::ReplicationWatch::on(self.ports.postgres))
+    }
+
+    /// Issue 26, a failover as an operator's tooling does it: the primary's container
+    /// killed (`docker kill`), the standby promoted ([`super::local::promote`]), and the
+    /// database address moved to it (the proxy's upstream, Toxiproxy's `POST /proxies`).
+    /// The evidence is the engine's word that the primary's container is not running, and
+    /// the promoted server's own (its timeline moved on, out of recovery). Once.
+    pub async fn failover(&mut self) -> Result<super::local::Failover, BackendError> {
+        let Some((port, sync)) = self.standby.as_ref().filter(|s| !s.promoted).map(|s| (s.host_port, s.sync)) else {
+            return Err(BackendError::failed("failing over", "the database has no standby (left)"));
+        };
+        let primary = self.id(Target::Database).to_owned();
+        let began = std::time::Instant::now();
+        let killed = self.kill(Target::Database).await?.ok_or_else(|| BackendError::failed("failing over", "the engine does not say the primary's container stopped"))?;
+        let dead_after = began.elapsed();
+        // `docker kill` returns once the engine has cleaned up after the container (about a
+        // second here); the engine's record of its exit is when writes stopped committing.
+        let died_at_epoch_ms = docker(&["inspect", "-f", "{{.State.FinishedAt}}", &primary])
+            .await
+            .ok()
+            .and_then(|t| chrono::DateTime::parse_from_rfc3339(t.trim()).ok())
+            .map(|t| t.timestamp_millis());
+        let after_kill = |e: BackendError| BackendError::failed("failing over (the primary's container was killed)", e);
+        let (timeline_before, timeline_after, replayed_until_db_ms) = super::local::promote(port).await.map_err(after_kill)?;
+        let now_at = format!("{POSTGRES_HOST}-standby-{}:5432", self.network);
+        let toxi = crate::proxy::ToxiproxyClient::new(self.toxiproxy_api());
+        toxi.set_upstream(DATABASE_ADDRESS_PROXY, &now_at).await.map_err(|e| after_kill(BackendError::failed("moving the database address", e)))?;
+        if let Some(sb) = self.standby.as_mut() {
+            // The standby is the primary now: every later database fault is its.
+            sb.promoted = true;
+        }
+        Ok(super::local::Failover { killed, dead_after, died_at_epoch_ms, timeline_before, timeline_after, replayed_until_db_ms, sync, now_at })
     }
 
     /// A call to the RabbitMQ container's management API, as the admin; a 404 is `None`.
@@ -526,7 +692,10 @@ impl ContainersBackend {
     /// The container of `t`.
     fn id(&self, t: Target) -> &str {
         match t {
-            Target::Database => self.postgres.id(),
+            Target::Database => match &self.standby {
+                Some(sb) if sb.promoted => sb.container.id(),
+                _ => self.postgres.id(),
+            },
             // One broker container (a cluster is refused here before anything starts).
             Target::Broker | Target::BrokerNode(_) => self.rabbitmq.id(),
         }
@@ -610,7 +779,11 @@ impl ContainersBackend {
         match t {
             Target::Database => {
                 use sqlx::Connection as _;
-                let url = format!("postgres://postgres@127.0.0.1:{}/postgres", self.ports.postgres);
+                let port = match &self.standby {
+                    Some(sb) if sb.promoted => sb.host_port,
+                    _ => self.ports.postgres,
+                };
+                let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
                 match tokio::time::timeout(Duration::from_secs(3), sqlx::PgConnection::connect(&url)).await {
                     Ok(Ok(c)) => {
                         let _ = tokio::time::timeout(Duration::from_secs(2), c.close()).await;
@@ -669,7 +842,11 @@ impl ContainersBackend {
         let a = self.toxiproxy.rm().await;
         let b = self.rabbitmq.rm().await;
         let c = self.postgres.rm().await;
-        let removed = a.and(b).and(c).map_err(|e| BackendError::failed("removing containers", e));
+        let d = match self.standby.take() {
+            Some(sb) => sb.container.rm().await,
+            None => Ok(()),
+        };
+        let removed = a.and(b).and(c).and(d).map_err(|e| BackendError::failed("removing containers", e));
         // The network is ours (created in start), so testcontainers leaves it.
         let net = docker(&["network", "rm", &self.network]).await.map(|_| ()).map_err(|e| BackendError::failed("removing the run's network", e));
         removed.and(net)
@@ -705,6 +882,35 @@ mod tests {
         let env: Vec<_> = r.env_vars().map(|(k, v)| (k.into_owned(), v.into_owned())).collect();
         assert!(env.contains(&("POSTGRES_HOST_AUTH_METHOD".into(), "trust".into())), "{env:?}");
         assert!(format!("{:?}", r.ready_conditions()).contains("ready to accept connections"));
+    }
+
+    /// Issue 26: the standby is the database image run as `postgres` through a shell that
+    /// backs up the primary by its container name once, streams through the replication
+    /// link's port in the Toxiproxy container under its slot's name, and is ready when it
+    /// takes read-only connections.
+    #[test]
+    fn standby_wiring() {
+        let r = standby_request("net1", &Images::default().postgres, 11020);
+        assert_eq!(published(&r), [(11020, 5432)], "a fixed host port: a restart keeps it");
+        assert_eq!(r.descriptor(), format!("postgres:{POSTGRES_TAG}"));
+        assert_eq!(r.container_name().as_deref(), Some("craig-postgres-standby-net1"));
+        assert_eq!(r.network().as_deref(), Some("net1"));
+        assert_eq!(r.user(), Some("postgres"), "the official image starts as root, which the server refuses");
+        assert_eq!(r.labels().get(RUN_LABEL).map(String::as_str), Some("net1"));
+        assert_eq!(r.entrypoint(), Some("sh"));
+        let cmd: Vec<String> = r.cmd().map(|c| c.into()).collect();
+        assert_eq!(cmd[0], "-c");
+        let script = &cmd[1];
+        for part in [
+            "if [ ! -s \"$PGDATA/PG_VERSION\" ]",
+            "pg_basebackup -h craig-postgres-net1 -p 5432 -U postgres -D \"$PGDATA\" -X stream -C -S standby -R",
+            &format!("host=craig-toxiproxy-net1 port={REPLICATION_PORT} user=postgres application_name=standby"),
+            "primary_slot_name = 'standby'",
+            "exec postgres -D \"$PGDATA\" -c listen_addresses='*'",
+        ] {
+            assert!(script.contains(part), "{part:?} not in {script}");
+        }
+        assert!(format!("{:?}", r.ready_conditions()).contains("ready to accept read-only connections"));
     }
 
     #[test]

@@ -426,8 +426,15 @@ struct Standby {
 /// What [`LocalBackend::failover`] did and saw (issue 26): its evidence.
 #[derive(Debug, Clone)]
 pub struct Failover {
-    /// The old primary's process group, killed.
-    pub killed_pid: i32,
+    /// The old primary's end, in its backend's words (a process group killed, a container
+    /// the engine says is not running).
+    pub killed: String,
+    /// From the call to the old primary gone by its backend's word: writes it took before
+    /// then can have committed there (a `docker kill` and its `inspect` take tens of ms).
+    pub dead_after: Duration,
+    /// When the old primary died by its backend's own record (epoch ms, this machine's
+    /// clock: a container's `State.FinishedAt`), where one keeps it; within `dead_after`.
+    pub died_at_epoch_ms: Option<i64>,
     /// The standby's timeline before and the promoted server's after.
     pub timeline_before: i64,
     pub timeline_after: i64,
@@ -439,6 +446,76 @@ pub struct Failover {
     pub sync: bool,
     /// The promoted server's address, where the database address now leads.
     pub now_at: String,
+}
+
+/// Issue 26, shared by the backends that run a standby: once the replication link exists,
+/// the primary on `port` waits for the standby on every commit where it is synchronous
+/// (`synchronous_standby_names`, and `synchronous_commit = remote_apply`: a commit returns
+/// once the standby has applied it), and this waits (30 s at most) until the primary reports
+/// the standby streaming, caught up, in the mode asked for. The primary's own word: `state,
+/// sync_state` of its `pg_stat_replication` row. `log` is the standby's last log lines.
+pub(super) async fn await_streaming(port: u16, sync: bool, log: impl AsyncFn() -> String) -> Result<String, BackendError> {
+    let mut c = admin_conn(port).await?;
+    let sql = |q: &str| sqlx::query(sqlx::AssertSqlSafe(q.to_owned()));
+    if sync {
+        for q in [
+            format!("ALTER SYSTEM SET synchronous_standby_names = '{STANDBY_NAME}'"),
+            "ALTER SYSTEM SET synchronous_commit = 'remote_apply'".to_owned(),
+            "SELECT pg_reload_conf()".to_owned(),
+        ] {
+            sql(&q).execute(&mut c).await.map_err(|e| BackendError::failed(format!("configuring replication ({q})"), e))?;
+        }
+    }
+    let want = if sync { "sync" } else { "async" };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = "no pg_stat_replication row for the standby".to_owned();
+    loop {
+        let row: Option<(String, String, i64)> = sqlx::query_as(
+            "SELECT state, sync_state, COALESCE((pg_current_wal_lsn() - replay_lsn)::int8, 1) FROM pg_stat_replication WHERE application_name = $1",
+        )
+        .bind(STANDBY_NAME)
+        .fetch_optional(&mut c)
+        .await
+        .map_err(|e| BackendError::failed("reading pg_stat_replication", e))?;
+        if let Some((state, sync_state, behind)) = row {
+            if state == "streaming" && sync_state == want && behind <= 0 {
+                let _ = c.close().await;
+                return Ok(format!("standby {state}, sync_state {sync_state}, caught up (the primary's pg_stat_replication)"));
+            }
+            last = format!("state {state}, sync_state {sync_state}, {behind} bytes behind");
+        }
+        if Instant::now() > deadline {
+            return Err(BackendError::failed("starting replication", format!("the standby is not streaming {want} and caught up after 30 s: {last}; last log lines:\n{}", log().await)));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Issue 26, shared by the backends that run a standby: the standby on `port` promoted
+/// (`pg_promote`, which applies all it received before it ends recovery, and waits for
+/// that), once its primary is gone. Its timeline before and after (it must have moved on),
+/// out of recovery, and the commit time (the database's clock, epoch ms) of the last
+/// transaction it applied, read after the promotion, when it is final.
+pub(super) async fn promote(port: u16) -> Result<(i64, i64, Option<i64>), BackendError> {
+    let mut c = admin_conn(port).await?;
+    let fail = |what: &'static str| move |e: sqlx::Error| BackendError::failed(what, e);
+    let timeline_before: i64 = sqlx::query_scalar("SELECT timeline_id::int8 FROM pg_control_checkpoint()").fetch_one(&mut c).await.map_err(fail("reading the standby's timeline"))?;
+    let promoted: bool = sqlx::query_scalar("SELECT pg_promote(true, 60)").fetch_one(&mut c).await.map_err(fail("pg_promote"))?;
+    let (in_recovery, timeline_after, replayed_until_db_ms): (bool, i64, Option<i64>) = sqlx::query_as(
+        "SELECT pg_is_in_recovery(), ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int8, \
+                (EXTRACT(EPOCH FROM pg_last_xact_replay_timestamp()) * 1000)::int8",
+    )
+    .fetch_one(&mut c)
+    .await
+    .map_err(fail("reading the promoted server's timeline"))?;
+    let _ = c.close().await;
+    if !promoted || in_recovery || timeline_after <= timeline_before {
+        return Err(BackendError::failed(
+            "promoting the standby",
+            format!("not promoted (pg_promote {promoted}, in recovery {in_recovery}, timeline {timeline_before} → {timeline_after})"),
+        ));
+    }
+    Ok((timeline_before, timeline_after, replayed_until_db_ms))
 }
 
 /// A TCP forwarder with a movable upstream: the run's database address (issue 26). Each
@@ -487,7 +564,7 @@ impl Vip {
 }
 
 /// A connection to the server on `port` (admin database), bounded.
-async fn admin_conn(port: u16) -> Result<sqlx::PgConnection, BackendError> {
+pub(super) async fn admin_conn(port: u16) -> Result<sqlx::PgConnection, BackendError> {
     let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
     match tokio::time::timeout(LocalBackend::PROBE_BOUND, sqlx::PgConnection::connect(&url)).await {
         Ok(Ok(c)) => Ok(c),
@@ -503,6 +580,11 @@ pub struct ReplicationWatch {
 }
 
 impl ReplicationWatch {
+    /// A watch on the primary listening on `port` (of this host).
+    pub(super) fn on(port: u16) -> Self {
+        ReplicationWatch { port, conn: None }
+    }
+
     /// The WAL bytes the primary has written that the standby has not yet applied
     /// (`pg_stat_replication`); None when the primary does not answer (killed, in a failover)
     /// or lists no standby. One connection, opened on first use and again after an error.
@@ -1195,55 +1277,18 @@ impl LocalBackend {
         self.standby.as_ref().filter(|s| !s.promoted).map(|s| (format!("127.0.0.1:{}", s.replication.port()), format!("127.0.0.1:{}", self.pg_port)))
     }
 
-    /// Issue 26: once the replication link exists, the primary waits for the standby on
-    /// every commit where the standby is synchronous (`synchronous_standby_names`, and
-    /// `synchronous_commit = remote_apply`: a commit returns once the standby has applied
-    /// it), and this waits (30 s at most) until the primary reports the standby streaming,
-    /// caught up, in the mode asked for. The primary's own word: `state, sync_state` of its
-    /// `pg_stat_replication` row.
+    /// Issue 26: once the replication link exists, the standby streaming in its mode, caught
+    /// up, as the primary reports it ([`await_streaming`]).
     pub async fn start_replication(&self) -> Result<String, BackendError> {
         let sb = self.standby.as_ref().ok_or_else(|| BackendError::failed("starting replication", "the database has no standby"))?;
-        let mut c = admin_conn(self.pg_port).await?;
-        let sql = |q: &str| sqlx::query(sqlx::AssertSqlSafe(q.to_owned()));
-        if sb.sync {
-            for q in [
-                format!("ALTER SYSTEM SET synchronous_standby_names = '{STANDBY_NAME}'"),
-                "ALTER SYSTEM SET synchronous_commit = 'remote_apply'".to_owned(),
-                "SELECT pg_reload_conf()".to_owned(),
-            ] {
-                sql(&q).execute(&mut c).await.map_err(|e| BackendError::failed(format!("configuring replication ({q})"), e))?;
-            }
-        }
-        let want = if sb.sync { "sync" } else { "async" };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let mut last = "no pg_stat_replication row for the standby".to_owned();
-        loop {
-            let row: Option<(String, String, i64)> = sqlx::query_as(
-                "SELECT state, sync_state, COALESCE((pg_current_wal_lsn() - replay_lsn)::int8, 1) FROM pg_stat_replication WHERE application_name = $1",
-            )
-            .bind(STANDBY_NAME)
-            .fetch_optional(&mut c)
-            .await
-            .map_err(|e| BackendError::failed("reading pg_stat_replication", e))?;
-            if let Some((state, sync_state, behind)) = row {
-                if state == "streaming" && sync_state == want && behind <= 0 {
-                    let _ = c.close().await;
-                    return Ok(format!("standby {state}, sync_state {sync_state}, caught up (the primary's pg_stat_replication)"));
-                }
-                last = format!("state {state}, sync_state {sync_state}, {behind} bytes behind");
-            }
-            if Instant::now() > deadline {
-                return Err(BackendError::failed("starting replication", format!("the standby is not streaming {want} and caught up after 30 s: {last}; last log lines:\n{}", log_tail(&sb.server.log))));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        await_streaming(self.pg_port, sb.sync, async || log_tail(&sb.server.log)).await
     }
 
     /// Issue 26: a watch on how far behind the primary reports its standby, while one
     /// streams (None: none, or promoted). It holds its own connection to the primary, so a
     /// sampler never needs the backend.
     pub fn replication_watch(&self) -> Option<ReplicationWatch> {
-        self.standby.as_ref().filter(|s| !s.promoted).map(|_| ReplicationWatch { port: self.pg_port, conn: None })
+        self.standby.as_ref().filter(|s| !s.promoted).map(|_| ReplicationWatch::on(self.pg_port))
     }
 
     /// Issue 26, a failover as an operator's tooling does it: the primary SIGKILLed, the
@@ -1255,30 +1300,12 @@ impl LocalBackend {
         let Some(sb) = self.standby.as_mut().filter(|s| !s.promoted) else {
             return Err(BackendError::failed("failing over", "the database has no standby (left)"));
         };
+        let began = Instant::now();
         let killed_pid = self.pg.kill().await?.ok_or_else(|| BackendError::failed("failing over", "the primary was not running"))?;
+        let dead_after = began.elapsed();
         // Past the kill, a failure says so: the primary is gone and the standby may not be promoted.
         let after_kill = |e: BackendError| BackendError::failed(format!("failing over (the primary, pid {killed_pid}, was killed)"), e);
-        let mut c = admin_conn(sb.port).await.map_err(after_kill)?;
-        let fail = |what: &'static str| move |e: sqlx::Error| after_kill(BackendError::failed(what, e));
-        let timeline_before: i64 =
-            sqlx::query_scalar("SELECT timeline_id::int8 FROM pg_control_checkpoint()").fetch_one(&mut c).await.map_err(fail("reading the standby's timeline"))?;
-        // pg_promote replays everything the standby received before it ends recovery (and
-        // waits for that); what it had applied is read afterwards, when it is final.
-        let promoted: bool = sqlx::query_scalar("SELECT pg_promote(true, 60)").fetch_one(&mut c).await.map_err(fail("pg_promote"))?;
-        let (in_recovery, timeline_after, replayed_until_db_ms): (bool, i64, Option<i64>) = sqlx::query_as(
-            "SELECT pg_is_in_recovery(), ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int8, \
-                    (EXTRACT(EPOCH FROM pg_last_xact_replay_timestamp()) * 1000)::int8",
-        )
-        .fetch_one(&mut c)
-        .await
-        .map_err(fail("reading the promoted server's timeline"))?;
-        let _ = c.close().await;
-        if !promoted || in_recovery || timeline_after <= timeline_before {
-            return Err(after_kill(BackendError::failed(
-                "promoting the standby",
-                format!("not promoted (pg_promote {promoted}, in recovery {in_recovery}, timeline {timeline_before} → {timeline_after})"),
-            )));
-        }
+        let (timeline_before, timeline_after, replayed_until_db_ms) = promote(sb.port).await.map_err(after_kill)?;
         let now_at = format!("127.0.0.1:{}", sb.port);
         *sb.vip.upstream.lock().unwrap() = now_at.clone();
         sb.promoted = true;
@@ -1290,7 +1317,7 @@ impl LocalBackend {
             Server { name: "PostgreSQL (replaced)", program: PathBuf::new(), args: vec![], env: vec![], cwd: self.root.clone(), run_as: None, log: self.root.join("pg.log"), child: None, _ports: vec![] },
         );
         self.retired.push(old);
-        Ok(Failover { killed_pid, timeline_before, timeline_after, replayed_until_db_ms, sync: sb.sync, now_at })
+        Ok(Failover { killed: format!("primary pid {killed_pid} (and its process group) died"), dead_after, died_at_epoch_ms: None, timeline_before, timeline_after, replayed_until_db_ms, sync: sb.sync, now_at })
     }
 
     pub async fn stop(mut self) -> Result<(), BackendError> {
@@ -1495,7 +1522,7 @@ fn discard(template: &Path, dir: &Path) {
 
 /// The standby's name (issue 26): its `application_name`, its replication slot, and what
 /// `synchronous_standby_names` lists when it is synchronous.
-const STANDBY_NAME: &str = "standby";
+pub(super) const STANDBY_NAME: &str = "standby";
 
 /// Who PostgreSQL runs as: the `postgres` user when the harness is root (initdb refuses root).
 fn postgres_user() -> Result<Option<(Uid, Gid)>, BackendError> {

@@ -274,11 +274,12 @@ impl Backend {
     }
 
     /// Issue 26: a streaming standby of the database server, and one database address for
-    /// every client (the local backend's; the others refuse).
+    /// every client (the local and containers backends; the external one refuses).
     pub async fn add_standby(&mut self, sync: bool) -> Result<(), BackendError> {
         match self {
             Backend::Local(b) => b.add_standby(sync).await,
-            b => Err(BackendError::Unavailable { backend: b.kind().name(), why: "a database standby runs on the local backend only, so far (issue 26)".into() }),
+            Backend::Containers(b) => b.add_standby(sync).await,
+            b => Err(BackendError::Unavailable { backend: b.kind().name(), why: "the database servers are shared: no standby of them runs here (issue 26)".into() }),
         }
     }
 
@@ -286,7 +287,8 @@ impl Backend {
     pub fn replication_link(&self) -> Option<(String, String)> {
         match self {
             Backend::Local(b) => b.replication_link(),
-            _ => None,
+            Backend::Containers(b) => b.replication_link(),
+            Backend::External(_) => None,
         }
     }
 
@@ -294,6 +296,7 @@ impl Backend {
     pub async fn start_replication(&self) -> Result<String, BackendError> {
         match self {
             Backend::Local(b) => b.start_replication().await,
+            Backend::Containers(b) => b.start_replication().await,
             b => Err(BackendError::Unavailable { backend: b.kind().name(), why: "no database standby".into() }),
         }
     }
@@ -303,7 +306,8 @@ impl Backend {
     pub fn replication_watch(&self) -> Option<local::ReplicationWatch> {
         match self {
             Backend::Local(b) => b.replication_watch(),
-            _ => None,
+            Backend::Containers(b) => b.replication_watch(),
+            Backend::External(_) => None,
         }
     }
 
@@ -311,11 +315,12 @@ impl Backend {
     pub async fn failover(&mut self) -> Result<local::Failover, BackendError> {
         match self {
             Backend::Local(b) => b.failover().await,
+            Backend::Containers(b) => b.failover().await,
             b => Err(BackendError::Unsupported {
                 backend: b.kind().name(),
                 fault: "failover",
                 target: Target::Database,
-                why: "a database standby runs on the local backend only, so far",
+                why: "the database servers are shared: no standby of them runs here",
             }),
         }
     }

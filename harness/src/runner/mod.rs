@@ -470,16 +470,19 @@ async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: 
     if s.broker_nodes > 1 && chosen.kind != BackendKind::Local {
         anyhow::bail!("backend {} runs a one-node broker; this scenario asks for {} broker nodes (CHAOS_BACKEND=local runs a cluster)", chosen.kind, s.broker_nodes);
     }
-    // A database standby (issue 26) too.
-    if s.standby.is_some() && chosen.kind != BackendKind::Local {
+    // A database standby (issue 26) too: the local and containers backends run one.
+    if s.standby.is_some() && !matches!(chosen.kind, BackendKind::Local | BackendKind::Containers) {
         anyhow::bail!("backend {} runs one database server; this scenario asks for a standby (CHAOS_BACKEND=local runs one)", chosen.kind);
     }
-    // Two links a replica, each a published port of the Toxiproxy container.
+    // Two links a replica, each a published port of the Toxiproxy container, and with a
+    // standby one more: the database address a failover moves.
     let replicas: u32 = s.fleet.values().map(|e| e.get_ref().count()).sum();
-    if chosen.kind == BackendKind::Containers && replicas * 2 > u32::from(crate::backend::containers::PROXY_SLOTS) {
+    let address = u32::from(s.standby.is_some());
+    if chosen.kind == BackendKind::Containers && replicas * 2 + address > u32::from(crate::backend::containers::PROXY_SLOTS) {
         anyhow::bail!(
-            "backend containers publishes {} replica links (two a replica) and this fleet has {replicas} replicas; run it on CHAOS_BACKEND=local",
-            crate::backend::containers::PROXY_SLOTS
+            "backend containers publishes {} links (two a replica{}) and this fleet has {replicas} replicas; run it on CHAOS_BACKEND=local",
+            crate::backend::containers::PROXY_SLOTS,
+            if address == 1 { ", one the database address" } else { "" },
         );
     }
     let (backend, choice): (Backend, Choice) =

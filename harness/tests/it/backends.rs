@@ -374,7 +374,7 @@ async fn containers_refuse_what_they_cannot_do_before_anything_starts() {
     let said = run(shipped.join("broker-down-outbox.toml"), "ghcr.io/shopify/toxiproxy:2.12.0").await;
     assert!(said.contains("is the official Toxiproxy") && said.contains("could never prove they fired"), "{said}");
     let said = run(dir.join("big.toml"), "craig-chaos/toxiproxy-api:never-pulled").await;
-    assert!(said.contains("publishes 24 replica links") && said.contains("this fleet has 13 replicas"), "{said}");
+    assert!(said.contains("publishes 24 links (two a replica)") && said.contains("this fleet has 13 replicas"), "{said}");
 }
 
 /// Issue 24's clean-up: a `chaos run` on containers killed with SIGKILL (no chance to clean

@@ -1,7 +1,8 @@
 //! `failover` (issue 26): the database primary SIGKILLed, its streaming standby promoted
 //! once it has applied all it received, and the run's database address moved to it, as an
-//! operator's tooling (Patroni, a managed service) does it. Evidence: the old primary's
-//! process group gone, the timeline moved on, the promoted server out of recovery. Nothing
+//! operator's tooling (Patroni, a managed service) does it. Evidence: the old primary gone
+//! (its process group on the local backend, its container on the containers backend, by the
+//! engine's word), the timeline moved on, the promoted server out of recovery. Nothing
 //! heals: the old primary stays gone.
 
 use super::{Cx, Room, not_supported};
@@ -18,9 +19,9 @@ impl Room for FailoverRoom {
     fn supported(backend: BackendKind, target: &FaultTarget) -> Result<(), &'static str> {
         super::kill::server_supported(backend, target)?;
         match (backend, target) {
-            (BackendKind::Local, FaultTarget::Database) => Ok(()),
-            (BackendKind::Local, _) => Err("a failover targets the database"),
-            _ => Err("a database standby runs on the local backend only, so far (issue 26)"),
+            (BackendKind::Local | BackendKind::Containers, FaultTarget::Database) => Ok(()),
+            (BackendKind::Local | BackendKind::Containers, _) => Err("a failover targets the database"),
+            _ => Err("a database standby runs on the local and containers backends only (issue 26)"),
         }
     }
 
@@ -29,8 +30,11 @@ impl Room for FailoverRoom {
             return Err(not_supported(f));
         }
         let mut backend = cx.backend.lock().await;
-        // What the standby lacks is lost at the kill: the record is put there.
-        let killed_at = cx.log.now();
+        // What the standby lacks is lost at the kill: the record is put where the old primary
+        // died by its backend's word (a container's exit as the engine recorded it, else
+        // when the kill was seen done: a process group reaped), for until then it could
+        // still commit what it was sent.
+        let began = cx.log.now();
         let done = match backend.failover().await {
             Ok(done) => done,
             Err(e) => {
@@ -38,13 +42,17 @@ impl Room for FailoverRoom {
                 return Err(e.into());
             }
         };
+        let seen_dead = began.saturating_add(u64::try_from(done.dead_after.as_millis()).unwrap_or(u64::MAX));
+        let killed_at = done.died_at_epoch_ms.map_or(seen_dead, |ms| cx.log.rel(ms).clamp(began, seen_dead));
         // The database address leads to the promoted standby once `failover` returned.
         let promoted_ms = Some(cx.log.now());
         let replayed_until_ms = done.replayed_until_db_ms.map(|ms| cx.log.rel_db(ms));
         let mode = if done.sync { "sync" } else { "async" };
         cx.evidence(Some(format!(
-            "primary pid {} (and its process group) died; standby promoted: timeline {} → {}, out of recovery, the database address now leads to {}; it had applied commits up to {} ({mode} replication)",
-            done.killed_pid,
+            "{} ({} ms after the kill was sent{}); standby promoted: timeline {} → {}, out of recovery, the database address now leads to {}; it had applied commits up to {} ({mode} replication)",
+            done.killed,
+            killed_at - began,
+            if done.died_at_epoch_ms.is_some() { ", by the engine's record of its exit" } else { "" },
             done.timeline_before,
             done.timeline_after,
             done.now_at,

@@ -60,8 +60,8 @@ impl Room for ReplicationLag {
 
     fn supported(backend: BackendKind, _: &FaultTarget) -> Result<(), &'static str> {
         match backend {
-            BackendKind::Local => Ok(()),
-            _ => Err("a database standby runs on the local backend only, so far (issue 26)"),
+            BackendKind::Local | BackendKind::Containers => Ok(()),
+            _ => Err("a database standby runs on the local and containers backends only (issue 26)"),
         }
     }
 
