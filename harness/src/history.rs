@@ -173,7 +173,9 @@ pub enum Event {
     /// The database's standby streaming (issue 26), as the primary reported it before the
     /// load began: `mode` `sync` or `async` (its `pg_stat_replication.sync_state`).
     Replication { mode: String, state: String },
-    /// The database failed over (issue 26), at the old primary's kill: the standby was
+    /// The database failed over (issue 26), at the old primary's death by its backend's
+    /// word (the SIGKILL of its process group; a container's exit as the engine recorded
+    /// it, up to a second before `docker kill` returns): the standby was
     /// promoted having applied every commit up to `replayed_until_ms` (run time, converted
     /// from the commit timestamp of the last transaction it replayed; None: none since it
     /// started) and nothing after. `mode` is the replication's (`sync`, `async`).

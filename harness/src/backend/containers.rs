@@ -323,7 +323,7 @@ exec postgres -D "$PGDATA" -c listen_addresses='*' -c fsync=off -c wal_retrieve_
         .with_user("postgres")
         .with_mapped_port(host_port, 5432.tcp())
         .with_cmd(["-c".to_owned(), script])
-        .with_startup_timeout(Duration::from_secs(90));
+        .with_startup_timeout(Duration::from_secs(50));
     labelled(r, network)
 }
 
@@ -405,11 +405,12 @@ pub struct ContainersBackend {
     ports: HostPorts,
     /// Link slots handed out ([`ContainersBackend::proxy_listen`]).
     links: usize,
+    /// The database's streaming standby and the run's database address (issue 26). Before
+    /// the leases, so a backend dropped without `stop` removes it before its port is free.
+    standby: Option<Standby>,
     _leases: Vec<super::local::PortLease>,
     /// The database image (a standby runs it too).
     postgres_image: ImageRef,
-    /// The database's streaming standby and the run's database address (issue 26).
-    standby: Option<Standby>,
     /// Last, so it drops after the containers: a backend dropped without
     /// [`ContainersBackend::stop`] (a run that failed half way) still removes its network.
     network_guard: NetworkGuard,
@@ -602,14 +603,15 @@ impl ContainersBackend {
         let began = std::time::Instant::now();
         let killed = self.kill(Target::Database).await?.ok_or_else(|| BackendError::failed("failing over", "the engine does not say the primary's container stopped"))?;
         let dead_after = began.elapsed();
-        // `docker kill` returns once the engine has cleaned up after the container (about a
-        // second here); the engine's record of its exit is when writes stopped committing.
-        let died_at_epoch_ms = docker(&["inspect", "-f", "{{.State.FinishedAt}}", &primary])
-            .await
-            .ok()
-            .and_then(|t| chrono::DateTime::parse_from_rfc3339(t.trim()).ok())
-            .map(|t| t.timestamp_millis());
+        // `docker kill` returns once the engine has cleaned up after the container (0.4 to
+        // 1.2 s here); the engine's record of its exit is when writes stopped committing. With
+        // no such record the failover fails: the kill's return would put the death up to a
+        // second late, and every write sent in between would be the failover's to forget.
         let after_kill = |e: BackendError| BackendError::failed("failing over (the primary's container was killed)", e);
+        let finished = docker(&["inspect", "-f", "{{.State.FinishedAt}}", &primary]).await.map_err(|e| after_kill(BackendError::failed("reading the primary's exit time", e)))?;
+        let died_at_epoch_ms = chrono::DateTime::parse_from_rfc3339(finished.trim())
+            .map_err(|e| after_kill(BackendError::failed(format!("reading the primary's exit time {:?}", finished.trim()), e)))?
+            .timestamp_millis();
         let (timeline_before, timeline_after, replayed_until_db_ms) = super::local::promote(port).await.map_err(after_kill)?;
         let now_at = format!("{POSTGRES_HOST}-standby-{}:5432", self.network);
         let toxi = crate::proxy::ToxiproxyClient::new(self.toxiproxy_api());

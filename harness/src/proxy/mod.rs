@@ -42,8 +42,8 @@ pub struct ProxyInfo {
     /// API; absent from a real Toxiproxy): a fault's evidence that it took effect.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub affected: BTreeMap<String, Affected>,
-    /// Live connections cut by disabling the proxy, over its lifetime (this proxy's
-    /// extension too): a `down` fault's evidence.
+    /// Live connections cut by disabling the proxy or by a new upstream, over its lifetime
+    /// (this proxy's extension too): a `down` fault's evidence (the difference across it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cut_connections: Option<u64>,
 }

@@ -459,7 +459,7 @@ async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: 
     // once it runs, for any other image).
     if chosen.kind == BackendKind::Containers
         && crate::backend::containers::Images::from_env()?.toxiproxy.name == crate::backend::containers::TOXIPROXY_IMAGE
-        && s.faults.iter().any(|f| matches!(f.get_ref().kind, FaultKind::Toxic | FaultKind::Down))
+        && s.faults.iter().any(|f| matches!(f.get_ref().kind, FaultKind::Toxic | FaultKind::Down | FaultKind::ReplicationLag))
     {
         anyhow::bail!(
             "CHAOS_TOXIPROXY_IMAGE is the official Toxiproxy ({}), which keeps no counters, so this scenario's link faults could never prove they fired; use craig-chaos/toxiproxy-api (ci/images/build)",
@@ -472,7 +472,7 @@ async fn execute(s: &Scenario, opts: &RunOptions, seed: u64, log: &Log, result: 
     }
     // A database standby (issue 26) too: the local and containers backends run one.
     if s.standby.is_some() && !matches!(chosen.kind, BackendKind::Local | BackendKind::Containers) {
-        anyhow::bail!("backend {} runs one database server; this scenario asks for a standby (CHAOS_BACKEND=local runs one)", chosen.kind);
+        anyhow::bail!("backend {} runs one database server; this scenario asks for a standby (CHAOS_BACKEND=local or containers runs one)", chosen.kind);
     }
     // Two links a replica, each a published port of the Toxiproxy container, and with a
     // standby one more: the database address a failover moves.
@@ -699,7 +699,7 @@ async fn start(
             // A link fault proves it fired by the proxy's own counters; a Toxiproxy that
             // keeps none (the official image) could never show it, so the scenario is
             // refused before any replica starts.
-            if db.cut_connections.is_none() && s.faults.iter().any(|f| matches!(f.get_ref().kind, FaultKind::Toxic | FaultKind::Down)) {
+            if db.cut_connections.is_none() && s.faults.iter().any(|f| matches!(f.get_ref().kind, FaultKind::Toxic | FaultKind::Down | FaultKind::ReplicationLag)) {
                 anyhow::bail!(
                     "the Toxiproxy at {} keeps no counters (the official image?), so a link fault could never prove it fired; use craig-chaos/toxiproxy-api (ci/images/build, CHAOS_TOXIPROXY_IMAGE)",
                     toxi.base()

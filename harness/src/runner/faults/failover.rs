@@ -31,9 +31,9 @@ impl Room for FailoverRoom {
         }
         let mut backend = cx.backend.lock().await;
         // What the standby lacks is lost at the kill: the record is put where the old primary
-        // died by its backend's word (a container's exit as the engine recorded it, else
-        // when the kill was seen done: a process group reaped), for until then it could
-        // still commit what it was sent.
+        // died by its backend's word (the SIGKILL of its process group; a container's exit as
+        // the engine recorded it), for until then it could still commit what it was sent.
+        let kind = backend.kind();
         let began = cx.log.now();
         let done = match backend.failover().await {
             Ok(done) => done,
@@ -43,16 +43,16 @@ impl Room for FailoverRoom {
             }
         };
         let seen_dead = began.saturating_add(u64::try_from(done.dead_after.as_millis()).unwrap_or(u64::MAX));
-        let killed_at = done.died_at_epoch_ms.map_or(seen_dead, |ms| cx.log.rel(ms).clamp(began, seen_dead));
+        let killed_at = cx.log.rel(done.died_at_epoch_ms).clamp(began, seen_dead);
         // The database address leads to the promoted standby once `failover` returned.
         let promoted_ms = Some(cx.log.now());
         let replayed_until_ms = done.replayed_until_db_ms.map(|ms| cx.log.rel_db(ms));
         let mode = if done.sync { "sync" } else { "async" };
         cx.evidence(Some(format!(
-            "{} ({} ms after the kill was sent{}); standby promoted: timeline {} → {}, out of recovery, the database address now leads to {}; it had applied commits up to {} ({mode} replication)",
+            "{} (dead {} ms after the kill was sent, by {}); standby promoted: timeline {} → {}, out of recovery, the database address now leads to {}; it had applied commits up to {} ({mode} replication)",
             done.killed,
             killed_at - began,
-            if done.died_at_epoch_ms.is_some() { ", by the engine's record of its exit" } else { "" },
+            if kind == BackendKind::Containers { "the engine's record of its exit" } else { "the signal" },
             done.timeline_before,
             done.timeline_after,
             done.now_at,
