@@ -95,6 +95,27 @@ pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
     for e in h.iter() {
         match &e.event {
             Event::Replication { mode, .. } => synchronous = mode == "sync",
+            // Issue 26: an asynchronous failover forgets every commit after the last one its
+            // standby applied (`replayed_until_ms`, the promoted server's own word). A first
+            // run whose effect was applied by then (it ran at most the clocks' slack after it)
+            // and whose stamp was due after it can have lost only its stamp: the #1180 window,
+            // with the failover as its fault. Only a re-run after the failover is its.
+            Event::Failover { replayed_until_ms, mode, .. } if mode == "async" => {
+                let r = replayed_until_ms.unwrap_or(0);
+                out.push(WindowFault {
+                    opener: Opener::Database,
+                    from: r,
+                    to: r + crate::checkers::FAILOVER_CLOCK_SLACK_MS,
+                    label: format!(
+                        "failover database @{}ms (asynchronous replication: its standby had applied commits up to {})",
+                        e.t_ms,
+                        replayed_until_ms.map_or("none".to_owned(), |r| format!("@{r}ms"))
+                    ),
+                    lost_at: Some(e.t_ms),
+                    budget: out.len(),
+                    live: true,
+                });
+            }
             Event::Crash { replica, how, .. } => out.push(WindowFault {
                 opener: Opener::Crash { replica: replica.clone() },
                 from: e.t_ms,
