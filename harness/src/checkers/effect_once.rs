@@ -99,20 +99,18 @@ pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
             // standby applied (`replayed_until_ms`, the promoted server's own word). A first
             // run whose effect was applied by then (it ran at most the clocks' slack after it)
             // and whose stamp was due after it can have lost only its stamp: the #1180 window,
-            // with the failover as its fault. Only a re-run after the failover is its.
-            Event::Failover { replayed_until_ms, mode, .. } if mode == "async" => {
-                let r = replayed_until_ms.unwrap_or(0);
+            // with the failover as its fault. Only a re-run after the failover is its, and it
+            // spends the failover fault's own budget (one incident). A standby that had
+            // applied nothing since it started kept no effect of the run: no window.
+            Event::Failover { replayed_until_ms: Some(r), mode, .. } if mode == "async" => {
+                let budget = open.get(&("failover".to_owned(), "database".to_owned())).copied().unwrap_or(out.len());
                 out.push(WindowFault {
                     opener: Opener::Database,
-                    from: r,
+                    from: *r,
                     to: r + crate::checkers::FAILOVER_CLOCK_SLACK_MS,
-                    label: format!(
-                        "failover database @{}ms (asynchronous replication: its standby had applied commits up to {})",
-                        e.t_ms,
-                        replayed_until_ms.map_or("none".to_owned(), |r| format!("@{r}ms"))
-                    ),
+                    label: format!("asynchronous failover of the database @{}ms (its standby had applied commits up to @{r}ms)", e.t_ms),
                     lost_at: Some(e.t_ms),
-                    budget: out.len(),
+                    budget,
                     live: true,
                 });
             }
@@ -196,7 +194,10 @@ pub(super) fn window_faults(h: &History) -> Vec<WindowFault> {
 /// - a fault could have stopped the FIRST execution's stamp: a crash of the replica that ran
 ///   it, a kill/pause/failover of the database, a cut of that replica's own database link, or
 ///   under synchronous replication a cut of the standby's replication link with a failover
-///   while it was cut (issue 26: the stamp's commit waited for the standby), in force
+///   while it was cut (issue 26: the stamp's commit waited for the standby), or an
+///   asynchronous failover whose standby had applied commits up to at least the first
+///   execution (10 ms of slack) but not up to its stamp (the re-run after the failover,
+///   on the failover's budget), in force
 ///   within [`STAMP_DUE_MS`] after the first execution (and before the second), or until
 ///   [`STAMP_PENDING_MS`] after that replica's inbox first reported the stamp still pending
 ///   (`inbox.stamp_retry`, before the second);
