@@ -379,8 +379,8 @@ async fn docker(args: &[&str]) -> Result<String, String> {
 }
 
 /// The last lines a container wrote (both streams), for an error that needs them.
-async fn logs_tail(id: &str) -> String {
-    docker_output(&["logs", "--tail", "15", id])
+async fn logs_tail(id: &str, lines: u16) -> String {
+    docker_output(&["logs", "--tail", &lines.to_string(), id])
         .await
         .map_or_else(|_| "(docker logs gave nothing)".to_owned(), |o| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
 }
@@ -581,7 +581,7 @@ impl ContainersBackend {
     pub async fn start_replication(&self) -> Result<String, BackendError> {
         let sb = self.standby.as_ref().ok_or_else(|| BackendError::failed("starting replication", "the database has no standby"))?;
         let id = sb.container.id().to_owned();
-        super::local::await_streaming(self.ports.postgres, sb.sync, async || logs_tail(&id).await).await
+        super::local::await_streaming(self.ports.postgres, sb.sync, async || logs_tail(&id, 15).await).await
     }
 
     /// Issue 26: a watch on how far behind the primary reports its standby, while one
@@ -728,9 +728,7 @@ impl ContainersBackend {
             // will not serve: said at once, with its last log lines.
             if docker(&["inspect", "-f", "{{.State.Running}}", &id]).await.is_ok_and(|r| r.trim() == "false") {
                 // Its server's output, both streams.
-                let tail = docker_output(&["logs", "--tail", "20", &id])
-                    .await
-                    .map_or_else(|_| "(docker logs gave nothing)".to_owned(), |o| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)));
+                let tail = logs_tail(&id, 20).await;
                 return Err(BackendError::failed(format!("restarting the {t} container"), format!("it exited again; its log ends:\n{tail}")));
             }
             let serving = self.serving(t).await;
