@@ -72,6 +72,7 @@
 //! target = "cases-1"        # a replica, "broker", "database", or a link "cases-1->broker"
 //! failpoint = "outbox::after_publish_before_stamp"
 //! at = { failpoint_hit = 3 }  # or { after_ms = N }, { after_writes = N }, { after_published = N }
+//!                           # delay_ms = N: an event trigger's fault fires N ms after its event
 //! restart_after_ms = 500
 //!
 //! [[faults]]                # a reject-publish length limit (a policy) on a consumer queue:
@@ -652,6 +653,11 @@ pub struct Fault {
     #[serde(default)]
     pub failpoint: Option<String>,
     pub at: Trigger,
+    /// With an event trigger (`after_writes`, `after_published`, `failpoint_hit` on an
+    /// upgrade): the fault fires this long after its event, so that two faults keep their
+    /// distance on a slow machine as on a fast one (`after_ms` counts from the run's start).
+    #[serde(default)]
+    pub delay_ms: Option<u64>,
     #[serde(default)]
     pub duration_ms: Option<u64>,
     #[serde(default)]
@@ -1331,6 +1337,14 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         {
             return Err(err(span, "this fault needs duration_ms (when it heals)".into()));
         }
+        if fault.delay_ms.is_some() {
+            if matches!(fault.at, Trigger::AfterMs(_)) {
+                return Err(err(key_in(f.span(), "delay_ms"), "delay_ms follows an event trigger; after_ms already counts from the run's start (add the two)".into()));
+            }
+            if matches!(fault.kind, FaultKind::Crash | FaultKind::Mutant) {
+                return Err(err(key_in(f.span(), "delay_ms"), format!("a {} is armed in the replica and fires at its trigger: no delay_ms", fault.kind.name())));
+            }
+        }
         if let Trigger::AfterPublished(n) = fault.at {
             if n == 0 {
                 return Err(err(
@@ -1528,6 +1542,11 @@ effect_once = { violate = "compat:pre-d2" }
         assert_eq!(s.faults[1].get_ref().at, Trigger::AfterPublished(5));
         let e = rejected(&GOOD.replace("at = { after_ms = 100 }", "at = { after_published = 0 }"));
         assert!(e.reason.starts_with("after_published = N (N >= 1)"), "{e}");
+        let s = parse_str(&GOOD.replace("at = { after_ms = 100 }", "at = { after_published = 5 }\ndelay_ms = 600")).unwrap();
+        assert_eq!(s.faults[1].get_ref().delay_ms, Some(600));
+        let e = rejected(&GOOD.replace("at = { after_ms = 100 }", "at = { after_ms = 100 }\ndelay_ms = 600"));
+        assert_eq!(e.line, 22, "{e}");
+        assert!(e.reason.starts_with("delay_ms follows an event trigger"), "{e}");
         let e = rejected(&GOOD.replace("stream = \"upstream\",", "stream = \"upstream\", toxicity = 1.5,"));
         assert_eq!(e.line, 23, "{e}");
         assert!(e.reason.starts_with("toxicity is a share of the link's connections: 0..=1, not 1.5"), "{e}");

@@ -517,6 +517,9 @@ async fn inject(
             }
         }
     }
+    if let Some(ms) = f.delay_ms {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
     // A broker cluster loses one node at a time (issue 25; [`NodeTurns`]).
     let under_load = *writes.borrow() < total_writes;
     let (turn, waited_ms) = match turns.take(f.kind, &target, || log.now()).await {
