@@ -106,6 +106,11 @@ pub enum Event {
     /// A replica's outbox stamped `envelope` published (its `outbox.stamped` log line),
     /// while running `compat`: who to blame when a stamped event never arrives.
     Stamped { envelope: Uuid, replica: String, compat: Vec<String> },
+    /// A replica's outbox claimed `envelope` (its `outbox.claimed` log line, the #1128
+    /// path only): the row was committed in that outbox by then. Issue 26: bounds a commit
+    /// an asynchronous failover forgot where its stamp never came (the primary died between
+    /// the confirm and the stamp).
+    Claimed { envelope: Uuid, replica: String },
     /// Every fault has healed and every crashed replica is back: the after-heal writes
     /// start here.
     Healed,

@@ -231,6 +231,8 @@ pub fn effect_once(h: &History) -> Verdict {
     let mut written: HashMap<Uuid, u64> = HashMap::new();
     let mut referral_of: HashMap<Uuid, Uuid> = HashMap::new();
     let mut stampers: HashMap<Uuid, Vec<(u64, String)>> = HashMap::new();
+    // Issue 26: when a replica's claim found each envelope's row committed in its outbox.
+    let mut claims: HashMap<Uuid, Vec<u64>> = HashMap::new();
     for e in h.iter() {
         match &e.event {
             Event::Write { referral, .. } => {
@@ -240,6 +242,7 @@ pub fn effect_once(h: &History) -> Verdict {
                 referral_of.insert(*envelope, *r);
             }
             Event::Stamped { envelope, replica, .. } => stampers.entry(*envelope).or_default().push((e.t_ms, replica.clone())),
+            Event::Claimed { envelope, .. } => claims.entry(*envelope).or_default().push(e.t_ms),
             _ => {}
         }
     }
@@ -480,19 +483,25 @@ pub fn effect_once(h: &History) -> Verdict {
             unattributed += 1;
             // It committed on the primary before the failover (else the promoted server
             // would hold it), no earlier than it occurred and no later than a replica logged
-            // stamping it published (the stamp follows the confirm, which follows the commit;
-            // with no such line nothing corroborates a late commit, and nothing is excused):
-            // a failover forgot it only if it came after the first and its standby had not
-            // applied up to the second. Never up to
+            // claiming it from its outbox or stamping it published (the claim finds only a
+            // committed row; the stamp follows the confirm, which follows the claim: the
+            // primary can die between the confirm and the stamp, so the claim alone
+            // corroborates too; with neither line nothing corroborates a late commit, and
+            // nothing is excused): a failover forgot it only if it came after the first and
+            // its standby had not applied up to the second. Never up to
             // `occurred_at` alone: rules sets it before its commit, which can land much later
             // on a loaded machine. rules' own time, so held to the harness's own record:
             // never before the referral's first write was sent (an impossible time, or one
             // of a referral the harness never wrote, excuses nothing).
             let possible = written.get(referral).is_some_and(|w| *t + FAILOVER_CLOCK_SLACK_MS >= *w);
-            // And no stamp line after the promoted standby took the address: the line is
-            // logged only for a row the stamp's UPDATE found, so the promoted server held it.
-            let committed_by = stampers.get(envelope).and_then(|s| s.iter().map(|(at, _)| *at).min());
-            let last_line = stampers.get(envelope).and_then(|s| s.iter().map(|(at, _)| *at).max());
+            // And no stamp or claim line after the promoted standby took the address: each is
+            // logged only for a row its UPDATE found, so the promoted server held it.
+            let lines = || {
+                let stamps = stampers.get(envelope).into_iter().flatten().map(|(at, _)| *at);
+                stamps.chain(claims.get(envelope).into_iter().flatten().copied())
+            };
+            let committed_by = lines().min();
+            let last_line = lines().max();
             let (failover, said) = if let Some(by) = committed_by.filter(|_| possible) {
                 failover_forgot_before(h, t.saturating_sub(FAILOVER_CLOCK_SLACK_MS), Some(by), last_line)
             } else {

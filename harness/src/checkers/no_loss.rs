@@ -440,8 +440,8 @@ struct Evaluation {
     envelope: Uuid,
     /// Its `occurred_at` (rules' own, set before its commit).
     occurred: u64,
-    /// The first and the last time a replica logged stamping it published (`outbox.stamped`);
-    /// None: none did.
+    /// The first and the last time a replica logged claiming it from its outbox
+    /// (`outbox.claimed`) or stamping it published (`outbox.stamped`); None: none did.
     stamped: Option<(u64, u64)>,
 }
 
@@ -451,7 +451,7 @@ type Evaluations = HashMap<Uuid, Vec<Evaluation>>;
 fn evaluations(h: &History) -> Evaluations {
     let mut stamped: HashMap<Uuid, (u64, u64)> = HashMap::new();
     for e in h.iter() {
-        if let Event::Stamped { envelope, .. } = &e.event {
+        if let Event::Stamped { envelope, .. } | Event::Claimed { envelope, .. } = &e.event {
             let (first, last) = stamped.entry(*envelope).or_insert((e.t_ms, e.t_ms));
             (*first, *last) = ((*first).min(e.t_ms), (*last).max(e.t_ms));
         }
@@ -477,12 +477,14 @@ fn evaluations(h: &History) -> Evaluations {
 /// - it came no earlier than every evaluation occurred (less 10 ms of clock slack), nor
 ///   than `from`, the aggregate's first write (rules' `occurred_at` is held to it: one
 ///   earlier is impossible and excuses nothing);
-/// - its standby had not applied up to the first `outbox.stamped` line of each evaluation
-///   (the latest its commit can have been: the stamp follows the confirm, which follows the
-///   commit). Never up to `occurred_at`, which rules sets before its commit. An evaluation
-///   no replica logged stamping has nothing that corroborates a late commit: no excuse;
-/// - no stamp line came after the database address led to the promoted standby (the line
-///   is logged only for a row the UPDATE found, so the promoted server held the row).
+/// - its standby had not applied up to the first `outbox.claimed` or `outbox.stamped` line
+///   of each evaluation (the latest its commit can have been: a claim finds only a committed
+///   row, and the stamp follows the confirm, which follows the claim; the primary can die
+///   between the confirm and the stamp). Never up to `occurred_at`, which rules sets before
+///   its commit. An evaluation no replica logged claiming or stamping has nothing that
+///   corroborates a late commit: no excuse;
+/// - no claim or stamp line came after the database address led to the promoted standby
+///   (each is logged only for a row its UPDATE found, so the promoted server held the row).
 ///
 /// Otherwise rules published an effect its database does not hold: blamed on rules'
 /// replicas. The tags (`kind:lost`, `lost_at:consumer`, and the failover's or rules') and the
@@ -510,7 +512,7 @@ fn forgotten_evaluation(h: &History, envelopes: &[Uuid], evaluated: &Evaluations
     }
     let ids: Vec<String> = runs
         .iter()
-        .map(|r| format!("{} occurred @{}ms{}", r.envelope, r.occurred, r.stamped.map(|(t, _)| format!(", stamped @{t}ms")).unwrap_or_else(|| ", never stamped".to_owned())))
+        .map(|r| format!("{} occurred @{}ms{}", r.envelope, r.occurred, r.stamped.map(|(t, _)| format!(", claimed or stamped @{t}ms")).unwrap_or_else(|| ", never claimed nor stamped".to_owned())))
         .collect();
     Some((
         tags,

@@ -1813,6 +1813,34 @@ fn effect_once_counts_the_published_evaluations_of_a_source_envelope() {
         let v = run_lines(Some(200), (700, Some(705), Some(again)), 1_000, "async", &[22, 23]);
         assert_eq!(v.all_point_at("fault:failover database"), failover, "stamped again @{again}ms: {:?}", v.culprits);
     }
+    // Issue 26: the primary can die between the confirm and the stamp, and rules' claim
+    // line (`outbox.claimed`: the claim found the row committed) bounds the commit alone.
+    // Claimed @700ms and never stamped: the failover's. Claimed @490ms, before what the
+    // standby applied, stamped @700ms: the row was applied, not the failover's. Claimed
+    // again after the promoted standby took the address (@1311ms): it held the row.
+    for (claims, stamp, failover) in [(&[700][..], None, true), (&[490], Some(700), false), (&[705, 1_311], None, false), (&[705, 1_310], None, true)] {
+        let mut h = History::default();
+        started(&mut h, 0, "rules-1", &[]);
+        for t in claims {
+            h.push(*t, Event::Claimed { envelope: id(21), replica: "rules-1".into() });
+        }
+        if let Some(t) = stamp {
+            stamped(&mut h, t, 21, "rules-1", &[]);
+        }
+        stamped(&mut h, 1_510, 22, "rules-1", &[]);
+        h.push(1_500, Event::Effect { envelope: id(1), referral: Some(id(9)), service: "rules".into(), replica: Some("rules-1".into()) });
+        for (t, e) in [(300, 21), (1_500, 22)] {
+            h.push(t, Event::EvaluationPublished { envelope: id(e), source: id(1), referral: id(9) });
+        }
+        h.push(200, Event::Write { referral: id(9), replica: "cases-1".into(), outcome: Outcome::Ok, status: Some(201), answered_ms: Some(210) });
+        window(&mut h, (1_000, 1_100), "failover", "database");
+        h.push(1_000, Event::Failover { replayed_until_ms: Some(500), mode: "async".into(), promoted_ms: Some(1_300) });
+        h.push(3_000, Event::Staged { envelope: id(22), referral: Some(id(9)), service: "rules".into(), published: true, attempts: 1, last_error: None });
+        h.sort();
+        let v = effect_once(&h);
+        assert_eq!((v.validity, v.counts["forgotten_evaluations"]), (Validity::Invalid, 1), "{v:?}");
+        assert_eq!(v.all_point_at("fault:failover database"), failover, "claimed {claims:?}, stamped {stamp:?}: {:?}", v.culprits);
+    }
     // A synchronous failover forgets nothing anyone saw: never its blame.
     let v = run(700, 1_000, "sync", &[22, 23]);
     assert!(v.all_point_at("kind:forgotten_evaluation") && !v.culprits.contains_key("fault:failover database"), "{:?}", v.culprits);
@@ -1950,7 +1978,7 @@ fn no_loss_puts_an_evaluation_rules_published_and_the_failover_forgot_on_it() {
             for cause in ["kind:lost", "lost_at:consumer", "fault:failover database", "replication:async"] {
                 assert!(v.all_point_at(cause), "{outcome:?} {stamp} {cause}: {:?}", v.culprits);
             }
-            assert!(v.witnesses[0].contains(&format!("rules published its evaluation ({} occurred @300ms, stamped @{stamp}ms", id(31))), "{:?}", v.witnesses);
+            assert!(v.witnesses[0].contains(&format!("rules published its evaluation ({} occurred @300ms, claimed or stamped @{stamp}ms", id(31))), "{:?}", v.witnesses);
         }
         // Two evaluations of it, both gone: each must be one the failover can have forgotten.
         assert!(excused(&run(outcome, &[(31, 300, Some(700)), (32, 600, Some(650))], "async")));

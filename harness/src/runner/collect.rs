@@ -377,6 +377,7 @@ async fn collect_dead_letters(log: &Log, pool: &PgPool) -> anyhow::Result<()> {
 ///   recorded but never stamped;
 /// - every `outbox.stamped`: which replica, running which compat modes, stamped an
 ///   envelope published.
+/// - every `outbox.claimed`: a replica's claim found the envelope's row committed.
 pub(super) fn collect_logs(log: &Log, logs_dir: &Path) {
     let Ok(dir) = std::fs::read_dir(logs_dir) else { return };
     for entry in dir.flatten() {
@@ -447,10 +448,11 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
         let reprocessed = line.contains("event=\"inbox.reprocessed\"");
         let stamp_retry = line.contains("event=\"inbox.stamp_retry\"");
         let stamped = line.contains("event=\"outbox.stamped\"");
+        let claimed = line.contains("event=\"outbox.claimed\"");
         // A consumer handing a message to dead-lettering: the broker path's reject, or the
         // app path's confirmed surface to craig.dlx (#1196).
         let rejected = line.contains("event=\"subscriber.permanent_failure\"") || line.contains("event=\"inbox.surfaced_to_dlx\"");
-        if !reprocessed && !stamp_retry && !stamped && !rejected && !absorbed && !created {
+        if !reprocessed && !stamp_retry && !stamped && !claimed && !rejected && !absorbed && !created {
             continue;
         }
         let Some(envelope) = line
@@ -471,6 +473,8 @@ pub(super) fn parse_replica_log(replica: &str, text: &str, rel: impl Fn(i64) -> 
             Event::StampRetry { envelope, replica: replica.to_owned() }
         } else if rejected {
             Event::Rejected { envelope, replica: replica.to_owned(), compat: compat.clone() }
+        } else if claimed {
+            Event::Claimed { envelope, replica: replica.to_owned() }
         } else {
             Event::Stamped { envelope, replica: replica.to_owned(), compat: compat.clone() }
         };
@@ -509,6 +513,7 @@ mod tests {
             "--- start 1 of cases-1 (compat pre-1128) ---\n\
              2026-11-30T16:00:00.100000Z DEBUG craig_mq::outbox: event=\"outbox.stamped\" envelope_id={env}\n\
              --- start 2 of cases-1 (compat -) ---\n\
+             2026-11-30T16:00:00.900000Z DEBUG craig_mq::outbox: event=\"outbox.claimed\" envelope_id={env}\n\
              2026-11-30T16:00:01.000000Z DEBUG craig_mq::outbox: event=\"outbox.stamped\" envelope_id={env}\n\
              2026-11-30T16:00:01.500000Z  WARN craig_mq::inbox: event=\"inbox.reprocessed\" envelope_id={env} source=x\n\
              2026-11-30T16:00:01.600000Z  WARN craig_mq::inbox: the handler succeeded; processed_at not stamped yet, trying again event=\"inbox.stamp_retry\" envelope_id={env} queue=craig-rules.events error=pool timed out while waiting for an open connection backoff_ms=50\n\
@@ -528,6 +533,7 @@ mod tests {
             events,
             vec![
                 (Some(100), Event::Stamped { envelope: env, replica: "cases-1".into(), compat: vec!["pre-1128".into()] }),
+                (Some(900), Event::Claimed { envelope: env, replica: "cases-1".into() }),
                 (Some(1000), Event::Stamped { envelope: env, replica: "cases-1".into(), compat: vec![] }),
                 (Some(1500), Event::Reprocessed { envelope: env, replica: "cases-1".into() }),
                 (Some(1600), Event::StampRetry { envelope: env, replica: "cases-1".into() }),
