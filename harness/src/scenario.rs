@@ -72,7 +72,8 @@
 //! target = "cases-1"        # a replica, "broker", "database", or a link "cases-1->broker"
 //! failpoint = "outbox::after_publish_before_stamp"
 //! at = { failpoint_hit = 3 }  # or { after_ms = N }, { after_writes = N }, { after_published = N }
-//!                           # delay_ms = N: an event trigger's fault fires N ms after its event
+//!                           # delay_ms = N (not on a crash or mutant): an event trigger's
+//!                           # fault fires N ms after its event
 //! restart_after_ms = 500
 //!
 //! [[faults]]                # a reject-publish length limit (a policy) on a consumer queue:
@@ -1338,11 +1339,11 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
             return Err(err(span, "this fault needs duration_ms (when it heals)".into()));
         }
         if fault.delay_ms.is_some() {
-            if matches!(fault.at, Trigger::AfterMs(_)) {
-                return Err(err(key_in(f.span(), "delay_ms"), "delay_ms follows an event trigger; after_ms already counts from the run's start (add the two)".into()));
-            }
             if matches!(fault.kind, FaultKind::Crash | FaultKind::Mutant) {
                 return Err(err(key_in(f.span(), "delay_ms"), format!("a {} is armed in the replica and fires at its trigger: no delay_ms", fault.kind.name())));
+            }
+            if matches!(fault.at, Trigger::AfterMs(_)) {
+                return Err(err(key_in(f.span(), "delay_ms"), "delay_ms follows an event trigger; after_ms already counts from the run's start (add the two)".into()));
             }
         }
         if let Trigger::AfterPublished(n) = fault.at {
@@ -1547,6 +1548,10 @@ effect_once = { violate = "compat:pre-d2" }
         let e = rejected(&GOOD.replace("at = { after_ms = 100 }", "at = { after_ms = 100 }\ndelay_ms = 600"));
         assert_eq!(e.line, 22, "{e}");
         assert!(e.reason.starts_with("delay_ms follows an event trigger"), "{e}");
+        let again = GOOD.replace("[expect]\n", "[[faults]]\nkind = \"crash\"\ntarget = \"cases-2\"\nfailpoint = \"outbox::after_publish_before_stamp\"\nat = { failpoint_hit = 5 }\ndelay_ms = 100\n\n[expect]\n");
+        assert!(rejected(&again).reason.starts_with("a crash is armed in the replica and fires at its trigger: no delay_ms"));
+        let mutant = GOOD.replace("[expect]\n", "[[faults]]\nkind = \"mutant\"\ntarget = \"cases-1\"\nfailpoint = \"cases::stage_after_commit\"\nat = { after_ms = 0 }\ndelay_ms = 100\n\n[expect]\n");
+        assert!(rejected(&mutant).reason.starts_with("a mutant is armed in the replica and fires at its trigger: no delay_ms"));
         let e = rejected(&GOOD.replace("stream = \"upstream\",", "stream = \"upstream\", toxicity = 1.5,"));
         assert_eq!(e.line, 23, "{e}");
         assert!(e.reason.starts_with("toxicity is a share of the link's connections: 0..=1, not 1.5"), "{e}");

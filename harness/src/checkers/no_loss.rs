@@ -442,17 +442,17 @@ struct Evaluation {
     occurred: u64,
     /// The first and the last time a replica logged claiming it from its outbox
     /// (`outbox.claimed`) or stamping it published (`outbox.stamped`); None: none did.
-    stamped: Option<(u64, u64)>,
+    lines: Option<(u64, u64)>,
 }
 
 /// Per source envelope (cases' event), the evaluations of it the tap holds.
 type Evaluations = HashMap<Uuid, Vec<Evaluation>>;
 
 fn evaluations(h: &History) -> Evaluations {
-    let mut stamped: HashMap<Uuid, (u64, u64)> = HashMap::new();
+    let mut lines: HashMap<Uuid, (u64, u64)> = HashMap::new();
     for e in h.iter() {
         if let Event::Stamped { envelope, .. } | Event::Claimed { envelope, .. } = &e.event {
-            let (first, last) = stamped.entry(*envelope).or_insert((e.t_ms, e.t_ms));
+            let (first, last) = lines.entry(*envelope).or_insert((e.t_ms, e.t_ms));
             (*first, *last) = ((*first).min(e.t_ms), (*last).max(e.t_ms));
         }
     }
@@ -461,7 +461,7 @@ fn evaluations(h: &History) -> Evaluations {
         if let Event::EvaluationPublished { envelope, source, .. } = &e.event {
             let runs = out.entry(*source).or_default();
             if !runs.iter().any(|r| r.envelope == *envelope) {
-                runs.push(Evaluation { envelope: *envelope, occurred: e.t_ms, stamped: stamped.get(envelope).copied() });
+                runs.push(Evaluation { envelope: *envelope, occurred: e.t_ms, lines: lines.get(envelope).copied() });
             }
         }
     }
@@ -493,7 +493,7 @@ fn forgotten_evaluation(h: &History, envelopes: &[Uuid], evaluated: &Evaluations
     let runs: Vec<Evaluation> = envelopes.iter().filter_map(|e| evaluated.get(e)).flatten().copied().collect();
     let first = runs.iter().map(|r| r.occurred).min()?;
     let latest = runs.iter().map(|r| r.occurred).max()?;
-    let stamps: Option<Vec<(u64, u64)>> = runs.iter().map(|r| r.stamped).collect();
+    let stamps: Option<Vec<(u64, u64)>> = runs.iter().map(|r| r.lines).collect();
     let possible = first + FAILOVER_CLOCK_SLACK_MS >= from;
     let (failover, said) = match stamps.filter(|_| possible) {
         Some(stamps) => {
@@ -512,7 +512,7 @@ fn forgotten_evaluation(h: &History, envelopes: &[Uuid], evaluated: &Evaluations
     }
     let ids: Vec<String> = runs
         .iter()
-        .map(|r| format!("{} occurred @{}ms{}", r.envelope, r.occurred, r.stamped.map(|(t, _)| format!(", claimed or stamped @{t}ms")).unwrap_or_else(|| ", never claimed nor stamped".to_owned())))
+        .map(|r| format!("{} occurred @{}ms{}", r.envelope, r.occurred, r.lines.map(|(t, _)| format!(", claimed or stamped @{t}ms")).unwrap_or_else(|| ", never claimed nor stamped".to_owned())))
         .collect();
     Some((
         tags,

@@ -1949,7 +1949,8 @@ fn no_loss_puts_a_payment_financial_committed_and_the_failover_forgot_on_it() {
 fn no_loss_puts_an_evaluation_rules_published_and_the_failover_forgot_on_it() {
     // Each evaluation: (envelope, occurred_at, first stamp line). The failover: the kill
     // @1000ms, the standby having applied up to @500ms, the address moved @1300ms.
-    let run = |outcome: Outcome, evaluations: &[(u128, u64, Option<u64>)], mode: &str| {
+    // `claims`: rules' `outbox.claimed` lines (envelope, time).
+    let run_lines = |outcome: Outcome, evaluations: &[(u128, u64, Option<u64>)], claims: &[(u128, u64)], mode: &str| {
         let mut h = History::default();
         started(&mut h, 0, "cases-1", &[]);
         started(&mut h, 0, "rules-1", &[]);
@@ -1962,6 +1963,9 @@ fn no_loss_puts_an_evaluation_rules_published_and_the_failover_forgot_on_it() {
                 stamped(&mut h, *t, *env, "rules-1", &[]);
             }
         }
+        for (env, t) in claims {
+            h.push(*t, Event::Claimed { envelope: id(*env), replica: "rules-1".into() });
+        }
         window(&mut h, (1000, 1100), "failover", "database");
         h.push(1000, Event::Failover { replayed_until_ms: Some(500), mode: mode.into(), promoted_ms: Some(1300) });
         // The referral is still committed; its evaluation is gone (no effect at the end).
@@ -1970,7 +1974,16 @@ fn no_loss_puts_an_evaluation_rules_published_and_the_failover_forgot_on_it() {
         h.sort();
         no_loss(&h)
     };
+    let run = |outcome: Outcome, evaluations: &[(u128, u64, Option<u64>)], mode: &str| run_lines(outcome, evaluations, &[], mode);
     let excused = |v: &Verdict| v.all_point_at("fault:failover database");
+    // Issue 26: a claim line bounds the commit as a stamp does (the primary can die between
+    // the confirm and the stamp): claimed @700ms, never stamped, is the failover's; claimed
+    // @490ms (before what the standby applied) and stamped @700ms is not; claimed again after
+    // the promoted standby took the address (@1311ms) is not either.
+    assert!(excused(&run_lines(Outcome::Ok, &[(31, 300, None)], &[(31, 700)], "async")));
+    assert!(!excused(&run_lines(Outcome::Ok, &[(31, 300, Some(700))], &[(31, 490)], "async")));
+    assert!(!excused(&run_lines(Outcome::Ok, &[(31, 300, None)], &[(31, 700), (31, 1311)], "async")));
+    assert!(excused(&run_lines(Outcome::Ok, &[(31, 300, None)], &[(31, 700), (31, 1310)], "async")));
     for outcome in [Outcome::Ok, Outcome::Unknown] {
         for stamp in [700, 501, 491, 1310] {
             let v = run(outcome, &[(31, 300, Some(stamp))], "async");
