@@ -231,8 +231,8 @@ pub fn effect_once(h: &History) -> Verdict {
     let mut written: HashMap<Uuid, u64> = HashMap::new();
     let mut referral_of: HashMap<Uuid, Uuid> = HashMap::new();
     let mut stampers: HashMap<Uuid, Vec<(u64, String)>> = HashMap::new();
-    // Issue 26: when a replica's claim found each envelope's row committed in its outbox.
-    let mut claims: HashMap<Uuid, Vec<u64>> = HashMap::new();
+    // Issue 26: when a replica's claim or stamp found each envelope's row committed.
+    let lines = claim_or_stamp_lines(h);
     for e in h.iter() {
         match &e.event {
             Event::Write { referral, .. } => {
@@ -242,7 +242,6 @@ pub fn effect_once(h: &History) -> Verdict {
                 referral_of.insert(*envelope, *r);
             }
             Event::Stamped { envelope, replica, .. } => stampers.entry(*envelope).or_default().push((e.t_ms, replica.clone())),
-            Event::Claimed { envelope, .. } => claims.entry(*envelope).or_default().push(e.t_ms),
             _ => {}
         }
     }
@@ -496,12 +495,7 @@ pub fn effect_once(h: &History) -> Verdict {
             let possible = written.get(referral).is_some_and(|w| *t + FAILOVER_CLOCK_SLACK_MS >= *w);
             // And no stamp or claim line after the promoted standby took the address: each is
             // logged only for a row its UPDATE found, so the promoted server held it.
-            let lines = || {
-                let stamps = stampers.get(envelope).into_iter().flatten().map(|(at, _)| *at);
-                stamps.chain(claims.get(envelope).into_iter().flatten().copied())
-            };
-            let committed_by = lines().min();
-            let last_line = lines().max();
+            let (committed_by, last_line) = lines.get(envelope).copied().unzip();
             let (failover, said) = if let Some(by) = committed_by.filter(|_| possible) {
                 failover_forgot_before(h, t.saturating_sub(FAILOVER_CLOCK_SLACK_MS), Some(by), last_line)
             } else {

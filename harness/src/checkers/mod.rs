@@ -140,6 +140,21 @@ fn commit_seen_by(h: &History) -> HashMap<Uuid, u64> {
 /// How far apart the run's clock and the database's (converted) may read one moment.
 pub(crate) const FAILOVER_CLOCK_SLACK_MS: u64 = 10;
 
+/// Issue 26: per envelope, the first and the last time a replica logged claiming its row
+/// from an outbox (`outbox.claimed`) or stamping it published (`outbox.stamped`). Each is
+/// logged only for a row its UPDATE found committed: the first bounds the row's commit, and
+/// one after a failover's promotion shows the promoted server held the row.
+fn claim_or_stamp_lines(h: &History) -> HashMap<Uuid, (u64, u64)> {
+    let mut lines: HashMap<Uuid, (u64, u64)> = HashMap::new();
+    for e in h.iter() {
+        if let Event::Stamped { envelope, .. } | Event::Claimed { envelope, .. } = &e.event {
+            let (first, last) = lines.entry(*envelope).or_insert((e.t_ms, e.t_ms));
+            (*first, *last) = ((*first).min(e.t_ms), (*last).max(e.t_ms));
+        }
+    }
+    lines
+}
+
 /// Issue 26: the database failovers that can have forgotten a commit made between `from`
 /// (when its write was first sent, run ms) and `to` (the latest the commit can have been:
 /// when a client heard it committed, or its event was stamped or took effect; None where

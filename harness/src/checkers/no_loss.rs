@@ -449,13 +449,7 @@ struct Evaluation {
 type Evaluations = HashMap<Uuid, Vec<Evaluation>>;
 
 fn evaluations(h: &History) -> Evaluations {
-    let mut lines: HashMap<Uuid, (u64, u64)> = HashMap::new();
-    for e in h.iter() {
-        if let Event::Stamped { envelope, .. } | Event::Claimed { envelope, .. } = &e.event {
-            let (first, last) = lines.entry(*envelope).or_insert((e.t_ms, e.t_ms));
-            (*first, *last) = ((*first).min(e.t_ms), (*last).max(e.t_ms));
-        }
-    }
+    let lines = claim_or_stamp_lines(h);
     let mut out: Evaluations = HashMap::new();
     for e in h.iter() {
         if let Event::EvaluationPublished { envelope, source, .. } = &e.event {
